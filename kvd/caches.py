@@ -1,0 +1,155 @@
+"""Worker-side KV cache memory: allocate in shared memory, adopt existing
+tensors into it in place, and describe tensors for registration.
+
+The daemon maps registered memory itself, so CPU caches must live in POSIX
+shared memory. ``allocate_kv_caches`` makes vLLM-style per-layer tensors that
+are views into one shm buffer; ``adopt_into_shm`` moves the storage of
+tensors you already have into shm (one copy, once, at registration) and
+re-points the same tensor objects at it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvd.errors import InvalidArgument
+from kvd.proto import kvd_pb2 as pb
+from kvd.regions.shm import ShmRegion
+from kvd.spec import KVCacheSpec, physical_order
+
+KVCacheTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+# Regions this process owns, by base address, so any tensor can be described.
+_REGIONS: dict[int, ShmRegion] = {}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise InvalidArgument("dtype", name, "is not a torch dtype")
+    return dt
+
+
+def allocate_kv_caches(spec: KVCacheSpec, layer_names: Sequence[str], *, shm: bool = True) -> dict[str, KVCacheTensors]:
+    """Per-layer cache tensors shaped in ``spec.layout`` order, stacked in one
+    buffer (in shm unless ``shm=False``), zero-filled."""
+    part = spec.part_shape()
+    parts = spec.parts_per_layer
+    numel = 1
+    for n in part:
+        numel *= n
+    nbytes = numel * spec.itemsize * parts * len(layer_names)
+    if shm:
+        region = ShmRegion.create(nbytes)
+        _REGIONS[region.tensor.data_ptr()] = region
+        flat = region.tensor
+    else:
+        flat = torch.zeros(nbytes, dtype=torch.uint8)
+    typed = flat.view(torch_dtype(spec.dtype)).view(len(layer_names), parts, *part)
+    out: dict[str, KVCacheTensors] = {}
+    for i, name in enumerate(layer_names):
+        out[name] = typed[i, 0] if parts == 1 else (typed[i, 0], typed[i, 1])
+    return out
+
+
+def adopt_into_shm(kv_caches: Mapping[str, KVCacheTensors]) -> dict[str, KVCacheTensors]:
+    """Move every distinct CPU storage behind ``kv_caches`` into shared memory,
+    in place: the same tensor objects (and their views' shapes and strides)
+    now point at shm. Returns ``kv_caches`` for convenience."""
+    tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, tuple) else (v,))]
+    moved: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        if t.is_cuda:
+            raise InvalidArgument("kv_caches", str(t.device), "CUDA tensors register by IPC handle, not shm")
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if _region_of(key) is not None:
+            continue
+        if key not in moved:
+            region = ShmRegion.create(max(st.nbytes(), 1))
+            _REGIONS[region.tensor.data_ptr()] = region
+            region.tensor[: st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+            moved[key] = region.tensor.untyped_storage()
+        t.set_(moved[key], t.storage_offset(), t.shape, t.stride())
+    return dict(kv_caches)
+
+
+def _region_of(ptr: int) -> ShmRegion | None:
+    for base, region in _REGIONS.items():
+        if base <= ptr < base + region.size:
+            return region
+    return None
+
+
+def release_all() -> None:
+    """Unlink every shm region this process created."""
+    for region in list(_REGIONS.values()):
+        region.unlink()
+    _REGIONS.clear()
+
+
+@dataclass(frozen=True)
+class Described:
+    regions: list[pb.Region]
+    groups: list[pb.KVCacheGroup]
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
+
+
+def layer_index_of(name: str, fallback: int) -> int:
+    """vLLM layer names carry the global index: model.layers.12.self_attn.attn."""
+    m = _LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else fallback
+
+
+def describe(
+    groups: Sequence[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]],
+    *,
+    dims: Sequence[str] | None = None,
+    layer_indices: Mapping[str, int] | None = None,
+) -> Described:
+    """Regions and group registrations for tensors in this process's shm.
+
+    ``dims`` names the tensors' dims in *shape* order when that differs from
+    the spec's physical layout (vLLM shapes HND caches as NHD and permutes the
+    strides); by default the shape is in layout order.
+    """
+    regions: dict[str, pb.Region] = {}
+    out_groups = []
+    for gid, (spec, caches) in enumerate(groups):
+        g = pb.KVCacheGroup(group_id=gid)
+        for li, (name, value) in enumerate(caches.items()):
+            tensors = value if isinstance(value, tuple) else (value,)
+            idx = (layer_indices or {}).get(name, layer_index_of(name, li))
+            layer = g.layers.add(name=name, layer_index=idx)
+            for ti, t in enumerate(tensors):
+                tdims = tuple(dims or spec.layout)
+                if physical_order(tdims, t.shape, t.stride()) != spec.layout:
+                    raise InvalidArgument(f"kv_caches[{name}]", list(tdims), f"strides {t.stride()} do not give layout {list(spec.layout)}")
+                if t.is_cuda:
+                    from kvd.regions.cuda_ipc import export_storage
+
+                    src = export_storage(t)
+                    rid = f"cuda-{src.device}-{t.untyped_storage().data_ptr():x}"
+                    base = t.untyped_storage().data_ptr()
+                    regions.setdefault(rid, pb.Region(region_id=rid, size_bytes=t.untyped_storage().nbytes(), cuda_ipc=src))
+                else:
+                    region = _region_of(t.data_ptr())
+                    if region is None:
+                        raise InvalidArgument(f"kv_caches[{name}]", "cpu tensor", "is not in shared memory; use allocate_kv_caches or adopt_into_shm")
+                    rid, base = region.name, region.tensor.data_ptr()
+                    regions.setdefault(rid, pb.Region(region_id=rid, size_bytes=region.size, shm=pb.ShmSource(name=region.name)))
+                layer.tensors.add(
+                    region_id=rid, offset_bytes=t.data_ptr() - base, shape=list(t.shape), stride=list(t.stride()),
+                    dims=list(tdims), kv_index=(ti if len(tensors) == 2 else -1),
+                )
+        from kvd.convert import spec_to_pb
+
+        g.spec.CopyFrom(spec_to_pb(spec))
+        out_groups.append(g)
+    return Described(list(regions.values()), out_groups)

@@ -1,0 +1,116 @@
+"""The API engine workers use to talk to their local kvd daemon.
+
+For a vLLM developer, the mapping is:
+
+* ``register`` is ``KVConnectorBase_V1.register_kv_caches``: pass the
+  ``dict[layer_name, Tensor]`` your worker allocated (per KV cache group) and
+  the daemon maps that memory itself -- shm for CPU, CUDA IPC for GPU.
+* ``publish`` is what the prefill side does in ``request_finished``: it holds
+  the blocks under a lease and returns the ``kv_transfer_params`` decode needs.
+* ``pull`` is ``start_load_kv`` on the decode side: asynchronous; the daemon
+  reads the blocks straight into your registered memory.
+* ``get_finished`` is ``get_finished`` (finished_sending, finished_recving)
+  plus ``get_block_ids_with_load_errors`` (invalid_block_ids), drained per call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvd.caches import KVCacheTensors, describe
+from kvd.convert import worker_to_pb
+from kvd.errors import DeadlineExceeded, from_code
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId
+
+
+@dataclass
+class Finished:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    details: dict[tuple[str, str], pb.FinishedDetail] = field(default_factory=dict)
+
+    def merge(self, other: Finished) -> None:
+        self.finished_sending |= other.finished_sending
+        self.finished_recving |= other.finished_recving
+        self.invalid_block_ids |= other.invalid_block_ids
+        self.details.update(other.details)
+
+
+class KvdClient:
+    """A worker's connection to its local daemon (blocking calls)."""
+
+    def __init__(self, address: str, worker: WorkerId, *, timeout: float = 30.0) -> None:
+        self.address = address
+        self.worker = worker
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)])
+        self._worker = pbg.WorkerStub(self._channel)
+        self._wid = worker_to_pb(worker)
+
+    def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_code(e.code().name, e.details() or "") from None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def register(
+        self,
+        kv_caches: Mapping[str, KVCacheTensors] | Sequence[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]],
+        model: ModelInfo,
+        spec: KVCacheSpec | None = None,
+        *,
+        dims: Sequence[str] | None = None,
+    ) -> pb.RegisterResponse:
+        """Register one group (``kv_caches`` + ``spec``) or several ``(spec, kv_caches)`` groups."""
+        groups = [(spec, kv_caches)] if spec is not None else list(kv_caches)  # type: ignore[list-item,arg-type]
+        described = describe(groups, dims=dims)  # type: ignore[arg-type]
+        return self._call(self._worker.Register, pb.RegisterRequest(
+            worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),
+            regions=described.regions, groups=described.groups,
+        ))
+
+    def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "", lease_seconds: float = 0.0) -> pb.TransferParams:
+        resp = self._call(self._worker.Publish, pb.PublishRequest(
+            worker=self._wid, request_id=request_id, block_ids=[pb.BlockIds(ids=list(b)) for b in block_ids],
+            num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
+        ))
+        return resp.params
+
+    def pull(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]]) -> None:
+        self._call(self._worker.Pull, pb.PullRequest(
+            worker=self._wid, request_id=request_id, params=params, local_block_ids=[pb.BlockIds(ids=list(b)) for b in local_block_ids],
+        ))
+
+    def abort(self, request_id: str) -> bool:
+        return bool(self._call(self._worker.Abort, pb.AbortRequest(worker=self._wid, request_id=request_id)).found)
+
+    def get_finished(self) -> Finished:
+        r = self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid))
+        return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
+
+    def wait_finished(self, recving: set[str] = frozenset(), sending: set[str] = frozenset(), timeout: float = 60.0, poll: float = 0.001) -> Finished:  # type: ignore[assignment]
+        """Poll until every id in ``recving``/``sending`` is reported; returns all seen."""
+        seen = Finished()
+        deadline = time.monotonic() + timeout
+        while not (recving <= seen.finished_recving and sending <= seen.finished_sending):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"not finished after {timeout}s: recving={sorted(recving - seen.finished_recving)[:5]} sending={sorted(sending - seen.finished_sending)[:5]}")
+            seen.merge(self.get_finished())
+            time.sleep(poll)
+        return seen
+
+    def unregister(self) -> None:
+        self._call(self._worker.Unregister, pb.UnregisterRequest(worker=self._wid))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,138 @@
+"""Proto messages <-> core dataclasses. The only module that knows both."""
+
+from __future__ import annotations
+
+from kvd.errors import InvalidArgument
+from kvd.proto import kvd_pb2 as pb
+from kvd.spec import (
+    EngineLayout,
+    EngineMeta,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    ModelInfo,
+    TensorRef,
+    WorkerId,
+    parse_layout,
+)
+
+
+def worker_from_pb(w: pb.WorkerId) -> WorkerId:
+    return WorkerId(w.engine_id, w.tp_rank, max(w.tp_size, 1), w.pp_rank, max(w.pp_size, 1))
+
+
+def worker_to_pb(w: WorkerId) -> pb.WorkerId:
+    return pb.WorkerId(engine_id=w.engine_id, tp_rank=w.tp_rank, tp_size=w.tp_size, pp_rank=w.pp_rank, pp_size=w.pp_size)
+
+
+def spec_from_pb(s: pb.KVCacheSpec, field: str) -> KVCacheSpec:
+    layout = parse_layout(list(s.layout), field_name=f"{field}.layout")
+    try:
+        return KVCacheSpec(
+            block_size=s.block_size,
+            num_kv_heads=s.num_kv_heads,
+            head_size=s.head_size,
+            dtype=s.dtype,
+            layout=layout,
+            num_blocks=s.num_blocks,
+            use_mla=s.use_mla,
+            span_size=s.span_size,
+        )
+    except InvalidArgument as e:
+        raise InvalidArgument(e.field.replace("spec", field, 1), e.value, e.message.split(" ", 1)[1]) from None
+
+
+def spec_to_pb(s: KVCacheSpec) -> pb.KVCacheSpec:
+    return pb.KVCacheSpec(
+        block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size, dtype=s.dtype,
+        layout=list(s.layout), use_mla=s.use_mla, num_blocks=s.num_blocks, span_size=s.span_size,
+    )
+
+
+def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
+    field = f"groups[{index}]"
+    spec = spec_from_pb(g.spec, f"{field}.spec")
+    if not g.layers:
+        raise InvalidArgument(f"{field}.layers", 0, "must list at least one layer")
+    layers = []
+    for li, layer in enumerate(g.layers):
+        lf = f"{field}.layers[{layer.name or li}]"
+        if len(layer.tensors) != spec.parts_per_layer:
+            raise InvalidArgument(f"{lf}.tensors", len(layer.tensors), f"must be {spec.parts_per_layer} for layout {list(spec.layout)}")
+        tensors = []
+        for ti, t in enumerate(layer.tensors):
+            tf = f"{lf}.tensors[{ti}]"
+            dims = tuple(t.dims) or spec.layout
+            if sorted(dims) != sorted(spec.layout):
+                raise InvalidArgument(f"{tf}.dims", list(dims), f"must name the spec's dims {list(spec.layout)}")
+            if len(t.shape) != len(dims) or len(t.stride) != len(dims):
+                raise InvalidArgument(f"{tf}.shape", list(t.shape), f"and stride {list(t.stride)} must both have {len(dims)} entries")
+            expected = spec.dim_sizes()
+            for d, n in zip(dims, t.shape, strict=True):
+                if n != expected[d]:
+                    raise InvalidArgument(f"{tf}.shape[{d}]", n, f"does not match the spec's {d}={expected[d]}")
+            kv = t.kv_index
+            if spec.parts_per_layer == 2 and kv != ti:
+                raise InvalidArgument(f"{tf}.kv_index", kv, f"must be {ti}: separate K and V tensors come in order K, V")
+            if spec.parts_per_layer == 1 and kv != -1:
+                raise InvalidArgument(f"{tf}.kv_index", kv, "must be -1 for a tensor holding the whole layer")
+            physical = _physical(dims, tuple(t.shape), tuple(t.stride))
+            if physical != spec.layout:
+                raise InvalidArgument(f"{tf}.stride", list(t.stride), f"gives physical order {list(physical)}, not the spec's layout {list(spec.layout)}")
+            tensors.append(TensorRef(t.region_id, t.offset_bytes, tuple(t.shape), tuple(t.stride), dims, kv))
+        layers.append(LayerSpec(layer.name, layer.layer_index, tuple(tensors)))
+    idx = [layer.layer_index for layer in layers]
+    if len(set(idx)) != len(idx):
+        raise InvalidArgument(f"{field}.layers.layer_index", idx, "repeats a layer")
+    return GroupSpec(g.group_id, spec, tuple(layers))
+
+
+def _physical(dims: tuple[str, ...], shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[str, ...]:
+    from kvd.spec import physical_order
+
+    return physical_order(dims, shape, stride)
+
+
+def group_to_pb(g: GroupSpec, *, with_tensors: bool = True) -> pb.KVCacheGroup:
+    out = pb.KVCacheGroup(group_id=g.group_id, spec=spec_to_pb(g.spec))
+    for layer in g.layers:
+        lp = out.layers.add(name=layer.name, layer_index=layer.layer_index)
+        if with_tensors:
+            for t in layer.tensors:
+                lp.tensors.add(region_id=t.region_id, offset_bytes=t.offset_bytes, shape=list(t.shape),
+                               stride=list(t.stride), dims=list(t.dims), kv_index=t.kv_index)
+    return out
+
+
+def model_from_pb(m: pb.ModelInfo) -> ModelInfo:
+    if m.num_layers <= 0:
+        raise InvalidArgument("model.num_layers", m.num_layers, "must be positive")
+    if m.total_num_kv_heads <= 0:
+        raise InvalidArgument("model.total_num_kv_heads", m.total_num_kv_heads, "must be positive")
+    return ModelInfo(m.num_layers, m.total_num_kv_heads)
+
+
+def engine_to_pb(meta: EngineMeta, fingerprint: str) -> pb.EngineInfo:
+    return pb.EngineInfo(
+        engine_id=meta.engine_id, epoch=meta.epoch, host_id=meta.host_id, data_address=meta.data_address,
+        tp_size=meta.tp_size, pp_size=meta.pp_size,
+        model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
+        ranks=[pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=False) for g in r.groups]) for r in meta.ranks],
+        fingerprint=fingerprint,
+    )
+
+
+def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
+    ranks = []
+    for r in e.ranks:
+        groups = []
+        for i, g in enumerate(r.groups):
+            spec = spec_from_pb(g.spec, f"ranks[{r.tp_rank},{r.pp_rank}].groups[{i}].spec")
+            layers = tuple(LayerSpec(layer.name, layer.layer_index, ()) for layer in g.layers)
+            groups.append(GroupSpec(g.group_id, spec, layers))
+        ranks.append(EngineLayout(r.tp_rank, r.pp_rank, tuple(groups)))
+    return EngineMeta(
+        engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
+        tp_size=e.tp_size, pp_size=e.pp_size, model=ModelInfo(e.model.num_layers, e.model.total_num_kv_heads),
+        ranks=tuple(ranks),
+    )

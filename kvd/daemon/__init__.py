@@ -1,0 +1,1 @@
+"""The daemon: composition (daemon.py), gRPC shell (service.py), metrics."""

@@ -1,0 +1,33 @@
+"""Prometheus metrics. Every name is kvd_*, units in the name, no request ids."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from kvd import __version__
+
+# From 100 us (a 16-block same-host request) to 30 s (a long prompt on a slow link).
+DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.bytes_sent = Counter("kvd_sent_bytes", "KV bytes sent on the data plane", ["transport"], registry=r)
+        self.bytes_received = Counter("kvd_received_bytes", "KV bytes received on the data plane", ["transport"], registry=r)
+        self.blocks_sent = Counter("kvd_sent_blocks", "Remote blocks served (per segment and layer chunk)", ["transport"], registry=r)
+        self.blocks_received = Counter("kvd_received_blocks", "Local blocks filled by completed pulls", ["transport"], registry=r)
+        self.transfer_seconds = Histogram("kvd_transfer_duration_seconds", "Pull duration, accepted to landed", ["outcome"], buckets=DURATION_BUCKETS, registry=r)
+        self.pulls_in_flight = Gauge("kvd_pulls_in_flight", "Pulls accepted and not yet ended", registry=r)
+        self.bytes_in_flight = Gauge("kvd_pull_bytes_in_flight", "Bytes planned by pulls not yet ended", registry=r)
+        self.handshakes = Counter("kvd_handshakes", "Handshakes by role and result", ["role", "result"], registry=r)
+        self.handshake_seconds = Histogram("kvd_handshake_duration_seconds", "Handshake duration as the caller", buckets=DURATION_BUCKETS, registry=r)
+        self.failures = Counter("kvd_pull_failures", "Failed pulls by reason", ["reason"], registry=r)
+        self.refused_reads = Counter("kvd_refused_reads", "Data-plane reads refused, by reason", ["reason"], registry=r)
+        self.leases_held = Gauge("kvd_leases_held", "Publications holding blocks", registry=r)
+        self.leases_expired = Counter("kvd_leases_expired", "Publications that ended by lease expiry", registry=r)
+        self.regions = Gauge("kvd_registered_regions", "Mapped memory regions", registry=r)
+        self.region_bytes = Gauge("kvd_registered_bytes", "Bytes of mapped memory regions", registry=r)
+        self.relayout_seconds = Counter("kvd_relayout_seconds", "Time spent landing (relaying out) received segments", registry=r)
+        self.build = Info("kvd_build", "kvd build information", registry=r)
+        self.build.info({"version": __version__})

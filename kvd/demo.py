@@ -1,0 +1,352 @@
+"""``kvd demo``: a real P/D transfer on loopback, every byte verified.
+
+Starts a prefill daemon and a decode daemon (``kvd serve`` processes), one
+worker process per rank on each side with KV caches in shared memory, then
+moves a few hundred requests of varying lengths and checks every valid token
+of every block on the decode side against the logical pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.topology import heads_of_rank
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine_id: str
+    tp: int
+    pp: int
+    block_size: int
+    layout: str
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: int
+    kv_heads: int
+    head_size: int
+    dtype: str
+    mla: bool
+
+
+def rank_spec(engine: EngineConfig, model: ModelConfig, tp_rank: int) -> KVCacheSpec:
+    heads = heads_of_rank(tp_rank, engine.tp, model.kv_heads, model.mla)
+    layout = parse_layout(engine.layout)
+    opaque = "span" in layout
+    return KVCacheSpec(
+        block_size=engine.block_size, num_kv_heads=heads.count, head_size=model.head_size, dtype=model.dtype,
+        layout=layout, num_blocks=engine.num_blocks, use_mla=model.mla,
+        span_size=2 * engine.block_size * model.head_size if opaque else 0,
+    )
+
+
+def stage_layers(model: ModelConfig, pp: int, pp_rank: int) -> list[int]:
+    per = -(-model.layers // pp)
+    return list(range(pp_rank * per, min(model.layers, (pp_rank + 1) * per)))
+
+
+# ---------------------------------------------------------------- worker process
+
+
+def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: ModelConfig, conn: Connection) -> None:
+    """One engine rank: owns its caches in shm, obeys the driver's commands."""
+    import torch
+
+    from kvd import pattern
+    from kvd.caches import allocate_kv_caches, release_all
+    from kvd.client import KvdClient
+    from kvd.relayout import GroupTensors
+
+    torch.set_num_threads(1)
+    try:
+        spec = rank_spec(engine, model, worker.tp_rank)
+        layers = stage_layers(model, worker.pp, worker.pp_rank) if False else stage_layers(model, worker.pp_size, worker.pp_rank)
+        names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+        caches = allocate_kv_caches(spec, names)
+        client = KvdClient(address, worker)
+        client.wait_ready()
+        client.register(caches, ModelInfo(model.layers, model.kv_heads), spec)
+        # A local view of the same memory, for filling and verifying.
+        from kvd.caches import describe
+        from kvd.convert import group_from_pb
+        from kvd.regions.shm import ShmRegion
+
+        described = describe([(spec, caches)])
+        group = group_from_pb(described.groups[0], 0)
+        regions = {r.region_id: ShmRegion.open(r.region_id, r.shm.name, r.size_bytes).tensor for r in described.regions}
+        tensors = GroupTensors.build(group, regions)
+        coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
+        conn.send(("ready", None))
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                if cmd == "publish":  # [(rid, seed, block_ids, num_tokens, capability)]
+                    out = []
+                    for rid, seed, ids, ntok, cap in arg:
+                        pattern.fill(tensors, seed, ids, coords)
+                        out.append(client.publish(rid, [ids], ntok, capability=cap).SerializeToString())
+                    conn.send(("ok", out))
+                elif cmd == "pull":  # [(rid, params bytes, local ids)]
+                    from kvd.proto import kvd_pb2 as pb
+
+                    t0 = time.perf_counter()
+                    for rid, params, ids in arg:
+                        client.pull(rid, pb.TransferParams.FromString(params), [ids])
+                    done = client.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
+                    elapsed = time.perf_counter() - t0
+                    nbytes = sum(d.bytes for (direction, _), d in done.details.items() if direction == "recving")
+                    failed = {r: d.reason for (direction, r), d in done.details.items() if direction == "recving" and d.outcome != "done"}
+                    conn.send(("ok", (elapsed, nbytes, failed, sorted(done.invalid_block_ids))))
+                elif cmd == "verify":  # [(rid, seed, local ids, num_tokens)]
+                    bad = None
+                    for rid, seed, ids, ntok in arg:
+                        m = pattern.mismatch(tensors, seed, ids, coords, ntok)
+                        if m is not None:
+                            bad = f"request {rid} on {worker}: {m}"
+                            break
+                    conn.send(("ok", bad))
+                elif cmd == "finished":
+                    f = client.get_finished()
+                    conn.send(("ok", (sorted(f.finished_sending), sorted(f.finished_recving))))
+            except Exception as e:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+        client.close()
+    finally:
+        release_all()
+
+
+# ---------------------------------------------------------------- driver
+
+
+class Daemons:
+    """``kvd serve`` subprocesses with ready files."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.tmp = tempfile.mkdtemp(prefix="kvd-demo-")
+
+    def start(self, engine_id: str, extra: Sequence[str] = ()) -> dict[str, Any]:
+        ready = os.path.join(self.tmp, f"{engine_id}.json")
+        log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0", "--ready-file", ready, *extra],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready):
+            if proc.poll() is not None:
+                raise SystemExit(f"kvd serve for {engine_id} exited with {proc.returncode}; see {log.name}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"kvd serve for {engine_id} did not become ready; see {log.name}")
+            time.sleep(0.05)
+        with open(ready) as f:
+            return dict(json.load(f))
+
+    def stop(self) -> list[int]:
+        for p in self.procs:
+            p.terminate()
+        return [p.wait(timeout=30) for p in self.procs]
+
+
+class Allocator:
+    """A free list; popping from it and pushing back fragments it like a real block pool."""
+
+    def __init__(self, num_blocks: int, rng: random.Random) -> None:
+        self.free = list(range(1, num_blocks))  # block 0 is reserved, as in vLLM
+        rng.shuffle(self.free[len(self.free) // 2 :])
+        self.rng = rng
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def give(self, ids: list[int]) -> None:
+        self.free.extend(ids)
+
+
+def _call(conns: Sequence[Connection], cmd: str, args: Sequence[Any]) -> list[Any]:
+    for c, a in zip(conns, args, strict=True):
+        c.send((cmd, a))
+    out = []
+    for c in conns:
+        status, value = c.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        out.append(value)
+    return out
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    model = ModelConfig(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla)
+    default_layout = "MLA" if args.mla else "NHD"
+    pcfg = EngineConfig("prefill", args.prefill_tp, args.prefill_pp, args.prefill_block_size or args.block_size, args.prefill_layout or default_layout, args.num_blocks)
+    dcfg = EngineConfig("decode", args.decode_tp, args.decode_pp, args.decode_block_size or args.block_size, args.decode_layout or default_layout, args.num_blocks * max(1, pcfg.block_size // (args.decode_block_size or args.block_size)))
+    # Decode blocks must hold as many tokens as prefill's.
+    dcfg = EngineConfig(dcfg.engine_id, dcfg.tp, dcfg.pp, dcfg.block_size, dcfg.layout, max(2, args.num_blocks * pcfg.block_size // dcfg.block_size + 1))
+    rng = random.Random(args.seed)
+    say = print
+    say(f"kvd demo: prefill TP{pcfg.tp}/PP{pcfg.pp} block {pcfg.block_size} {pcfg.layout} -> decode TP{dcfg.tp}/PP{dcfg.pp} block {dcfg.block_size} {dcfg.layout}; "
+        f"{model.layers} layers, {model.kv_heads} KV heads x {model.head_size} {model.dtype}{' MLA' if model.mla else ''}")
+    daemons = Daemons()
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    try:
+        p_info = daemons.start("prefill")
+        d_info = daemons.start("decode")
+        say(f"  daemons: prefill grpc={p_info['grpc']} data={p_info['data']}  decode grpc={d_info['grpc']} data={d_info['data']}")
+        sides: dict[str, list[Connection]] = {}
+        for engine, info in ((pcfg, p_info), (dcfg, d_info)):
+            conns = []
+            for pp in range(engine.pp):
+                for tp in range(engine.tp):
+                    parent, child = ctx.Pipe()
+                    w = WorkerId(engine.engine_id, tp, engine.tp, pp, engine.pp)
+                    proc = ctx.Process(target=worker_main, args=(info["grpc"], w, engine, model, child), daemon=True)
+                    proc.start()
+                    procs.append(proc)
+                    conns.append(parent)
+            for c in conns:
+                if not c.poll(120):
+                    raise SystemExit("a worker did not start within 120 s")
+                status, value = c.recv()
+                if status != "ready":
+                    raise SystemExit(f"worker failed to start: {value}")
+            sides[engine.engine_id] = conns
+        say(f"  workers: {len(sides['prefill'])} prefill, {len(sides['decode'])} decode, caches in shared memory")
+        p_alloc, d_alloc = Allocator(pcfg.num_blocks, rng), Allocator(dcfg.num_blocks, rng)
+        total_bytes = 0
+        total_blocks = 0
+        transfer_s = 0.0
+        failures: dict[str, str] = {}
+        first_mismatch: str | None = None
+        done = 0
+        t_start = time.perf_counter()
+        while done < args.requests:
+            batch = []
+            for _ in range(min(args.concurrency, args.requests - done)):
+                ntok = rng.randint(args.min_tokens, args.max_tokens)
+                p_ids = p_alloc.take(-(-ntok // pcfg.block_size))
+                d_ids = d_alloc.take(-(-ntok // dcfg.block_size))
+                if p_ids is None or d_ids is None:
+                    if p_ids:
+                        p_alloc.give(p_ids)
+                    if d_ids:
+                        d_alloc.give(d_ids)
+                    break
+                rid = f"req-{done + len(batch)}"
+                batch.append((rid, rng.randrange(1 << 20), ntok, p_ids, d_ids, secrets.token_bytes(32)))
+            if not batch:
+                raise SystemExit("the block pools are too small for one request; raise --num-blocks")
+            published = _call(sides["prefill"], "publish", [[(rid, seed, p, n, cap) for rid, seed, n, p, _d, cap in batch]] * len(sides["prefill"]))
+            params = published[0]
+            results = _call(sides["decode"], "pull", [[(b[0], params[i], b[4]) for i, b in enumerate(batch)]] * len(sides["decode"]))
+            transfer_s += max(r[0] for r in results)
+            total_bytes += sum(r[1] for r in results)
+            for r in results:
+                failures.update(r[2])
+            total_blocks += sum(len(b[4]) for b in batch)
+            if first_mismatch is None:
+                verdicts = _call(sides["decode"], "verify", [[(rid, seed, d, n) for rid, seed, n, _p, d, _c in batch if rid not in failures]] * len(sides["decode"]))
+                first_mismatch = next((v for v in verdicts if v), None)
+            for b in batch:
+                p_alloc.give(b[3])
+                d_alloc.give(b[4])
+            done += len(batch)
+            _progress(done, args.requests, total_bytes, transfer_s)
+        wall = time.perf_counter() - t_start
+        # Prefill must have reported every request as sent.
+        sent: set[str] = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for s, _r in _call(sides["prefill"], "finished", [None] * len(sides["prefill"])):
+                sent.update(s)
+            if len(sent) >= args.requests - len(failures):
+                break
+            time.sleep(0.05)
+        print()
+        gbps = total_bytes / transfer_s / 1e9 if transfer_s else 0.0
+        say("kvd demo summary")
+        say(f"  requests       {args.requests}")
+        say(f"  blocks         {total_blocks} decode blocks")
+        say(f"  bytes          {total_bytes / 1e6:.1f} MB")
+        say(f"  throughput     {gbps:.2f} GB/s (bytes / time from pull to finished_recving)")
+        say(f"  wall time      {wall:.1f} s (including filling and verifying)")
+        say(f"  failures       {len(failures)}" + (f" (first: {next(iter(failures.values()))})" if failures else ""))
+        say(f"  finished_sending reported for {len(sent)} of {args.requests} requests")
+        ok = first_mismatch is None and not failures and len(sent) >= args.requests
+        if first_mismatch:
+            say(f"  MISMATCH       {first_mismatch}")
+        elif ok:
+            say("  verified       every valid token of every block matches, byte for byte")
+        for c in (*sides.get("prefill", []), *sides.get("decode", [])):
+            c.send(("stop", None))
+        for p in procs:
+            p.join(timeout=10)
+        codes = daemons.stop()
+        if any(codes):
+            say(f"  daemons exited with {codes}")
+            ok = False
+        return 0 if ok else 1
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in daemons.procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _progress(done: int, total: int, nbytes: int, seconds: float) -> None:
+    width = 30
+    filled = width * done // total
+    rate = nbytes / seconds / 1e9 if seconds else 0.0
+    line = f"  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests  {nbytes / 1e6:8.1f} MB  {rate:5.2f} GB/s"
+    if sys.stdout.isatty():
+        print("\r" + line, end="", flush=True)
+    elif done == total or done % max(1, total // 10) < 16:
+        print(line, flush=True)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight per batch")
+    p.add_argument("--min-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mla", action="store_true")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=2048, help="prefill blocks per rank")
+    p.add_argument("--prefill-tp", type=int, default=2)
+    p.add_argument("--decode-tp", type=int, default=2)
+    p.add_argument("--prefill-pp", type=int, default=1)
+    p.add_argument("--decode-pp", type=int, default=1)
+    p.add_argument("--prefill-block-size", type=int, default=0)
+    p.add_argument("--decode-block-size", type=int, default=0)
+    p.add_argument("--prefill-layout", default="")
+    p.add_argument("--decode-layout", default="")
+    p.add_argument("--seed", type=int, default=0)

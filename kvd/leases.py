@@ -1,0 +1,184 @@
+"""Publications, generations, capabilities and leases (pure; time is passed in).
+
+A publish makes a ``Publication``: the blocks one P rank offers for one
+request, bound to a fresh *generation* and an unguessable *capability*, and
+held by a lease until every expected reader has acknowledged its read, the
+lease expires, or someone aborts. Reads are authorised against all of these,
+so a reused block id can never serve an older request's data: the old
+generation is gone from the table the moment its publication ends.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+
+CAPABILITY_BYTES = 32
+RankKey = tuple[int, int]  # (tp_rank, pp_rank)
+
+
+@dataclass
+class Publication:
+    request_id: str
+    generation: int
+    capability: bytes
+    reader_engine_id: str
+    num_tokens: int
+    expires_at: float
+    # per rank: per group, a bool mask over block ids
+    masks: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
+    block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
+    expected_readers: dict[RankKey, int] = field(default_factory=dict)
+    acked: dict[RankKey, set[tuple[str, int, int]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A rank's publication ended: report ``request_id`` in finished_sending."""
+
+    rank: RankKey
+    request_id: str
+    outcome: str  # done | expired | aborted
+    reason: str = ""
+
+
+class PublicationTable:
+    def __init__(self, default_lease_s: float, epoch: str) -> None:
+        self.default_lease_s = default_lease_s
+        self.epoch = epoch
+        self._next_generation = 1
+        self.by_request: dict[str, Publication] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_request)
+
+    def publish(
+        self,
+        rank: RankKey,
+        request_id: str,
+        block_ids: Sequence[Sequence[int]],
+        num_blocks: Sequence[int],
+        num_tokens: int,
+        now: float,
+        *,
+        capability: bytes = b"",
+        reader_engine_id: str = "",
+        lease_s: float = 0.0,
+    ) -> Publication:
+        if not request_id or len(request_id) > 256:
+            raise InvalidArgument("request_id", request_id, "must be 1-256 characters")
+        if capability and len(capability) != CAPABILITY_BYTES:
+            raise InvalidArgument("capability", f"<{len(capability)} bytes>", f"must be {CAPABILITY_BYTES} bytes")
+        if len(block_ids) != len(num_blocks):
+            raise InvalidArgument("block_ids", f"<{len(block_ids)} groups>", f"must give one list per KV cache group ({len(num_blocks)})")
+        masks, arrays = [], []
+        for g, (ids, n) in enumerate(zip(block_ids, num_blocks, strict=True)):
+            arr = np.asarray(ids, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= n):
+                bad = int(arr[(arr < 0) | (arr >= n)][0])
+                raise InvalidArgument(f"block_ids[{g}]", bad, f"is outside the registered range [0, {n})")
+            mask = np.zeros(n, dtype=bool)
+            mask[arr] = True
+            masks.append(mask)
+            arrays.append(arr)
+        lease = lease_s if lease_s > 0 else self.default_lease_s
+        pub = self.by_request.get(request_id)
+        if pub is None:
+            pub = Publication(
+                request_id=request_id,
+                generation=self._next_generation,
+                capability=capability or secrets.token_bytes(CAPABILITY_BYTES),
+                reader_engine_id=reader_engine_id,
+                num_tokens=num_tokens,
+                expires_at=now + lease,
+            )
+            self._next_generation += 1
+            self.by_request[request_id] = pub
+        else:
+            if capability and not hmac.compare_digest(capability, pub.capability):
+                raise FailedPrecondition(f"request_id={request_id!r} is already published with another capability")
+            if rank in pub.masks:
+                raise FailedPrecondition(f"request_id={request_id!r} is already published by rank tp{rank[0]}/pp{rank[1]}")
+            pub.expires_at = max(pub.expires_at, now + lease)
+        pub.masks[rank] = masks
+        pub.block_ids[rank] = arrays
+        pub.acked[rank] = set()
+        return pub
+
+    def authorize(
+        self, request_id: str, generation: int, capability: bytes, reader_engine_id: str, rank: RankKey, now: float
+    ) -> Publication:
+        """The publication a read may use, or the reason it may not."""
+        pub = self.by_request.get(request_id)
+        # Check the capability before saying anything else about the request.
+        if pub is None or not hmac.compare_digest(capability, pub.capability):
+            raise PermissionDenied(f"no publication of request_id={request_id!r} matches this capability")
+        if pub.generation != generation:
+            raise PermissionDenied(f"request_id={request_id!r} generation={generation} is stale (current {pub.generation})")
+        if pub.reader_engine_id and pub.reader_engine_id != reader_engine_id:
+            raise PermissionDenied(f"request_id={request_id!r} may only be read by engine {pub.reader_engine_id!r}")
+        if now >= pub.expires_at:
+            raise PermissionDenied(f"request_id={request_id!r} lease expired")
+        if rank not in pub.masks:
+            raise NotFound(f"request_id={request_id!r} is not published by rank tp{rank[0]}/pp{rank[1]}")
+        return pub
+
+    @staticmethod
+    def check_blocks(pub: Publication, rank: RankKey, group: int, start: int, count: int) -> None:
+        masks = pub.masks[rank]
+        if not 0 <= group < len(masks):
+            raise InvalidArgument("segment.group_id", group, f"is not one of {len(masks)} groups")
+        mask = masks[group]
+        if count <= 0 or start < 0 or start + count > mask.shape[0]:
+            raise InvalidArgument("segment.block_start", start, f"with count {count} is outside [0, {mask.shape[0]})")
+        if not mask[start : start + count].all():
+            raise PermissionDenied(f"blocks [{start}, {start + count}) of group {group} are not all published for request_id={pub.request_id!r}")
+
+    def ack(self, request_id: str, generation: int, rank: RankKey, reader: tuple[str, int, int], expected: int) -> list[Ended]:
+        """A reader confirmed its read; end the rank's publication once all have."""
+        pub = self.by_request.get(request_id)
+        if pub is None or pub.generation != generation or rank not in pub.acked:
+            return []
+        pub.expected_readers[rank] = expected
+        pub.acked[rank].add(reader)
+        if len(pub.acked[rank]) < expected:
+            return []
+        return [self._end_rank(pub, rank, "done")]
+
+    def renew(self, request_id: str, generation: int, now: float, lease_s: float = 0.0) -> bool:
+        pub = self.by_request.get(request_id)
+        if pub is None or pub.generation != generation or now >= pub.expires_at:
+            return False
+        pub.expires_at = max(pub.expires_at, now + (lease_s or self.default_lease_s))
+        return True
+
+    def expire(self, now: float) -> list[Ended]:
+        ended: list[Ended] = []
+        for pub in [p for p in self.by_request.values() if now >= p.expires_at]:
+            for rank in list(pub.masks):
+                ended.append(self._end_rank(pub, rank, "expired", "lease expired before every reader acknowledged"))
+        return ended
+
+    def abort(self, request_id: str, rank: RankKey | None = None, reason: str = "aborted") -> list[Ended]:
+        pub = self.by_request.get(request_id)
+        if pub is None:
+            return []
+        ranks = [rank] if rank is not None and rank in pub.masks else list(pub.masks) if rank is None else []
+        return [self._end_rank(pub, r, "aborted", reason) for r in ranks]
+
+    def next_expiry(self) -> float | None:
+        return min((p.expires_at for p in self.by_request.values()), default=None)
+
+    def _end_rank(self, pub: Publication, rank: RankKey, outcome: str, reason: str = "") -> Ended:
+        pub.masks.pop(rank, None)
+        pub.block_ids.pop(rank, None)
+        pub.acked.pop(rank, None)
+        if not pub.masks:
+            self.by_request.pop(pub.request_id, None)
+        return Ended(rank, pub.request_id, outcome, reason)

@@ -1,0 +1,427 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVCacheSpec(_message.Message):
+    __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "layout", "use_mla", "num_blocks", "span_size")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    USE_MLA_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    layout: _containers.RepeatedScalarFieldContainer[str]
+    use_mla: bool
+    num_blocks: int
+    span_size: int
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[str]] = ..., use_mla: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., span_size: _Optional[int] = ...) -> None: ...
+
+class TensorView(_message.Message):
+    __slots__ = ("region_id", "offset_bytes", "shape", "stride", "dims", "kv_index")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    KV_INDEX_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    offset_bytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    dims: _containers.RepeatedScalarFieldContainer[str]
+    kv_index: int
+    def __init__(self, region_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[str]] = ..., kv_index: _Optional[int] = ...) -> None: ...
+
+class LayerRegistration(_message.Message):
+    __slots__ = ("name", "layer_index", "tensors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layer_index: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorView]
+    def __init__(self, name: _Optional[str] = ..., layer_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("group_id", "spec", "layers")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    spec: KVCacheSpec
+    layers: _containers.RepeatedCompositeFieldContainer[LayerRegistration]
+    def __init__(self, group_id: _Optional[int] = ..., spec: _Optional[_Union[KVCacheSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerRegistration, _Mapping]]] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("region_id", "size_bytes", "shm", "cuda_ipc")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    size_bytes: int
+    shm: ShmSource
+    cuda_ipc: CudaIpcSource
+    def __init__(self, region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcSource, _Mapping]] = ...) -> None: ...
+
+class ShmSource(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CudaIpcSource(_message.Message):
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class WorkerId(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "pp_rank", "pp_size")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("num_layers", "total_num_kv_heads")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    total_num_kv_heads: int
+    def __init__(self, num_layers: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker", "model", "regions", "groups")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    model: ModelInfo
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("registration_generation", "registered_bytes", "daemon_epoch")
+    REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    registration_generation: int
+    registered_bytes: int
+    daemon_epoch: str
+    def __init__(self, registration_generation: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., daemon_epoch: _Optional[str] = ...) -> None: ...
+
+class UnregisterRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
+
+class UnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TransferParams(_message.Message):
+    __slots__ = ("remote_engine_id", "remote_address", "remote_epoch", "request_id", "generation", "capability", "block_ids", "num_tokens", "remote_tp_size", "remote_pp_size")
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    remote_engine_id: str
+    remote_address: str
+    remote_epoch: str
+    request_id: str
+    generation: int
+    capability: bytes
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    remote_tp_size: int
+    remote_pp_size: int
+    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    request_id: str
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    capability: bytes
+    reader_engine_id: str
+    lease_seconds: float
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: TransferParams
+    def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("worker", "request_id", "params", "local_block_ids")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    request_id: str
+    params: TransferParams
+    local_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("worker", "request_id")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    request_id: str
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetFinishedRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
+
+class GetFinishedResponse(_message.Message):
+    __slots__ = ("finished_sending", "finished_recving", "invalid_block_ids", "details")
+    FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
+    INVALID_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    finished_sending: _containers.RepeatedScalarFieldContainer[str]
+    finished_recving: _containers.RepeatedScalarFieldContainer[str]
+    invalid_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    details: _containers.RepeatedCompositeFieldContainer[FinishedDetail]
+    def __init__(self, finished_sending: _Optional[_Iterable[str]] = ..., finished_recving: _Optional[_Iterable[str]] = ..., invalid_block_ids: _Optional[_Iterable[int]] = ..., details: _Optional[_Iterable[_Union[FinishedDetail, _Mapping]]] = ...) -> None: ...
+
+class FinishedDetail(_message.Message):
+    __slots__ = ("request_id", "direction", "outcome", "reason", "bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    direction: str
+    outcome: str
+    reason: str
+    bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., direction: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("tp_rank", "pp_rank", "groups")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    pp_rank: int
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    epoch: str
+    host_id: str
+    data_address: str
+    tp_size: int
+    pp_size: int
+    model: ModelInfo
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    fingerprint: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("caller",)
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    caller: EngineInfo
+    def __init__(self, caller: _Optional[_Union[EngineInfo, _Mapping]] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("callee",)
+    CALLEE_FIELD_NUMBER: _ClassVar[int]
+    callee: EngineInfo
+    def __init__(self, callee: _Optional[_Union[EngineInfo, _Mapping]] = ...) -> None: ...
+
+class PeerAbortRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "generation", "capability")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    generation: int
+    capability: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATIONS_FIELD_NUMBER: _ClassVar[int]
+    PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    epoch: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    publications: int
+    pulls_in_flight: int
+    version: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker", "regions", "bytes", "layers")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    regions: int
+    bytes: int
+    layers: int
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., regions: _Optional[int] = ..., bytes: _Optional[int] = ..., layers: _Optional[int] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("engine_id", "epoch")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    epoch: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
+
+class DataRead(_message.Message):
+    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank")
+    OWNER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READER_PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    owner_engine_id: str
+    request_id: str
+    generation: int
+    capability: bytes
+    tp_rank: int
+    pp_rank: int
+    head_start: int
+    head_count: int
+    segments: _containers.RepeatedCompositeFieldContainer[DataSegment]
+    reader_tp_rank: int
+    reader_pp_rank: int
+    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ...) -> None: ...
+
+class DataSegment(_message.Message):
+    __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    block_start: int
+    block_count: int
+    token_start: int
+    token_count: int
+    def __init__(self, group_id: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., block_start: _Optional[int] = ..., block_count: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ...) -> None: ...
+
+class DataEnd(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class DataError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

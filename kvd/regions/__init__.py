@@ -1,0 +1,7 @@
+"""Memory the daemon maps itself: POSIX shared memory for CPU caches, CUDA
+IPC handles for GPU caches. Both present the same ``MappedRegion``: a flat
+uint8 tensor the relayout code views with strides."""
+
+from kvd.regions.base import MappedRegion, map_region
+
+__all__ = ["MappedRegion", "map_region"]

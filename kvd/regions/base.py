@@ -1,0 +1,41 @@
+"""The region interface and the dispatcher over region kinds."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvd.errors import InvalidArgument
+from kvd.proto import kvd_pb2
+
+
+class MappedRegion(Protocol):
+    region_id: str
+    kind: str  # "shm" | "cuda_ipc"
+    size: int
+    tensor: torch.Tensor  # flat uint8, on CPU or a CUDA device
+
+    def close(self) -> None: ...
+
+
+REGION_ID_MAX = 128
+
+
+def map_region(region: kvd_pb2.Region) -> MappedRegion:
+    """Map a worker's region descriptor, checking it is reachable and big enough."""
+    rid = region.region_id
+    if not rid or len(rid) > REGION_ID_MAX or not all(c.isalnum() or c in "-_." for c in rid):
+        raise InvalidArgument("region.region_id", rid, f"must be 1-{REGION_ID_MAX} chars of [A-Za-z0-9-_.]")
+    if region.size_bytes <= 0:
+        raise InvalidArgument(f"regions[{rid}].size_bytes", region.size_bytes, "must be positive")
+    source = region.WhichOneof("source")
+    if source == "shm":
+        from kvd.regions import shm
+
+        return shm.ShmRegion.open(rid, region.shm.name, region.size_bytes)
+    if source == "cuda_ipc":
+        from kvd.regions import cuda_ipc
+
+        return cuda_ipc.CudaIpcRegion.open(rid, region.cuda_ipc, region.size_bytes)
+    raise InvalidArgument(f"regions[{rid}].source", source, "must be shm or cuda_ipc")

@@ -1,0 +1,116 @@
+"""POSIX shared memory regions, for CPU KV caches.
+
+Names are never paths: they must match ``SHM_NAME`` and are opened relative
+to a directory fd on /dev/shm with O_NOFOLLOW, so neither ``../`` nor an
+absolute path nor a symlink can reach another file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from kvd.errors import InvalidArgument
+
+SHM_DIR = "/dev/shm"
+SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
+PAGE = mmap.PAGESIZE
+
+
+def check_name(name: str, field: str = "shm.name") -> str:
+    if not SHM_NAME.match(name) or ".." in name:
+        raise InvalidArgument(field, name, "must be a bare name of [A-Za-z0-9_.-] (no '/', no '..')")
+    return name
+
+
+def _open(name: str, flags: int, mode: int = 0o600) -> int:
+    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def prefault(mm: mmap.mmap, *, write: bool) -> None:
+    """Fault every page in now: a fresh shm page costs ~10x a warm one on first
+    touch (0.4-1.5 GB/s measured), which would otherwise land on the first transfer."""
+    advice = getattr(mmap, "MADV_POPULATE_WRITE" if write else "MADV_POPULATE_READ", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+            return
+        except OSError:
+            pass
+    view = torch.frombuffer(mm, dtype=torch.uint8)
+    if view.numel():
+        view[::PAGE].sum()  # a read fault on tmpfs allocates the page
+
+
+@dataclass
+class ShmRegion:
+    region_id: str
+    name: str
+    size: int
+    mm: mmap.mmap
+    tensor: torch.Tensor
+    owner: bool
+    kind: str = "shm"
+
+    @classmethod
+    def create(cls, size: int, name: str | None = None, region_id: str | None = None) -> ShmRegion:
+        name = check_name(name or f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = _open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        prefault(mm, write=True)
+        return cls(region_id or name, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=True)
+
+    @classmethod
+    def open(cls, region_id: str, name: str, size: int) -> ShmRegion:
+        field = f"regions[{region_id}].shm.name"
+        check_name(name, field)
+        try:
+            fd = _open(name, os.O_RDWR)
+        except FileNotFoundError:
+            raise InvalidArgument(field, name, f"does not exist in {SHM_DIR}") from None
+        except OSError as e:
+            raise InvalidArgument(field, name, f"cannot be opened: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument(field, name, "is not a regular shared-memory file")
+            if st.st_size < size:
+                raise InvalidArgument(f"regions[{region_id}].size_bytes", size, f"exceeds the shm file's {st.st_size} bytes")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        prefault(mm, write=False)
+        return cls(region_id, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=False)
+
+    def close(self) -> None:
+        # Drop our tensor first; the mmap closes once no view holds it.
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view still exports the buffer; it is released with it
+        if self.owner:
+            self.unlink()
+
+    def unlink(self) -> None:
+        dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.unlink(self.name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,201 @@
+"""Wire view to local view as one strided copy (torch; CPU or GPU).
+
+Every tensor kvd touches -- a registered cache tensor, the bytes of a DATA
+frame -- is turned into the same canonical view::
+
+    (layer, kv, block, token, head, dim)
+
+by ``canonical``, which only permutes, renames and inserts size-1 dims. A
+relayout between any two layouts, block sizes and head slices is then
+``dst_view.copy_(src_view)`` on two such views, after both are reshaped to the
+extent's ``(n, u, B)`` unit form (see plan.py). There is no per-layout code.
+
+Data moves as same-width integers (``MOVE_DTYPES``) so no float ever gets
+canonicalised and any 1-byte dtype (fp8 variants) is just bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvd.errors import InvalidArgument
+from kvd.spec import DTYPE_SIZES, GroupSpec, KVCacheSpec, TensorRef
+
+FULL_CANONICAL = ("layer", "kv", "block", "token", "head", "dim")
+MOVE_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# Dims that are other names for canonical ones: an opaque span sits where the
+# head dim does (its token/kv structure is hidden), and a "part" index (K and V
+# as separate tensors) is the kv dim.
+_ALIASES = {"span": "dim", "part": "kv"}
+
+
+def move_dtype(dtype: str) -> torch.dtype:
+    return MOVE_DTYPES[DTYPE_SIZES[dtype]]
+
+
+def canonical(t: torch.Tensor, dims: Sequence[str]) -> torch.Tensor:
+    """View ``t`` (whose dims are named ``dims``) as the 6-D canonical view."""
+    names = [_ALIASES.get(d, d) for d in dims]
+    if len(names) != t.dim():
+        raise ValueError(f"{len(names)} dim names for a {t.dim()}-D tensor")
+    for d in FULL_CANONICAL:
+        if d not in names:
+            t = t.unsqueeze(-1)
+            names.append(d)
+    return t.permute([names.index(d) for d in FULL_CANONICAL])
+
+
+def tensor_view(region: torch.Tensor, ref: TensorRef, spec: KVCacheSpec) -> torch.Tensor:
+    """A registered tensor as a strided view of its region (uint8 bytes)."""
+    itemsize = spec.itemsize
+    if ref.offset_bytes % itemsize:
+        raise InvalidArgument("tensor.offset_bytes", ref.offset_bytes, f"is not a multiple of the itemsize {itemsize}")
+    extent = 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True)) if all(ref.shape) else 0
+    end = ref.offset_bytes + extent * itemsize
+    if end > region.numel():
+        raise InvalidArgument(
+            "tensor.shape", list(ref.shape),
+            f"with stride {list(ref.stride)} at offset {ref.offset_bytes} ends at byte {end}, past region '{ref.region_id}' of {region.numel()} bytes",
+        )
+    usable = region.numel() // itemsize * itemsize
+    typed = region[:usable].view(move_dtype(spec.dtype))
+    return typed.as_strided(ref.shape, ref.stride, ref.offset_bytes // itemsize)
+
+
+def layer_canonical(region_views: Sequence[tuple[torch.Tensor, TensorRef]], spec: KVCacheSpec) -> list[torch.Tensor]:
+    """One layer's parts as canonical views (each with a layer dim of 1).
+
+    A part holding only K (or only V) gets a kv dim of 1; which plane it is
+    is given by ``TensorRef.kv_index`` and handled by ``GroupTensors``.
+    """
+    return [canonical(view.unsqueeze(0), ("layer", *ref.dims)) for view, ref in region_views]
+
+
+def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Join per-layer canonical views into one when the layers sit at a constant
+    stride in one buffer (vLLM allocates them so), else None."""
+    if len(views) == 1:
+        return views[0]
+    first = views[0]
+    if any(v.shape != first.shape or v.stride() != first.stride() or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for v in views):
+        return None
+    offs = [v.storage_offset() for v in views]
+    step = offs[1] - offs[0]
+    if step == 0 or any(b - a != step for a, b in zip(offs, offs[1:], strict=False)):
+        return None
+    shape = (len(views), *first.shape[1:])
+    stride = (step, *first.stride()[1:])
+    return first.as_strided(shape, stride, offs[0])
+
+
+@dataclass
+class GroupTensors:
+    """A group's registered caches on one rank, as canonical views.
+
+    ``parts[p]`` is either one stacked view of all layers or a list of
+    per-layer views; ``kv_of_part[p]`` is the kv plane a K-only/V-only part
+    holds (None when the part carries the whole kv dim).
+    """
+
+    spec: KVCacheSpec
+    layer_indices: tuple[int, ...]
+    parts: list[torch.Tensor | list[torch.Tensor]]
+    kv_of_part: list[int | None]
+
+    @classmethod
+    def build(cls, group: GroupSpec, regions: dict[str, torch.Tensor]) -> GroupTensors:
+        spec = group.spec
+        per_layer: list[list[torch.Tensor]] = []
+        kv_of_part: list[int | None] = []
+        for li, layer in enumerate(group.layers):
+            views = []
+            for ref in layer.tensors:
+                region = regions.get(ref.region_id)
+                if region is None:
+                    raise InvalidArgument("tensor.region_id", ref.region_id, "names no region of this registration")
+                views.append((tensor_view(region, ref, spec), ref))
+            per_layer.append(layer_canonical(views, spec))
+            kvs = [None if ref.kv_index < 0 else ref.kv_index for ref in layer.tensors]
+            if li == 0:
+                kv_of_part = kvs
+            elif kvs != kv_of_part:
+                raise InvalidArgument(f"layers[{layer.name}].tensors", kvs, f"differ from the first layer's {kv_of_part}")
+        parts: list[torch.Tensor | list[torch.Tensor]] = []
+        for p in range(len(kv_of_part)):
+            views = [layer[p] for layer in per_layer]
+            stacked = stack_layers(views)
+            parts.append(stacked if stacked is not None else views)
+        return cls(spec, group.layer_indices, parts, kv_of_part)
+
+    def layer_runs(self, part: int, positions: Sequence[int]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first index into ``positions``, count, canonical view of those layers)."""
+        view = self.parts[part]
+        i = 0
+        while i < len(positions):
+            j = i + 1
+            if isinstance(view, torch.Tensor):
+                while j < len(positions) and positions[j] == positions[j - 1] + 1:
+                    j += 1
+                yield i, j - i, view[positions[i] : positions[i] + (j - i)]
+            else:
+                yield i, 1, view[positions[i]]
+            i = j
+
+
+def select(view: torch.Tensor, block: tuple[int, int], token: tuple[int, int], head: tuple[int, int]) -> torch.Tensor:
+    """Restrict a canonical view to block, token and head ranges (start, count)."""
+    return view[:, :, block[0] : block[0] + block[1], token[0] : token[0] + token[1], head[0] : head[0] + head[1]]
+
+
+def to_units(view: torch.Tensor, n: int, u: int) -> torch.Tensor:
+    """Reshape a canonical view of one extent side to ``(layer, kv, n, u, tokens/u|B, head, dim)``.
+
+    The big side (``n`` blocks of ``u`` units) splits its token dim; the small
+    side (``n*u`` blocks of one unit) splits its block dim. Both are views.
+    """
+    blocks, tokens = view.shape[2], view.shape[3]
+    if blocks == n:
+        return view.unflatten(3, (u, tokens // u))
+    if blocks == n * u:
+        return view.unflatten(2, (n, u))
+    raise ValueError(f"extent side of {blocks} blocks fits neither n={n} nor n*u={n * u}")
+
+
+def wire_shape(spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and dim names of one segment's bytes as the owner sends them:
+    layers, then parts, then the owner's physical dims restricted."""
+    sizes = dict(spec.dim_sizes())
+    sizes["block"] = blocks
+    if "token" in sizes:
+        sizes["token"] = tokens
+    sizes["head"] = heads
+    dims: tuple[str, ...] = ("layer", "part", *spec.layout)
+    shape = (layers, spec.parts_per_layer, *(sizes[d] for d in spec.layout))
+    return shape, dims
+
+
+def wire_canonical(buf: torch.Tensor, spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int) -> torch.Tensor:
+    """Canonical view of a DATA payload (``buf`` in the move dtype)."""
+    shape, dims = wire_shape(spec, layers, blocks, tokens, heads)
+    t = buf.view(shape)
+    if spec.parts_per_layer == 1:
+        t = t.squeeze(1)
+        dims = tuple(d for d in dims if d != "part")
+    return canonical(t, dims)
+
+
+def physical(view: torch.Tensor, spec: KVCacheSpec) -> torch.Tensor:
+    """Inverse of canonical for one part of one layer run: canonical (layer, kv,
+    block, token, head, dim) back to (layer, *spec.layout) order."""
+    order = ["layer", *(_ALIASES.get(d, d) for d in spec.layout)]
+    t = view
+    # Squeeze from the back so earlier axes keep their index.
+    for axis in reversed(range(len(FULL_CANONICAL))):
+        if FULL_CANONICAL[axis] not in order:
+            t = t.squeeze(axis)
+    remaining = [d for d in FULL_CANONICAL if d in order]
+    return t.permute([remaining.index(d) for d in order])

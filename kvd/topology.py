@@ -1,0 +1,160 @@
+"""TP / PP / block-size ratios between a prefill and a decode engine (pure).
+
+The vocabulary follows vLLM's ``TpKVTopology``: each rank of an engine with
+``tp_size`` ranks holds a contiguous slice of the model's KV heads, or, when
+``tp_size > total_num_kv_heads``, one head replicated over
+``tp_size / total_num_kv_heads`` ranks. MLA caches hold one latent that every
+rank replicates.
+
+For one local (reading) rank, ``read_targets`` says which remote ranks to
+read, which heads of each (in the remote rank's local head numbering) and
+where they land (in the local rank's numbering), and which layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvd.errors import Incompatible
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Global heads ``[start, start + count)`` held by one rank."""
+
+    start: int
+    count: int
+    replicas: int  # ranks holding these very heads
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+
+def heads_of_rank(tp_rank: int, tp_size: int, total_heads: int, use_mla: bool) -> HeadSlice:
+    if use_mla:
+        return HeadSlice(0, 1, tp_size)
+    if tp_size <= total_heads:
+        if total_heads % tp_size:
+            raise Incompatible("tp_size", tp_size, total_heads, "total_num_kv_heads must be divisible by tp_size")
+        per = total_heads // tp_size
+        return HeadSlice(tp_rank * per, per, 1)
+    if tp_size % total_heads:
+        raise Incompatible("tp_size", tp_size, total_heads, "tp_size must be a multiple of total_num_kv_heads when heads are replicated")
+    rep = tp_size // total_heads
+    return HeadSlice(tp_rank // rep, 1, rep)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What topology needs of one engine."""
+
+    tp_size: int
+    pp_size: int
+    total_num_kv_heads: int
+    use_mla: bool
+    layers_by_pp_rank: Mapping[int, frozenset[int]]  # global layer indices per PP stage
+
+
+@dataclass(frozen=True)
+class ReadTarget:
+    remote_tp_rank: int
+    remote_pp_rank: int
+    remote_head_start: int  # in the remote rank's local head numbering
+    head_count: int
+    local_head_start: int  # in the local rank's local head numbering
+    layers: tuple[int, ...]  # global layer indices, ascending
+
+
+def check_pairing(local: EngineShape, remote: EngineShape) -> None:
+    """Refuse pairings that cannot work, naming both values."""
+    if local.use_mla != remote.use_mla:
+        raise Incompatible("use_mla", local.use_mla, remote.use_mla)
+    if local.total_num_kv_heads != remote.total_num_kv_heads:
+        raise Incompatible("total_num_kv_heads", local.total_num_kv_heads, remote.total_num_kv_heads)
+    for name, shape in (("local", local), ("remote", remote)):
+        for r in range(shape.tp_size):
+            try:
+                heads_of_rank(r, shape.tp_size, shape.total_num_kv_heads, shape.use_mla)
+            except Incompatible as e:
+                raise Incompatible(
+                    "tp_size", local.tp_size, remote.tp_size, f"{name} engine: {e.message}"
+                ) from None
+    remote_layers = frozenset().union(*remote.layers_by_pp_rank.values()) if remote.layers_by_pp_rank else frozenset()
+    local_layers = frozenset().union(*local.layers_by_pp_rank.values()) if local.layers_by_pp_rank else frozenset()
+    missing = sorted(local_layers - remote_layers)
+    if missing:
+        raise Incompatible("layers", sorted(local_layers), sorted(remote_layers), f"remote engine lacks layers {missing[:8]}")
+
+
+def read_targets(
+    local: EngineShape, remote: EngineShape, local_tp_rank: int, local_pp_rank: int
+) -> list[ReadTarget]:
+    """The remote reads one local rank makes, heads first, then PP stages."""
+    check_pairing(local, remote)
+    mine = heads_of_rank(local_tp_rank, local.tp_size, local.total_num_kv_heads, local.use_mla)
+    wanted_layers = local.layers_by_pp_rank.get(local_pp_rank, frozenset())
+    targets: list[ReadTarget] = []
+    for head_start, head_count, tp_rank in _head_sources(mine, local_tp_rank, remote):
+        theirs = heads_of_rank(tp_rank, remote.tp_size, remote.total_num_kv_heads, remote.use_mla)
+        for pp_rank in sorted(remote.layers_by_pp_rank):
+            layers = tuple(sorted(wanted_layers & remote.layers_by_pp_rank[pp_rank]))
+            if not layers:
+                continue
+            targets.append(
+                ReadTarget(
+                    remote_tp_rank=tp_rank,
+                    remote_pp_rank=pp_rank,
+                    remote_head_start=head_start - theirs.start,
+                    head_count=head_count,
+                    local_head_start=head_start - mine.start,
+                    layers=layers,
+                )
+            )
+    return targets
+
+
+def _head_sources(mine: HeadSlice, local_tp_rank: int, remote: EngineShape) -> list[tuple[int, int, int]]:
+    """(global head start, count, remote tp rank) covering ``mine`` exactly once."""
+    if remote.use_mla:
+        # One latent, replicated on every remote rank: spread local ranks over them.
+        return [(0, 1, local_tp_rank % remote.tp_size)]
+    out: list[tuple[int, int, int]] = []
+    h = mine.start
+    while h < mine.stop:
+        if remote.tp_size <= remote.total_num_kv_heads:
+            per = remote.total_num_kv_heads // remote.tp_size
+            tp_rank = h // per
+            stop = min(mine.stop, (tp_rank + 1) * per)
+        else:
+            rep = remote.tp_size // remote.total_num_kv_heads
+            # Replicated remotely: local ranks sharing a head pick different replicas.
+            tp_rank = h * rep + (local_tp_rank % rep)
+            stop = h + 1
+        out.append((h, stop - h, tp_rank))
+        h = stop
+    return out
+
+
+def block_ratio(remote_block_size: int, local_block_size: int, *, opaque: bool) -> int:
+    """How many small blocks make one big one; refuses what cannot be re-blocked."""
+    if remote_block_size == local_block_size:
+        return 1
+    if opaque:
+        raise Incompatible(
+            "block_size", local_block_size, remote_block_size,
+            "an opaque per-head span layout cannot be re-blocked",
+        )
+    big, small = max(remote_block_size, local_block_size), min(remote_block_size, local_block_size)
+    if big % small:
+        raise Incompatible("block_size", local_block_size, remote_block_size, "one block size must divide the other")
+    return big // small
+
+
+def layers_by_stage(layer_sets: Sequence[tuple[int, Sequence[int]]]) -> dict[int, frozenset[int]]:
+    """Collect (pp_rank, layer indices) pairs into a stage map."""
+    out: dict[int, set[int]] = {}
+    for pp_rank, layers in layer_sets:
+        out.setdefault(pp_rank, set()).update(layers)
+    return {k: frozenset(v) for k, v in out.items()}

@@ -1,0 +1,265 @@
+"""One pull as data: which remote ranks, which segments, where each lands.
+
+``plan_pull`` joins topology (which ranks and heads), plan (which extents) and
+relayout (which views) into ``RankRead``s: a ``DataRead`` message for the
+remote owner, and for every segment a ``SegmentSink`` that knows its byte
+size and how to land those bytes in local memory. ``serve_segment`` is the
+owner's side: the bytes of one segment, zero-copy where the registered memory
+already holds them in wire order.
+
+No sockets here; transport/ moves the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvd.errors import Incompatible, InvalidArgument
+from kvd.plan import Extents, plan_extents
+from kvd.proto import kvd_pb2 as pb
+from kvd.relayout import (
+    GroupTensors,
+    move_dtype,
+    physical,
+    select,
+    to_units,
+    wire_canonical,
+    wire_shape,
+)
+from kvd.spec import EngineMeta, GroupSpec, KVCacheSpec
+from kvd.topology import EngineShape, ReadTarget, block_ratio, layers_by_stage, read_targets
+
+# A segment is the unit of pipelining: big enough that per-frame cost vanishes
+# (~20 us a frame against ~1 ms for 4 MiB at 4 GB/s), small enough that
+# relayout of one overlaps receipt of the next.
+DEFAULT_SEGMENT_BYTES = 4 << 20
+
+
+def engine_shape(meta: EngineMeta) -> EngineShape:
+    use_mla = any(g.spec.use_mla for r in meta.ranks for g in r.groups)
+    stages = layers_by_stage([(r.pp_rank, [idx for g in r.groups for idx in g.layer_indices]) for r in meta.ranks])
+    return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages)
+
+
+def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
+    """Refuse group pairs whose bytes cannot be converted; returns the block ratio."""
+    ls, rs = local.spec, remote.spec
+    gid = local.group_id
+    if ls.dtype != rs.dtype:
+        raise Incompatible(f"group[{gid}].dtype", ls.dtype, rs.dtype, "kvd does not convert dtypes")
+    if ls.use_mla != rs.use_mla:
+        raise Incompatible(f"group[{gid}].use_mla", ls.use_mla, rs.use_mla)
+    if ls.opaque != rs.opaque:
+        raise Incompatible(f"group[{gid}].layout", list(ls.layout), list(rs.layout), "an opaque span converts only to an opaque span")
+    if ls.opaque and ls.span_size != rs.span_size:
+        raise Incompatible(f"group[{gid}].span_size", ls.span_size, rs.span_size)
+    if not ls.opaque and ls.head_size != rs.head_size:
+        raise Incompatible(f"group[{gid}].head_size", ls.head_size, rs.head_size)
+    return block_ratio(rs.block_size, ls.block_size, opaque=ls.opaque)
+
+
+@dataclass
+class SegmentSink:
+    """Where one DATA frame's bytes go on the reading side."""
+
+    nbytes: int
+    remote_spec: KVCacheSpec
+    wire_dims: tuple[int, int, int, int]  # layers, blocks, tokens, heads
+    local: GroupTensors
+    local_positions: tuple[int, ...]
+    local_block: tuple[int, int]
+    local_token: tuple[int, int]
+    local_head: tuple[int, int]
+    n: int
+    u: int
+    local_block_ids: np.ndarray  # the local blocks this segment writes (for invalid_block_ids)
+
+    def direct(self) -> torch.Tensor | None:
+        """The local memory itself, when the wire bytes already have its layout
+        and it is contiguous: then bytes are received straight into place."""
+        rs, ls = self.remote_spec, self.local.spec
+        if rs.layout != ls.layout or rs.parts_per_layer != 1 or self.u != 1:
+            return None
+        if not isinstance(self.local.parts[0], torch.Tensor) and len(self.local_positions) != 1:
+            return None
+        runs = list(self.local.layer_runs(0, self.local_positions))
+        if len(runs) != 1:
+            return None
+        dst = physical(select(runs[0][2], self.local_block, self.local_token, self.local_head), rs)
+        shape, _ = wire_shape(rs, *self.wire_dims)
+        if tuple(dst.shape) != (shape[0], *shape[2:]) or not dst.is_contiguous():
+            return None
+        return dst
+
+    def land(self, payload: torch.Tensor) -> None:
+        """Relayout ``payload`` (uint8, this segment's bytes) into local memory."""
+        src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
+        for p, kv in enumerate(self.local.kv_of_part):
+            plane = src if kv is None else src[:, kv : kv + 1]
+            for i, c, view in self.local.layer_runs(p, self.local_positions):
+                dst = select(view, self.local_block, self.local_token, self.local_head)
+                to_units(dst, self.n, self.u).copy_(to_units(plane[i : i + c], self.n, self.u))
+
+
+@dataclass
+class RankRead:
+    target: ReadTarget
+    read: pb.DataRead
+    sinks: list[SegmentSink] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sinks)
+
+
+def plan_pull(
+    *,
+    local_meta: EngineMeta,
+    local_tp_rank: int,
+    local_pp_rank: int,
+    local_groups: Sequence[GroupTensors],
+    local_group_specs: Sequence[GroupSpec],
+    remote: EngineMeta,
+    params: pb.TransferParams,
+    local_block_ids: Sequence[Sequence[int]],
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+) -> list[RankRead]:
+    """Every read one local rank makes for one request."""
+    if len(local_block_ids) != len(local_group_specs):
+        raise InvalidArgument("local_block_ids", f"<{len(local_block_ids)} groups>", f"must give one list per KV cache group ({len(local_group_specs)})")
+    if len(params.block_ids) != len(local_group_specs):
+        raise Incompatible("num_groups", len(local_group_specs), len(params.block_ids), "transfer params carry block ids per remote group")
+    targets = read_targets(engine_shape(local_meta), engine_shape(remote), local_tp_rank, local_pp_rank)
+    reads: list[RankRead] = []
+    for target in targets:
+        rank = remote.rank(target.remote_tp_rank, target.remote_pp_rank)
+        if rank is None:
+            raise Incompatible("remote rank", f"tp{target.remote_tp_rank}/pp{target.remote_pp_rank}", "not registered", "the remote engine has not registered that rank yet")
+        read = pb.DataRead(
+            owner_engine_id=remote.engine_id, request_id=params.request_id, generation=params.generation,
+            capability=params.capability, tp_rank=target.remote_tp_rank, pp_rank=target.remote_pp_rank,
+            head_start=target.remote_head_start, head_count=target.head_count,
+        )
+        rr = RankRead(target, read)
+        wanted = set(target.layers)
+        for gi, (lspec, ltensors) in enumerate(zip(local_group_specs, local_groups, strict=True)):
+            rgroup = next((g for g in rank.groups if g.group_id == lspec.group_id), None)
+            if rgroup is None:
+                raise Incompatible(f"group[{lspec.group_id}]", "present", "absent")
+            check_group_pairing(lspec, rgroup)
+            layers = [idx for idx in lspec.layer_indices if idx in wanted and idx in rgroup.layer_indices]
+            if not layers:
+                continue
+            remote_ids = list(params.block_ids[gi].ids)
+            _plan_group(rr, lspec, ltensors, rgroup, layers, params.num_tokens, remote_ids, local_block_ids[gi], target, segment_bytes)
+        if rr.sinks:
+            reads.append(rr)
+    return reads
+
+
+def _plan_group(
+    rr: RankRead,
+    lgroup: GroupSpec,
+    ltensors: GroupTensors,
+    rgroup: GroupSpec,
+    layers: list[int],
+    num_tokens: int,
+    remote_ids: Sequence[int],
+    local_ids: Sequence[int],
+    target: ReadTarget,
+    segment_bytes: int,
+) -> None:
+    rspec, lspec = rgroup.spec, lgroup.spec
+    heads = target.head_count
+    if target.remote_head_start + heads > rspec.num_kv_heads:
+        raise Incompatible("num_kv_heads", lspec.num_kv_heads, rspec.num_kv_heads, f"remote rank holds too few heads for [{target.remote_head_start}, +{heads})")
+    unit = min(rspec.block_size, lspec.block_size)
+    per_token_layer = rspec.bytes_per_block_per_layer // rspec.block_size * heads // rspec.num_kv_heads
+    unit_layer_bytes = max(1, per_token_layer * (unit if not rspec.opaque else 1))
+    layer_chunk = max(1, min(len(layers), segment_bytes // unit_layer_bytes))
+    max_units = max(1, segment_bytes // (unit_layer_bytes * layer_chunk))
+    ext: Extents = plan_extents(
+        remote_ids, rspec.block_size, list(local_ids), lspec.block_size, num_tokens, max_units=max_units
+    )
+    r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
+    l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}
+    chunks = [layers[i : i + layer_chunk] for i in range(0, len(layers), layer_chunk)]
+    for e in range(len(ext)):
+        rb, rc, rt, rtc = ext.side(e, remote=True)
+        lb, lc, lt, ltc = ext.side(e, remote=False)
+        n, u = int(ext.n[e]), int(ext.u[e])
+        if rspec.opaque:
+            rt, rtc, lt, ltc = 0, 1, 0, 1  # the span hides tokens; whole blocks only
+        local_block_ids = np.arange(lb, lb + lc, dtype=np.int64)
+        for chunk in chunks:
+            rr.read.segments.add(
+                group_id=rgroup.group_id, layers=[r_pos[i] for i in chunk],
+                block_start=rb, block_count=rc, token_start=rt, token_count=rtc,
+            )
+            wire_dims = (len(chunk), rc, rtc, heads)
+            shape, _ = wire_shape(rspec, *wire_dims)
+            rr.sinks.append(
+                SegmentSink(
+                    nbytes=math.prod(shape) * rspec.itemsize,
+                    remote_spec=rspec,
+                    wire_dims=wire_dims,
+                    local=ltensors,
+                    local_positions=tuple(l_pos[i] for i in chunk),
+                    local_block=(lb, lc),
+                    local_token=(lt, ltc),
+                    local_head=(target.local_head_start, heads),
+                    n=n, u=u,
+                    local_block_ids=local_block_ids,
+                )
+            )
+
+
+def segment_nbytes(spec: KVCacheSpec, seg: pb.DataSegment, heads: int) -> int:
+    shape, _ = wire_shape(spec, len(seg.layers), seg.block_count, seg.token_count, heads)
+    return math.prod(shape) * spec.itemsize
+
+
+def serve_segment(
+    group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int, staging: Callable[[int], torch.Tensor]
+) -> torch.Tensor:
+    """The owner's bytes for one segment, as a flat uint8 tensor.
+
+    Zero-copy (a view of registered memory) when the restricted view is
+    contiguous in the owner's physical order; else gathered into ``staging``.
+    """
+    spec = group.spec
+    positions = tuple(seg.layers)
+    block = (seg.block_start, seg.block_count)
+    token = (seg.token_start, seg.token_count)
+    head = (head_start, head_count)
+    if spec.parts_per_layer == 1:
+        runs = list(group.layer_runs(0, positions))
+        if len(runs) == 1:
+            v = physical(select(runs[0][2], block, token, head), spec)
+            if v.is_contiguous():
+                return v.reshape(-1).view(torch.uint8)
+    shape, _ = wire_shape(spec, len(positions), seg.block_count, seg.token_count, head_count)
+    buf = staging(math.prod(shape) * spec.itemsize)
+    out = buf.view(move_dtype(spec.dtype)).view(shape)
+    for p in range(spec.parts_per_layer):
+        for i, c, view in group.layer_runs(p, positions):
+            out[i : i + c, p].copy_(physical(select(view, block, token, head), spec))
+    return buf
+
+
+def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> None:
+    """Bounds of one requested segment against the owner's registration."""
+    spec = group.spec
+    n_layers = len(group.layer_indices)
+    if not seg.layers or any(p >= n_layers for p in seg.layers):
+        raise InvalidArgument("segment.layers", list(seg.layers)[:8], f"must be non-empty positions in [0, {n_layers})")
+    tokens = 1 if spec.opaque else spec.block_size
+    if seg.token_count <= 0 or seg.token_start + seg.token_count > tokens:
+        raise InvalidArgument("segment.token_start", seg.token_start, f"with count {seg.token_count} is outside [0, {tokens})")
+    if head_count <= 0 or head_start + head_count > spec.num_kv_heads:
+        raise InvalidArgument("read.head_start", head_start, f"with count {head_count} is outside [0, {spec.num_kv_heads})")

@@ -1,0 +1,54 @@
+"""What the daemon needs from a data-plane transport.
+
+A transport moves the bytes of ``DataRead``s: the reading side sends the read
+and lands each segment through its ``SegmentSink``; the owning side asks a
+``ReadServer`` (the daemon) to authorise the read and to produce each segment's
+bytes. Planning, relayout, leases and metrics stay in the daemon, so another
+transport (same-host copy, NIXL) plugs in by implementing these two halves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvd.proto import kvd_pb2 as pb
+from kvd.transfer import SegmentSink
+
+
+class Staging:
+    """A gather buffer that grows to the largest segment and is then reused."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes]
+
+
+class OpenRead(Protocol):
+    """An authorised read on the owning side."""
+
+    def segment(self, index: int, staging: Staging) -> torch.Tensor: ...
+
+    def acknowledged(self) -> None: ...
+
+
+class ReadServer(Protocol):
+    def check_hello(self, hello: pb.DataHello) -> None: ...
+
+    def open_read(self, hello: pb.DataHello, read: pb.DataRead) -> OpenRead: ...
+
+
+class TransportClient(Protocol):
+    name: str
+
+    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
+        """Move every segment of ``read``; mark ``landed[i]`` as each lands. Returns bytes moved."""
+        ...
+
+    async def close(self) -> None: ...
