@@ -153,3 +153,18 @@ def describe(
         g.spec.CopyFrom(spec_to_pb(spec))
         out_groups.append(g)
     return Described(list(regions.values()), out_groups)
+
+
+def local_group_tensors(spec: KVCacheSpec, caches: Mapping[str, KVCacheTensors], *, dims: Sequence[str] | None = None):  # type: ignore[no-untyped-def]
+    """Canonical views of this process's own caches (for filling and checking)."""
+    from kvd.convert import group_from_pb
+    from kvd.relayout import GroupTensors
+
+    described = describe([(spec, caches)], dims=dims)
+    group = group_from_pb(described.groups[0], 0)
+    regions = {r.region_id: _regions_by_name()[r.shm.name].tensor for r in described.regions}
+    return GroupTensors.build(group, regions)
+
+
+def _regions_by_name() -> dict[str, ShmRegion]:
+    return {r.name: r for r in _REGIONS.values()}

@@ -70,28 +70,19 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
     import torch
 
     from kvd import pattern
-    from kvd.caches import allocate_kv_caches, release_all
+    from kvd.caches import allocate_kv_caches, local_group_tensors, release_all
     from kvd.client import KvdClient
-    from kvd.relayout import GroupTensors
 
     torch.set_num_threads(1)
     try:
         spec = rank_spec(engine, model, worker.tp_rank)
-        layers = stage_layers(model, worker.pp, worker.pp_rank) if False else stage_layers(model, worker.pp_size, worker.pp_rank)
+        layers = stage_layers(model, worker.pp_size, worker.pp_rank)
         names = [f"model.layers.{i}.self_attn.attn" for i in layers]
         caches = allocate_kv_caches(spec, names)
         client = KvdClient(address, worker)
         client.wait_ready()
         client.register(caches, ModelInfo(model.layers, model.kv_heads), spec)
-        # A local view of the same memory, for filling and verifying.
-        from kvd.caches import describe
-        from kvd.convert import group_from_pb
-        from kvd.regions.shm import ShmRegion
-
-        described = describe([(spec, caches)])
-        group = group_from_pb(described.groups[0], 0)
-        regions = {r.region_id: ShmRegion.open(r.region_id, r.shm.name, r.size_bytes).tensor for r in described.regions}
-        tensors = GroupTensors.build(group, regions)
+        tensors = local_group_tensors(spec, caches)
         coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
         conn.send(("ready", None))
         while True:

@@ -78,14 +78,14 @@ class DeadlineExceeded(KvdError):
 
 _BY_NAME: dict[str, type[KvdError]] = {
     cls.code.name: cls
-    for cls in (NotFound, PermissionDenied, Unauthenticated, FailedPrecondition, ResourceExhausted, Unavailable, Aborted, DeadlineExceeded)
+    for cls in (InvalidArgument, NotFound, PermissionDenied, Unauthenticated, FailedPrecondition,
+                ResourceExhausted, Unavailable, Aborted, DeadlineExceeded)
 }
 
 
 def from_code(code_name: str, message: str) -> KvdError:
-    """Rebuild an error received from a peer (data plane or gRPC)."""
-    cls = _BY_NAME.get(code_name)
-    if cls is None:
-        err = KvdError(message)
-        return err
-    return cls(message)
+    """Rebuild an error received from a peer (data plane or gRPC), same class and message."""
+    cls = _BY_NAME.get(code_name, KvdError)
+    err = cls.__new__(cls)
+    KvdError.__init__(err, message)
+    return err

@@ -56,11 +56,12 @@ def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
         raise Incompatible(f"group[{gid}].use_mla", ls.use_mla, rs.use_mla)
     if ls.opaque != rs.opaque:
         raise Incompatible(f"group[{gid}].layout", list(ls.layout), list(rs.layout), "an opaque span converts only to an opaque span")
+    ratio = block_ratio(rs.block_size, ls.block_size, opaque=ls.opaque)
     if ls.opaque and ls.span_size != rs.span_size:
         raise Incompatible(f"group[{gid}].span_size", ls.span_size, rs.span_size)
     if not ls.opaque and ls.head_size != rs.head_size:
         raise Incompatible(f"group[{gid}].head_size", ls.head_size, rs.head_size)
-    return block_ratio(rs.block_size, ls.block_size, opaque=ls.opaque)
+    return ratio
 
 
 @dataclass

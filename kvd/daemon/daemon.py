@@ -54,6 +54,7 @@ class DaemonConfig:
     pull_timeout_seconds: float = 60.0
     drain_seconds: float = 10.0
     handshake_retries: int = 3
+    pull_retries: int = 2
 
 
 @dataclass
@@ -419,29 +420,24 @@ class Daemon:
         self.metrics.pulls_in_flight.inc()
         sinks_all: list = []
         landed_all: list[list[bool]] = []
-        planned = 0
         try:
-            peer = await self._peer_for(req.params)
-            if peer.meta.epoch != req.params.remote_epoch:
-                raise FailedPrecondition(
-                    f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}"
-                )
-            reads = plan_pull(
-                local_meta=self.engine_meta(), local_tp_rank=rank[0], local_pp_rank=rank[1],
-                local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=req.params,
-                local_block_ids=local_ids, segment_bytes=self.config.segment_bytes,
-            )
-            for rr in reads:
-                rr.read.reader_tp_rank, rr.read.reader_pp_rank = rank
-                sinks_all.append(rr.sinks)
-                landed_all.append([False] * len(rr.sinks))
-            planned = sum(rr.nbytes for rr in reads)
-            self.metrics.bytes_in_flight.inc(planned)
-            moved = await asyncio.wait_for(
-                asyncio.gather(*(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed) for rr, landed in zip(reads, landed_all, strict=True))),
-                self.config.pull_timeout_seconds,
-            )
-            total = sum(moved)
+            for attempt in range(self.config.pull_retries + 1):
+                sinks_all.clear()
+                landed_all.clear()
+                try:
+                    moved = await self._attempt_pull(reg, req, rank, local_ids, sinks_all, landed_all)
+                    break
+                except (ConnectionError, OSError, Unavailable) as e:
+                    # Transient: the peer may have restarted. Forget what we knew
+                    # (handshake, pooled connections) and try again, boundedly.
+                    stale = self.peers.pop(req.params.remote_engine_id, None)
+                    if stale is not None:
+                        await self.data_client.forget(stale.meta.data_address)
+                    if attempt == self.config.pull_retries:
+                        raise
+                    log.info("retrying pull request_id=%s after %s: %s", req.request_id, type(e).__name__, e)
+                    await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+            total = moved
             self.metrics.bytes_received.labels("tcp").inc(total)
             self.metrics.blocks_received.labels("tcp").inc(len(all_local))
             self.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
@@ -457,7 +453,33 @@ class Daemon:
                 raise
         finally:
             self.metrics.pulls_in_flight.dec()
+
+    async def _attempt_pull(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
+                            sinks_all: list, landed_all: list[list[bool]]) -> int:
+        peer = await self._peer_for(req.params)
+        if peer.meta.epoch != req.params.remote_epoch:
+            raise FailedPrecondition(
+                f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
+            )
+        reads = plan_pull(
+            local_meta=self.engine_meta(), local_tp_rank=rank[0], local_pp_rank=rank[1],
+            local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=req.params,
+            local_block_ids=local_ids, segment_bytes=self.config.segment_bytes,
+        )
+        for rr in reads:
+            rr.read.reader_tp_rank, rr.read.reader_pp_rank = rank
+            sinks_all.append(rr.sinks)
+            landed_all.append([False] * len(rr.sinks))
+        planned = sum(rr.nbytes for rr in reads)
+        self.metrics.bytes_in_flight.inc(planned)
+        try:
+            moved = await asyncio.wait_for(
+                asyncio.gather(*(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed) for rr, landed in zip(reads, landed_all, strict=True))),
+                self.config.pull_timeout_seconds,
+            )
+        finally:
             self.metrics.bytes_in_flight.dec(planned)
+        return sum(moved)
 
     # ------------------------------------------------------------ abort, finished sets
 

@@ -249,6 +249,11 @@ class TcpDataClient:
         conn.proto.sent(FrameType.ACK)
         return moved
 
+    async def forget(self, address: str) -> None:
+        """Drop pooled connections to ``address`` (its daemon may have restarted)."""
+        for c in self._idle.pop(address, []):
+            c.sock.close()
+
     async def close(self) -> None:
         for conns in self._idle.values():
             for c in conns:

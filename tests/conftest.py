@@ -1,0 +1,137 @@
+"""Fixtures that start real daemons as processes and act as real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvd import pattern
+from kvd.caches import allocate_kv_caches, local_group_tensors, release_all
+from kvd.client import KvdClient
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.topology import heads_of_rank
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class DaemonProc:
+    engine_id: str
+    proc: subprocess.Popen[bytes]
+    info: dict
+    log_path: Path
+
+    @property
+    def grpc(self) -> str:
+        return self.info["grpc"]
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.info['metrics']}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+@dataclass
+class Daemons:
+    tmp: Path
+    started: list[DaemonProc] = field(default_factory=list)
+
+    def start(self, engine_id: str, *extra: str, grpc_port: int = 0) -> DaemonProc:
+        n = len(self.started)
+        ready = self.tmp / f"{engine_id}-{n}.json"
+        log_path = self.tmp / f"{engine_id}-{n}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
+             "--metrics-port", "0", "--ready-file", str(ready), *extra],
+            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvd serve exited {proc.returncode}: {log_path.read_text()}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"kvd serve not ready: {log_path.read_text()}")
+            time.sleep(0.02)
+        d = DaemonProc(engine_id, proc, json.loads(ready.read_text()), log_path)
+        self.started.append(d)
+        return d
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[Daemons]:
+    ds = Daemons(tmp_path)
+    yield ds
+    for d in ds.started:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+
+
+@dataclass
+class TestWorker:
+    """A worker in the test process: shm caches, a client, and pattern checks."""
+
+    worker: WorkerId
+    spec: KVCacheSpec
+    caches: dict
+    client: KvdClient
+    model: ModelInfo
+
+    @property
+    def tensors(self):
+        return local_group_tensors(self.spec, self.caches)
+
+    @property
+    def coords(self) -> pattern.RankCoords:
+        return pattern.RankCoords.of(self.worker.tp_rank, self.worker.tp_size, self.model.total_num_kv_heads, self.spec.use_mla)
+
+    def register(self):
+        return self.client.register(self.caches, self.model, self.spec)
+
+    def fill(self, seed, ids):
+        pattern.fill(self.tensors, seed, ids, self.coords)
+
+    def mismatch(self, seed, ids, num_tokens):
+        return pattern.mismatch(self.tensors, seed, ids, self.coords, num_tokens)
+
+
+def make_worker(address: str, engine_id: str, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, layers=4, heads=4, head_size=16,
+                block_size=16, num_blocks=64, dtype="bfloat16", layout="NHD", register=True) -> TestWorker:
+    model = ModelInfo(layers, heads)
+    h = heads_of_rank(tp_rank, tp_size, heads, False).count
+    spec = KVCacheSpec(block_size, h, head_size, dtype, parse_layout(layout), num_blocks)
+    per = -(-layers // pp_size)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(pp_rank * per, min(layers, (pp_rank + 1) * per))]
+    caches = allocate_kv_caches(spec, names)
+    w = TestWorker(WorkerId(engine_id, tp_rank, tp_size, pp_rank, pp_size), spec, caches, KvdClient(address, WorkerId(engine_id, tp_rank, tp_size, pp_rank, pp_size)), model)
+    w.client.wait_ready()
+    if register:
+        w.register()
+    return w
+
+
+@pytest.fixture(autouse=True)
+def _release_shm() -> Iterator[None]:
+    yield
+    release_all()
+
+
+def pytest_configure(config):
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")

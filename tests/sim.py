@@ -1,0 +1,113 @@
+"""In-memory engines for testing the planning and relayout core without a network.
+
+A rank's caches live in a plain uint8 tensor standing in for a region; the
+transfer runs plan_pull -> serve_segment -> SegmentSink.land, which is
+exactly what the daemons do around the data plane.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvd import pattern
+from kvd.proto import kvd_pb2 as pb
+from kvd.relayout import GroupTensors
+from kvd.spec import EngineLayout, EngineMeta, GroupSpec, KVCacheSpec, LayerSpec, ModelInfo, TensorRef
+from kvd.topology import heads_of_rank
+from kvd.transfer import plan_pull, serve_segment
+from kvd.transport.base import Staging
+
+
+@dataclass
+class SimRank:
+    tp_rank: int
+    pp_rank: int
+    group: GroupSpec
+    tensors: GroupTensors
+    coords: pattern.RankCoords
+
+
+@dataclass
+class SimEngine:
+    meta: EngineMeta
+    ranks: dict[tuple[int, int], SimRank]
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, *, stacked: bool = True, shuffle_dims: bool = True) -> tuple[GroupSpec, GroupTensors]:
+    part = spec.part_shape()
+    numel = math.prod(part)
+    nbytes_part = numel * spec.itemsize
+    parts = spec.parts_per_layer
+    # Non-stacked: irregular padding between layers, so no single layer stride exists.
+    pads = [0 if stacked else rng.randrange(0, 4) * 64 for _ in range(len(layers) * parts)]
+    total = sum(nbytes_part + p for p in pads) + 64
+    buf = torch.zeros(total, dtype=torch.uint8)
+    strides = contiguous_strides(part)
+    off = 0
+    layer_specs = []
+    k = 0
+    for idx in layers:
+        refs = []
+        for p in range(parts):
+            off += pads[k]
+            k += 1
+            order = list(range(len(part)))
+            if shuffle_dims:
+                rng.shuffle(order)  # shape order need not be physical order
+            refs.append(TensorRef(
+                "r", off, tuple(part[i] for i in order), tuple(strides[i] for i in order),
+                tuple(spec.layout[i] for i in order), p if parts == 2 else -1,
+            ))
+            off += nbytes_part
+        layer_specs.append(LayerSpec(f"model.layers.{idx}.attn", idx, tuple(refs)))
+    group = GroupSpec(0, spec, tuple(layer_specs))
+    return group, GroupTensors.build(group, {"r": buf})
+
+
+def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng: random.Random, *, stacked: bool = True, use_mla: bool = False) -> SimEngine:
+    per = -(-model.num_layers // pp)
+    ranks = {}
+    layouts = []
+    for pp_rank in range(pp):
+        layers = list(range(pp_rank * per, min(model.num_layers, (pp_rank + 1) * per)))
+        for tp_rank in range(tp):
+            spec = spec_of(tp_rank)
+            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked)
+            coords = pattern.RankCoords(heads_of_rank(tp_rank, tp, model.total_num_kv_heads, use_mla).start)
+            ranks[(tp_rank, pp_rank)] = SimRank(tp_rank, pp_rank, group, tensors, coords)
+            layouts.append(EngineLayout(tp_rank, pp_rank, (group,)))
+    meta = EngineMeta(engine_id, "epoch-" + engine_id, "host", "x:1", tp, pp, model, tuple(layouts))
+    return SimEngine(meta, ranks)
+
+
+def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_ids: list[int], num_tokens: int, *, segment_bytes: int = 1 << 16) -> dict[tuple[int, int], int]:
+    """Run every D rank's pull against P in memory; returns bytes read per P rank."""
+    params = pb.TransferParams(remote_engine_id=p.meta.engine_id, request_id=request_id, generation=1, num_tokens=num_tokens, block_ids=[pb.BlockIds(ids=p_ids)])
+    staging = Staging()
+    read_bytes: dict[tuple[int, int], int] = {}
+    for (tp, pp), rank in d.ranks.items():
+        reads = plan_pull(
+            local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
+            remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=segment_bytes,
+        )
+        for rr in reads:
+            owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
+            for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, staging)
+                assert payload.numel() == sink.nbytes
+                sink.land(payload.clone())
+                key = (rr.read.tp_rank, rr.read.pp_rank)
+                read_bytes[key] = read_bytes.get(key, 0) + sink.nbytes
+    return read_bytes

@@ -1,0 +1,33 @@
+from kvd.aggregate import KVOutputAggregator, Outcome, WorkerFinished
+
+
+def out(sending=(), recving=(), invalid=(), outcome="done"):
+    w = WorkerFinished()
+    for r in sending:
+        w.add(Outcome(r, "sending", outcome))
+    for r in recving:
+        w.add(Outcome(r, "recving", outcome), invalid)
+    return w
+
+
+def test_request_finishes_once_every_worker_reported():
+    agg = KVOutputAggregator(expected_finished_count=2)
+    first = agg.aggregate([out(recving=["a", "b"])])
+    assert first.recving == {}
+    second = agg.aggregate([out(recving=["a"])])
+    assert set(second.recving) == {"a"}
+    third = agg.aggregate([out(recving=["b"])])
+    assert set(third.recving) == {"b"}
+
+
+def test_invalid_blocks_union_and_worst_outcome_wins():
+    agg = KVOutputAggregator(2)
+    merged = agg.aggregate([out(recving=["a"], invalid=[1, 2], outcome="failed"), out(recving=["a"], invalid=[2, 3])])
+    assert merged.invalid_block_ids == {1, 2, 3}
+    assert merged.recving["a"].outcome == "failed"
+
+
+def test_drain_empties_the_box():
+    w = out(sending=["x"])
+    assert set(w.drain().sending) == {"x"}
+    assert w.drain().sending == {}

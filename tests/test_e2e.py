@@ -1,0 +1,250 @@
+"""The full path through real daemons: real processes, gRPC on loopback, shm."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvd.errors import InvalidArgument, KvdError
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from tests.conftest import REPO, make_worker
+
+
+def transfer(p_workers, d_workers, rid, seed, p_ids, d_ids, ntok, timeout=30):
+    cap = secrets.token_bytes(32)
+    params = None
+    for w in p_workers:
+        w.fill(seed, p_ids)
+        params = w.client.publish(rid, [p_ids], ntok, capability=cap)
+    for w in d_workers:
+        w.client.pull(rid, params, [d_ids])
+    return params, [w.client.wait_finished(recving={rid}, timeout=timeout) for w in d_workers]
+
+
+def test_full_path_is_byte_exact_and_reports_finished_sets(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2) for r in range(2)]
+    dw = [make_worker(d.grpc, "decode", tp_rank=r, tp_size=2) for r in range(2)]
+    requests = [("a", 1, [1, 2, 3], [10, 11, 12], 40), ("b", 2, [7, 4, 9, 20], [3, 30, 31, 5], 64), ("c", 3, [5], [50], 1)]
+    for rid, seed, p_ids, d_ids, ntok in requests:
+        _, finished = transfer(pw, dw, rid, seed, p_ids, d_ids, ntok)
+        for w, f in zip(dw, finished, strict=True):
+            assert f.invalid_block_ids == set()
+            assert f.details[("recving", rid)].outcome == "done"
+            assert w.mismatch(seed, d_ids, ntok) is None
+    # P reports every request as sent once D acknowledged it.
+    for w in pw:
+        f = w.client.wait_finished(sending={"a", "b", "c"}, timeout=10)
+        assert {"a", "b", "c"} <= f.finished_sending
+    # Bytes crossed the data plane, not gRPC: the counters match the blocks moved.
+    expected = sum(len(r[3]) for r in requests) * dw[0].spec.bytes_per_block_per_layer * 4 * 2
+    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+    got = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('kvd_received_bytes_total{transport="tcp"}'))
+    assert got == expected
+
+
+def test_a_wrong_seed_is_detected(daemons):
+    """Negative control: verification really compares bytes."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    transfer([pw], [dw], "r", 5, [1, 2], [3, 4], 32)
+    assert dw.mismatch(5, [3, 4], 32) is None
+    assert dw.mismatch(6, [3, 4], 32) is not None
+
+
+def test_decode_daemon_restart_between_requests(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    transfer([pw], [dw], "r1", 1, [1, 2], [1, 2], 32)
+    assert d.stop() == 0
+    d2 = daemons.start("decode")
+    dw2 = make_worker(d2.grpc, "decode")
+    _, (f,) = transfer([pw], [dw2], "r2", 2, [3, 4], [5, 6], 32)
+    assert f.details[("recving", "r2")].outcome == "done"
+    assert dw2.mismatch(2, [5, 6], 32) is None
+
+
+def test_prefill_daemon_restart_fails_old_params_cleanly_and_serves_new(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    transfer([pw], [dw], "r1", 1, [1, 2], [1, 2], 32)
+    pw.fill(2, [3, 4])
+    old_params = pw.client.publish("r2", [[3, 4]], 32)
+    port = int(p.grpc.rsplit(":", 1)[1])
+    assert p.stop() == 0
+    p2 = daemons.start("prefill", grpc_port=port)
+    pw2 = make_worker(p2.grpc, "prefill")
+    # The old publication died with the old daemon: the pull fails, naming every local block.
+    dw.client.pull("r2", old_params, [[7, 8]])
+    f = dw.client.wait_finished(recving={"r2"}, timeout=30)
+    assert f.details[("recving", "r2")].outcome == "failed"
+    assert "restarted" in f.details[("recving", "r2")].reason
+    assert f.invalid_block_ids == {7, 8}
+    # New work for the new epoch goes through.
+    _, (f2,) = transfer([pw2], [dw], "r3", 3, [5, 6], [9, 10], 32)
+    assert f2.details[("recving", "r3")].outcome == "done"
+    assert dw.mismatch(3, [9, 10], 32) is None
+
+
+def _register_raw(address, req):
+    with grpc.insecure_channel(address) as ch:
+        return pbg.WorkerStub(ch).Register(req, timeout=10)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda r: setattr(r.worker, "engine_id", "other"), "worker.engine_id"),
+        (lambda r: r.regions[0].shm.__setattr__("name", "../etc/passwd"), "shm.name"),
+        (lambda r: r.regions[0].shm.__setattr__("name", "/dev/shm/x"), "shm.name"),
+        (lambda r: r.regions[0].shm.__setattr__("name", "kvd-does-not-exist"), "shm.name"),
+        (lambda r: r.regions[0].__setattr__("size_bytes", r.regions[0].size_bytes * 4), "size_bytes"),
+        (lambda r: r.groups[0].layers[0].tensors[0].shape.__setitem__(1, 999), "shape[block]"),
+        (lambda r: r.groups[0].layers[0].tensors[0].__setattr__("offset_bytes", 1 << 40), "tensor.shape"),
+        (lambda r: r.groups[0].layers[0].tensors[0].__setattr__("region_id", "nope"), "region_id"),
+        (lambda r: r.groups[0].spec.__setattr__("dtype", "complex64"), "spec.dtype"),
+        (lambda r: r.groups[0].spec.layout.__setitem__(0, "bogus"), "spec.layout"),
+        (lambda r: r.model.__setattr__("num_layers", 0), "model.num_layers"),
+        (lambda r: r.worker.__setattr__("tp_rank", 5), "worker.tp_rank"),
+        (lambda r: r.groups[0].layers[0].tensors[0].stride.__setitem__(0, 1), "stride"),
+    ],
+)
+def test_bad_registrations_are_refused_naming_the_field(daemons, mutate, field):
+    from kvd.caches import describe
+
+    d = daemons.start("decode")
+    w = make_worker(d.grpc, "decode", register=False)
+    desc = describe([(w.spec, w.caches)])
+    req = pb.RegisterRequest(worker=pb.WorkerId(engine_id="decode", tp_size=1, pp_size=1), model=pb.ModelInfo(num_layers=4, total_num_kv_heads=4), regions=desc.regions, groups=desc.groups)
+    mutate(req)
+    with pytest.raises(grpc.RpcError) as e:
+        _register_raw(d.grpc, req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert field in e.value.details()
+    # The daemon keeps serving: a good registration still works.
+    assert w.register().registered_bytes > 0
+
+
+def test_symlinked_shm_name_is_refused(daemons, tmp_path):
+    from kvd.caches import describe
+
+    d = daemons.start("decode")
+    w = make_worker(d.grpc, "decode", register=False)
+    desc = describe([(w.spec, w.caches)])
+    link = f"kvd-link-{os.getpid()}"
+    os.symlink(f"/dev/shm/{desc.regions[0].shm.name}", f"/dev/shm/{link}")
+    try:
+        desc.regions[0].shm.name = link
+        req = pb.RegisterRequest(worker=pb.WorkerId(engine_id="decode", tp_size=1, pp_size=1), model=pb.ModelInfo(num_layers=4, total_num_kv_heads=4), regions=desc.regions, groups=desc.groups)
+        with pytest.raises(grpc.RpcError) as e:
+            _register_raw(d.grpc, req)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert link in e.value.details()
+    finally:
+        os.unlink(f"/dev/shm/{link}")
+
+
+@pytest.mark.parametrize(
+    "decode_kwargs, field",
+    [
+        (dict(head_size=32), "head_size"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(layers=6), "num_layers"),
+        (dict(heads=8), "total_num_kv_heads"),
+    ],
+)
+def test_incompatible_handshake_is_refused_naming_both_values(daemons, decode_kwargs, field):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = make_worker(p.grpc, "prefill")
+    dw = make_worker(d.grpc, "decode", **decode_kwargs)
+    params = pw.client.publish("r", [[1]], 16)
+    dw.client.pull("r", params, [[1]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and f.invalid_block_ids == {1}
+    assert field in detail.reason and "local=" in detail.reason and "remote=" in detail.reason
+    # And the Handshake RPC itself answers FAILED_PRECONDITION.
+    from kvd.daemon.daemon import Daemon  # noqa: F401  (the message format is the daemon's)
+
+    with grpc.insecure_channel(d.grpc) as ch:
+        me = pbg.PeerStub(ch)
+        with grpc.insecure_channel(p.grpc) as pch:
+            pass
+        del me, pch
+
+
+def test_handshake_rpc_refuses_with_failed_precondition(daemons):
+    p = daemons.start("prefill")
+    make_worker(p.grpc, "prefill")
+    caller = pb.EngineInfo(engine_id="decode", epoch="e", tp_size=1, pp_size=1, model=pb.ModelInfo(num_layers=4, total_num_kv_heads=2))
+    caller.ranks.add(tp_rank=0, pp_rank=0).groups.add(group_id=0, spec=pb.KVCacheSpec(block_size=16, num_kv_heads=2, head_size=16, dtype="bfloat16", layout=["kv", "block", "token", "head", "dim"], num_blocks=8))
+    caller.ranks[0].groups[0].layers.add(name="l0", layer_index=0)
+    with grpc.insecure_channel(p.grpc) as ch, pytest.raises(grpc.RpcError) as e:
+        pbg.PeerStub(ch).Handshake(pb.HandshakeRequest(caller=caller), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "local=4" in e.value.details() and "remote=2" in e.value.details()
+
+
+def test_unpublished_blocks_are_never_served(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    params = pw.client.publish("r", [[1, 2]], 32)
+    forged = pb.TransferParams()
+    forged.CopyFrom(params)
+    forged.block_ids[0].ids[:] = [1, 3]  # block 3 was never published
+    dw.client.pull("r", forged, [[5, 6]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "failed"
+    assert "not all published" in f.details[("recving", "r")].reason
+    forged.capability = b"\0" * 32
+    forged.block_ids[0].ids[:] = [1, 2]
+    dw.client.pull("r", forged, [[5, 6]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert "capability" in f.details[("recving", "r")].reason
+
+
+def test_serve_starts_reports_health_and_stops_cleanly_on_sigterm(daemons):
+    d = daemons.start("decode")
+    with grpc.insecure_channel(d.grpc) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        st = pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+        assert st.engine_id == "decode"
+    assert "kvd serving engine_id=decode" in d.log()
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGTERM) == 0
+    assert time.monotonic() - t0 < 15
+    assert "kvd stopped" in d.log()
+
+
+def test_serve_refuses_a_bad_engine_id():
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "bad id!"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2
+    assert "engine-id" in r.stderr and "bad id!" in r.stderr
+
+
+def test_pull_with_bad_input_gets_invalid_argument(daemons):
+    d = daemons.start("decode")
+    dw = make_worker(d.grpc, "decode")
+    params = pb.TransferParams(remote_engine_id="prefill", remote_address="127.0.0.1:1", num_tokens=16, block_ids=[pb.BlockIds(ids=[1])])
+    with pytest.raises(InvalidArgument, match=r"local_block_ids\[0\]=9999"):
+        dw.client.pull("r", params, [[9999]])
+    with pytest.raises(KvdError):
+        dw.client.pull("r", pb.TransferParams(remote_engine_id="", num_tokens=1), [[1]])
+
+
+def test_demo_command_verifies(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvd", "demo", "--requests", "24", "--layers", "2", "--num-blocks", "512", "--max-tokens", "256"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verified" in r.stdout and "failures       0" in r.stdout

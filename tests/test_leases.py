@@ -1,0 +1,77 @@
+import pytest
+
+from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvd.leases import PublicationTable
+
+
+def table():
+    return PublicationTable(default_lease_s=10, epoch="e")
+
+
+def test_publish_authorize_ack_ends_publication():
+    t = table()
+    pub = t.publish((0, 0), "r1", [[1, 2, 3]], [8], 48, now=0)
+    assert t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=1) is pub
+    t.check_blocks(pub, (0, 0), 0, 1, 3)
+    ended = t.ack("r1", pub.generation, (0, 0), ("D", 0, 0), expected=1)
+    assert [(e.request_id, e.outcome) for e in ended] == [("r1", "done")]
+    with pytest.raises(PermissionDenied):
+        t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=2)
+
+
+def test_wrong_capability_generation_reader_expiry_and_blocks_are_refused():
+    t = table()
+    pub = t.publish((0, 0), "r1", [[1, 2]], [8], 32, now=0, reader_engine_id="D")
+    with pytest.raises(PermissionDenied, match="capability"):
+        t.authorize("r1", pub.generation, b"x" * 32, "D", (0, 0), now=1)
+    with pytest.raises(PermissionDenied, match="stale"):
+        t.authorize("r1", pub.generation + 1, pub.capability, "D", (0, 0), now=1)
+    with pytest.raises(PermissionDenied, match="only be read by"):
+        t.authorize("r1", pub.generation, pub.capability, "E", (0, 0), now=1)
+    with pytest.raises(NotFound):
+        t.authorize("r1", pub.generation, pub.capability, "D", (1, 0), now=1)
+    with pytest.raises(PermissionDenied, match="not all published"):
+        t.check_blocks(pub, (0, 0), 0, 2, 2)
+    with pytest.raises(PermissionDenied, match="expired"):
+        t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=11)
+
+
+def test_expiry_reports_every_rank_once():
+    t = table()
+    t.publish((0, 0), "r", [[1]], [4], 1, now=0)
+    t.publish((1, 0), "r", [[1]], [4], 1, now=0)
+    ended = t.expire(now=10)
+    assert sorted(e.rank for e in ended) == [(0, 0), (1, 0)]
+    assert all(e.outcome == "expired" for e in ended)
+    assert t.expire(now=20) == [] and len(t) == 0
+
+
+def test_reused_block_id_gets_a_new_generation():
+    t = table()
+    old = t.publish((0, 0), "a", [[5]], [8], 16, now=0)
+    t.abort("a")
+    new = t.publish((0, 0), "b", [[5]], [8], 16, now=1)
+    assert new.generation > old.generation
+    with pytest.raises(PermissionDenied):
+        t.authorize("a", old.generation, old.capability, "D", (0, 0), now=1)
+
+
+def test_ranks_share_capability_and_bad_input_is_refused():
+    t = table()
+    a = t.publish((0, 0), "r", [[1]], [4], 1, now=0)
+    b = t.publish((1, 0), "r", [[1]], [4], 1, now=0)
+    assert a is b
+    with pytest.raises(FailedPrecondition):
+        t.publish((1, 0), "r", [[1]], [4], 1, now=0)
+    with pytest.raises(InvalidArgument, match=r"block_ids\[0\]=9"):
+        t.publish((0, 0), "q", [[9]], [4], 1, now=0)
+    with pytest.raises(InvalidArgument, match="capability"):
+        t.publish((0, 0), "q", [[1]], [4], 1, now=0, capability=b"short")
+
+
+def test_ack_needs_every_expected_reader():
+    t = table()
+    pub = t.publish((0, 0), "r", [[1]], [4], 1, now=0)
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []  # a repeat does not count twice
+    assert len(t.ack("r", pub.generation, (0, 0), ("D", 1, 0), expected=2)) == 1

@@ -1,0 +1,63 @@
+import time
+
+import numpy as np
+import pytest
+
+from kvd.errors import InvalidArgument
+from kvd.plan import plan_extents
+
+
+def units_moved(ext):
+    return int((ext.n * ext.u).sum())
+
+
+def test_contiguous_same_size_is_one_extent():
+    ext = plan_extents(list(range(10, 20)), 16, list(range(100, 110)), 16, 160)
+    assert len(ext) == 1
+    assert ext.side(0, remote=True) == (10, 10, 0, 16)
+    assert ext.side(0, remote=False) == (100, 10, 0, 16)
+
+
+def test_runs_break_where_either_side_jumps():
+    ext = plan_extents([1, 2, 3, 7, 8], 16, [5, 6, 9, 10, 11], 16, 80)
+    sides = [(ext.side(i, True)[:2], ext.side(i, False)[:2]) for i in range(len(ext))]
+    assert sides == [((1, 2), (5, 2)), ((3, 1), (9, 1)), ((7, 2), (10, 2))]
+
+
+def test_merge_small_remote_into_big_local_with_partial_tail():
+    # 70 tokens: remote 5 blocks of 16, local 2 blocks of 64 (the second holds 6 tokens... of 1 unit).
+    ext = plan_extents([0, 1, 2, 3, 4], 16, [7, 8], 64, 70)
+    assert units_moved(ext) == 5
+    assert ext.side(0, remote=False) == (7, 1, 0, 64)  # local big block 7, all 4 units
+    assert ext.side(0, remote=True) == (0, 4, 0, 16)
+    assert ext.side(1, remote=False) == (8, 1, 0, 16)  # first unit of block 8
+    assert ext.side(1, remote=True) == (4, 1, 0, 16)
+
+
+def test_split_big_remote_into_small_local_scattered():
+    ext = plan_extents([3], 64, [9, 2, 5, 6], 16, 64)
+    # local blocks 9, 2 are singletons; 5,6 form a run within the remote block
+    got = [(ext.side(i, True), ext.side(i, False)) for i in range(len(ext))]
+    assert got == [((3, 1, 0, 16), (9, 1, 0, 16)), ((3, 1, 16, 16), (2, 1, 0, 16)), ((3, 1, 32, 32), (5, 2, 0, 16))]
+
+
+def test_max_units_chunks_long_runs():
+    ext = plan_extents(list(range(100)), 16, list(range(100)), 16, 1600, max_units=32)
+    assert len(ext) == 4 and units_moved(ext) == 100
+    assert [ext.side(i, True)[0] for i in range(4)] == [0, 32, 64, 96]
+
+
+def test_too_few_block_ids_is_refused():
+    with pytest.raises(InvalidArgument, match="remote block_ids"):
+        plan_extents([1], 16, [1, 2], 16, 32)
+
+
+def test_planning_64_layers_2000_blocks_is_fast():
+    rng = np.random.default_rng(0)
+    r = rng.permutation(4000)[:2000]
+    lo = rng.permutation(4000)[:2000]
+    t0 = time.perf_counter()
+    ext = plan_extents(r, 16, lo, 16, 2000 * 16, max_units=256)
+    elapsed = time.perf_counter() - t0
+    assert units_moved(ext) == 2000
+    assert elapsed < 0.5  # generous: it is numpy over 2000 ids (a few ms)

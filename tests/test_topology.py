@@ -1,0 +1,58 @@
+import pytest
+
+from kvd.errors import Incompatible
+from kvd.topology import EngineShape, heads_of_rank, read_targets
+
+
+def shape(tp, heads=8, pp=1, layers=4, mla=False):
+    per = -(-layers // pp)
+    return EngineShape(tp, pp, heads, mla, {s: frozenset(range(s * per, min(layers, (s + 1) * per))) for s in range(pp)})
+
+
+def test_decode_wider_reads_head_slice_of_one_rank():
+    t = read_targets(shape(8), shape(2), local_tp_rank=5, local_pp_rank=0)
+    assert [(x.remote_tp_rank, x.remote_head_start, x.head_count, x.local_head_start) for x in t] == [(1, 1, 1, 0)]
+
+
+def test_decode_narrower_gathers_from_several_ranks():
+    t = read_targets(shape(2), shape(8), local_tp_rank=1, local_pp_rank=0)
+    assert [(x.remote_tp_rank, x.local_head_start) for x in t] == [(4, 0), (5, 1), (6, 2), (7, 3)]
+
+
+def test_replicated_remote_heads_spread_over_replicas():
+    # 2 heads, P TP8: each head on 4 ranks; D TP4 also replicated (2 per head).
+    picks = [read_targets(shape(4, heads=2), shape(8, heads=2), r, 0)[0].remote_tp_rank for r in range(4)]
+    assert picks == [0, 1, 6, 7]  # head h lives on ranks 4h..4h+3; replica = local rank % 4
+    assert len(set(picks)) == 4
+
+
+def test_mla_reads_one_rank():
+    t = read_targets(shape(4, heads=1, mla=True), shape(2, heads=1, mla=True), 3, 0)
+    assert len(t) == 1 and t[0].remote_tp_rank == 1
+
+
+def test_pp_reads_exactly_owned_layers_from_each_stage():
+    t = read_targets(shape(1, pp=2, layers=8), shape(1, pp=4, layers=8), 0, 1)
+    assert [(x.remote_pp_rank, x.layers) for x in t] == [(2, (4, 5)), (3, (6, 7))]
+
+
+def test_every_local_rank_covers_its_heads_exactly_once():
+    for tp_l in (1, 2, 4, 8):
+        for tp_r in (1, 2, 4, 8):
+            for heads in (1, 2, 4, 8):
+                for r in range(tp_l):
+                    mine = heads_of_rank(r, tp_l, heads, False)
+                    got = sorted((x.local_head_start, x.head_count) for x in read_targets(shape(tp_l, heads), shape(tp_r, heads), r, 0))
+                    covered = [h for s, c in got for h in range(s, s + c)]
+                    assert covered == list(range(mine.count))
+
+
+@pytest.mark.parametrize("tp, heads", [(3, 8), (6, 4)])
+def test_non_divisible_tp_is_refused(tp, heads):
+    with pytest.raises(Incompatible, match="tp_size"):
+        read_targets(shape(tp, heads), shape(2, heads), 0, 0)
+
+
+def test_head_count_mismatch_names_both():
+    with pytest.raises(Incompatible, match=r"total_num_kv_heads: local=8 remote=4"):
+        read_targets(shape(2, 8), shape(2, 4), 0, 0)
