@@ -137,7 +137,7 @@ class Daemons:
 
     def start(self, engine_id: str, extra: Sequence[str] = ()) -> dict[str, Any]:
         ready = os.path.join(self.tmp, f"{engine_id}.json")
-        log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")
+        log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0", "--ready-file", ready, *extra],
             stdout=log, stderr=subprocess.STDOUT,
@@ -235,7 +235,7 @@ def run_demo(args: argparse.Namespace) -> int:
         done = 0
         t_start = time.perf_counter()
         while done < args.requests:
-            batch = []
+            batch: list[tuple[str, int, int, list[int], list[int], bytes]] = []
             for _ in range(min(args.concurrency, args.requests - done)):
                 ntok = rng.randint(args.min_tokens, args.max_tokens)
                 p_ids = p_alloc.take(-(-ntok // pcfg.block_size))

@@ -13,6 +13,7 @@ Everything here is numpy over block-id arrays; nothing loops per block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,9 +62,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 def plan_extents(
-    remote_ids: np.ndarray | list[int],
+    remote_ids: np.ndarray | Sequence[int],
     remote_block_size: int,
-    local_ids: np.ndarray | list[int],
+    local_ids: np.ndarray | Sequence[int],
     local_block_size: int,
     num_tokens: int,
     *,

@@ -16,6 +16,7 @@ canonicalised and any 1-byte dtype (fp8 variants) is just bytes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
     offs = [v.storage_offset() for v in views]
     step = offs[1] - offs[0]
-    if step == 0 or any(b - a != step for a, b in zip(offs, offs[1:], strict=False)):
+    if step == 0 or any(b - a != step for a, b in itertools.pairwise(offs)):
         return None
     shape = (len(views), *first.shape[1:])
     stride = (step, *first.stride()[1:])
@@ -126,9 +127,9 @@ class GroupTensors:
                 raise InvalidArgument(f"layers[{layer.name}].tensors", kvs, f"differ from the first layer's {kv_of_part}")
         parts: list[torch.Tensor | list[torch.Tensor]] = []
         for p in range(len(kv_of_part)):
-            views = [layer[p] for layer in per_layer]
-            stacked = stack_layers(views)
-            parts.append(stacked if stacked is not None else views)
+            layer_views = [layer[p] for layer in per_layer]
+            stacked = stack_layers(layer_views)
+            parts.append(stacked if stacked is not None else layer_views)
         return cls(spec, group.layer_indices, parts, kv_of_part)
 
     def layer_runs(self, part: int, positions: Sequence[int]) -> Iterator[tuple[int, int, torch.Tensor]]:

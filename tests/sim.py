@@ -16,7 +16,15 @@ import torch
 from kvd import pattern
 from kvd.proto import kvd_pb2 as pb
 from kvd.relayout import GroupTensors
-from kvd.spec import EngineLayout, EngineMeta, GroupSpec, KVCacheSpec, LayerSpec, ModelInfo, TensorRef
+from kvd.spec import (
+    EngineLayout,
+    EngineMeta,
+    GroupSpec,
+    KVCacheSpec,
+    LayerSpec,
+    ModelInfo,
+    TensorRef,
+)
 from kvd.topology import heads_of_rank
 from kvd.transfer import plan_pull, serve_segment
 from kvd.transport.base import Staging

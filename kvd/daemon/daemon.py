@@ -20,20 +20,42 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+import torch
 
 from kvd import errors
 from kvd.aggregate import Outcome, WorkerFinished
 from kvd.convert import engine_from_pb, engine_to_pb, group_from_pb, model_from_pb, worker_from_pb
 from kvd.daemon.metrics import Metrics
-from kvd.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, NotFound, Unavailable
+from kvd.errors import (
+    FailedPrecondition,
+    Incompatible,
+    InvalidArgument,
+    KvdError,
+    NotFound,
+    Unavailable,
+)
 from kvd.leases import Ended, PublicationTable, RankKey
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions import MappedRegion, map_region
 from kvd.relayout import GroupTensors
-from kvd.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId, compat_fields, fingerprint
+from kvd.spec import (
+    EngineLayout,
+    EngineMeta,
+    GroupSpec,
+    ModelInfo,
+    WorkerId,
+    compat_fields,
+    fingerprint,
+)
 from kvd.topology import read_targets
-from kvd.transfer import DEFAULT_SEGMENT_BYTES, engine_shape, plan_pull, serve_segment, validate_segment
+from kvd.transfer import (
+    DEFAULT_SEGMENT_BYTES,
+    engine_shape,
+    plan_pull,
+    serve_segment,
+    validate_segment,
+)
 from kvd.transport.base import Staging
 from kvd.transport.tcp import TcpDataClient, TcpDataServer
 
@@ -536,7 +558,7 @@ class _OpenRead:
     def __init__(self, daemon: Daemon, reg: Registration, read: pb.DataRead, reader: str) -> None:
         self.daemon, self.reg, self.read, self.reader = daemon, reg, read, reader
 
-    def segment(self, index: int, staging: Staging) -> object:
+    def segment(self, index: int, staging: Staging) -> torch.Tensor:
         seg = self.read.segments[index]
         payload = serve_segment(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count, staging)
         self.daemon.metrics.bytes_sent.labels("tcp").inc(payload.numel())

@@ -7,6 +7,7 @@ absolute path nor a symlink can reach another file.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -99,10 +100,8 @@ class ShmRegion:
     def close(self) -> None:
         # Drop our tensor first; the mmap closes once no view holds it.
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        try:
+        with contextlib.suppress(BufferError):  # a view still exports the buffer; it goes with it
             self.mm.close()
-        except BufferError:
-            pass  # a view still exports the buffer; it is released with it
         if self.owner:
             self.unlink()
 

@@ -21,7 +21,15 @@ from kvd import errors
 from kvd.proto import kvd_pb2 as pb
 from kvd.transfer import SegmentSink
 from kvd.transport.base import ReadServer, Staging
-from kvd.wire import HEADER_SIZE, Connection, FrameType, Header, ProtocolError, decode_header, encode
+from kvd.wire import (
+    HEADER_SIZE,
+    Connection,
+    FrameType,
+    Header,
+    ProtocolError,
+    decode_header,
+    encode,
+)
 
 log = logging.getLogger("kvd.tcp")
 
@@ -32,7 +40,7 @@ def _split(address: str) -> tuple[str, int]:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -97,7 +105,7 @@ class TcpDataServer:
         conn = Connection(server=True)
         staging = Staging()
         try:
-            ftype, _, length = await asyncio.wait_for(_recv_frame(loop, sock, conn), self.hello_timeout_s)
+            _hello, _, length = await asyncio.wait_for(_recv_frame(loop, sock, conn), self.hello_timeout_s)
             hello = pb.DataHello.FromString(await _recv_body(loop, sock, length))
             try:
                 self.server.check_hello(hello)
@@ -107,7 +115,7 @@ class TcpDataServer:
             await loop.sock_sendall(sock, encode(FrameType.HELLO_OK))
             conn.sent(FrameType.HELLO_OK)
             while True:
-                ftype, _, length = await _recv_frame(loop, sock, conn)
+                _read, _, length = await _recv_frame(loop, sock, conn)  # the state machine only admits READ here
                 read = pb.DataRead.FromString(await _recv_body(loop, sock, length))
                 try:
                     opened = self.server.open_read(hello, read)
@@ -123,12 +131,12 @@ class TcpDataServer:
                     total += payload.numel()
                 await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
                 conn.sent(FrameType.END)
-                ftype, _, length = await _recv_frame(loop, sock, conn)
+                _ack, _, length = await _recv_frame(loop, sock, conn)
                 await _recv_body(loop, sock, length)
                 opened.acknowledged()
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass
-        except (ProtocolError, asyncio.TimeoutError) as e:
+        except (TimeoutError, ProtocolError) as e:
             log.warning("data-plane connection closed: %s", e)
         except Exception:
             log.exception("data-plane connection failed")
