@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", "120")))
     s.add_argument("--connections-per-peer", type=int, default=int(_env("CONNECTIONS_PER_PEER", "4")))
     s.add_argument("--pull-timeout-seconds", type=float, default=float(_env("PULL_TIMEOUT_SECONDS", "60")))
+    s.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", "10")), help="SIGTERM: how long in-flight pulls may finish [KVD_DRAIN_SECONDS]")
     s.add_argument("--ready-file", default="", help="write a JSON line with the bound addresses once serving")
 
     d = sub.add_parser("demo", help="a real P/D transfer on loopback, verified byte for byte")
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine_id=args.engine_id, host=args.host, advertise_host=args.advertise_host, grpc_port=args.grpc_port,
                 data_port=args.data_port, metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
                 connections_per_peer=args.connections_per_peer, pull_timeout_seconds=args.pull_timeout_seconds,
+                drain_seconds=args.drain_seconds,
             )
             from kvd.spec import WorkerId
 
