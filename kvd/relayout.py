@@ -82,7 +82,13 @@ def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if len(views) == 1:
         return views[0]
     first = views[0]
-    if any(v.shape != first.shape or v.stride() != first.stride() or v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for v in views):
+
+    def key(v: torch.Tensor) -> tuple[object, ...]:
+        # Strides of size-1 dims carry no meaning (and differ with shape order).
+        strides = tuple(s for n, s in zip(v.shape[1:], v.stride()[1:], strict=True) if n > 1)
+        return (tuple(v.shape), strides, v.untyped_storage().data_ptr())
+
+    if any(key(v) != key(first) for v in views):
         return None
     offs = [v.storage_offset() for v in views]
     step = offs[1] - offs[0]
@@ -147,9 +153,12 @@ class GroupTensors:
             i = j
 
 
-def select(view: torch.Tensor, block: tuple[int, int], token: tuple[int, int], head: tuple[int, int]) -> torch.Tensor:
-    """Restrict a canonical view to block, token and head ranges (start, count)."""
-    return view[:, :, block[0] : block[0] + block[1], token[0] : token[0] + token[1], head[0] : head[0] + head[1]]
+def select(
+    view: torch.Tensor, block: tuple[int, int], token: tuple[int, int], head: tuple[int, int], kv: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Restrict a canonical view to block, token, head (and kv) ranges, each (start, count)."""
+    kv_slice = slice(None) if kv is None else slice(kv[0], kv[0] + kv[1])
+    return view[:, kv_slice, block[0] : block[0] + block[1], token[0] : token[0] + token[1], head[0] : head[0] + head[1]]
 
 
 def to_units(view: torch.Tensor, n: int, u: int) -> torch.Tensor:
@@ -166,22 +175,27 @@ def to_units(view: torch.Tensor, n: int, u: int) -> torch.Tensor:
     raise ValueError(f"extent side of {blocks} blocks fits neither n={n} nor n*u={n * u}")
 
 
-def wire_shape(spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def wire_shape(spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int, kvs: int = 0) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and dim names of one segment's bytes as the owner sends them:
-    layers, then parts, then the owner's physical dims restricted."""
+    layers, then parts, then the owner's physical dims restricted. ``kvs`` is
+    the number of K/V planes carried (0 = all of them)."""
+    kvs = kvs or spec.num_kv
     sizes = dict(spec.dim_sizes())
     sizes["block"] = blocks
     if "token" in sizes:
         sizes["token"] = tokens
+    if "kv" in sizes:
+        sizes["kv"] = kvs
     sizes["head"] = heads
     dims: tuple[str, ...] = ("layer", "part", *spec.layout)
-    shape = (layers, spec.parts_per_layer, *(sizes[d] for d in spec.layout))
+    parts = kvs if spec.parts_per_layer == 2 else 1
+    shape = (layers, parts, *(sizes[d] for d in spec.layout))
     return shape, dims
 
 
-def wire_canonical(buf: torch.Tensor, spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int) -> torch.Tensor:
+def wire_canonical(buf: torch.Tensor, spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int, kvs: int = 0) -> torch.Tensor:
     """Canonical view of a DATA payload (``buf`` in the move dtype)."""
-    shape, dims = wire_shape(spec, layers, blocks, tokens, heads)
+    shape, dims = wire_shape(spec, layers, blocks, tokens, heads, kvs)
     t = buf.view(shape)
     if spec.parts_per_layer == 1:
         t = t.squeeze(1)

@@ -70,41 +70,56 @@ class SegmentSink:
 
     nbytes: int
     remote_spec: KVCacheSpec
-    wire_dims: tuple[int, int, int, int]  # layers, blocks, tokens, heads
+    wire_dims: tuple[int, int, int, int, int]  # layers, blocks, tokens, heads, kv planes
     local: GroupTensors
     local_positions: tuple[int, ...]
     local_block: tuple[int, int]
     local_token: tuple[int, int]
     local_head: tuple[int, int]
+    kv: tuple[int, int]  # K/V planes carried: (start, count)
     n: int
     u: int
     local_block_ids: np.ndarray  # the local blocks this segment writes (for invalid_block_ids)
+
+    def _targets(self) -> list[tuple[torch.Tensor, slice, torch.Tensor]]:
+        """(restricted local view, wire layer slice, wire kv slice) per part and layer run."""
+        kv0, kvn = self.kv
+        out = []
+        for p, part_kv in enumerate(self.local.kv_of_part):
+            if part_kv is None:  # the part holds the kv dim: take our planes of it
+                local_kv: tuple[int, int] | None = (kv0, kvn) if self.local.spec.num_kv > 1 else None
+                wire_kv = slice(None)
+            elif kv0 <= part_kv < kv0 + kvn:  # a K-only or V-only tensor
+                local_kv, wire_kv = None, slice(part_kv - kv0, part_kv - kv0 + 1)
+            else:
+                continue
+            for i, c, view in self.local.layer_runs(p, self.local_positions):
+                dst = select(view, self.local_block, self.local_token, self.local_head, local_kv)
+                out.append((dst, slice(i, i + c), wire_kv))
+        return out
 
     def direct(self) -> torch.Tensor | None:
         """The local memory itself, when the wire bytes already have its layout
         and it is contiguous: then bytes are received straight into place."""
         rs, ls = self.remote_spec, self.local.spec
-        if rs.layout != ls.layout or rs.parts_per_layer != 1 or self.u != 1:
+        if rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
             return None
-        if not isinstance(self.local.parts[0], torch.Tensor) and len(self.local_positions) != 1:
+        targets = self._targets()
+        if len(targets) != 1:
             return None
-        runs = list(self.local.layer_runs(0, self.local_positions))
-        if len(runs) != 1:
-            return None
-        dst = physical(select(runs[0][2], self.local_block, self.local_token, self.local_head), rs)
+        dst = physical(targets[0][0], rs)
         shape, _ = wire_shape(rs, *self.wire_dims)
-        if tuple(dst.shape) != (shape[0], *shape[2:]) or not dst.is_contiguous():
+        if dst.numel() * rs.itemsize != self.nbytes or not dst.is_contiguous():
+            return None
+        if tuple(dst.shape) != (shape[0], *shape[2:]) or shape[1] != 1:
             return None
         return dst
 
     def land(self, payload: torch.Tensor) -> None:
         """Relayout ``payload`` (uint8, this segment's bytes) into local memory."""
         src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
-        for p, kv in enumerate(self.local.kv_of_part):
-            plane = src if kv is None else src[:, kv : kv + 1]
-            for i, c, view in self.local.layer_runs(p, self.local_positions):
-                dst = select(view, self.local_block, self.local_token, self.local_head)
-                to_units(dst, self.n, self.u).copy_(to_units(plane[i : i + c], self.n, self.u))
+        for dst, layers, kv in self._targets():
+            to_units(dst, self.n, self.u).copy_(to_units(src[layers, kv], self.n, self.u))
 
 
 @dataclass
@@ -129,6 +144,7 @@ def plan_pull(
     params: pb.TransferParams,
     local_block_ids: Sequence[Sequence[int]],
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    zero_copy_min_bytes: int = 0,
 ) -> list[RankRead]:
     """Every read one local rank makes for one request."""
     if len(local_block_ids) != len(local_group_specs):
@@ -157,10 +173,17 @@ def plan_pull(
             if not layers:
                 continue
             remote_ids = list(params.block_ids[gi].ids)
-            _plan_group(rr, lspec, ltensors, rgroup, layers, params.num_tokens, remote_ids, local_block_ids[gi], target, segment_bytes)
+            _plan_group(rr, lspec, ltensors, rgroup, layers, params.num_tokens, remote_ids, local_block_ids[gi], target,
+                        segment_bytes, zero_copy_min_bytes or ZERO_COPY_MIN_BYTES)
         if rr.sinks:
             reads.append(rr)
     return reads
+
+
+# A contiguous piece at least this big is sent as its own zero-copy segment;
+# smaller pieces are gathered into batched segments, since a frame costs tens of
+# microseconds of Python on each side (~3 GB/s at 64 KiB).
+ZERO_COPY_MIN_BYTES = 64 << 10
 
 
 def _plan_group(
@@ -174,35 +197,48 @@ def _plan_group(
     local_ids: Sequence[int],
     target: ReadTarget,
     segment_bytes: int,
+    zero_copy_min_bytes: int,
 ) -> None:
     rspec, lspec = rgroup.spec, lgroup.spec
     heads = target.head_count
     if target.remote_head_start + heads > rspec.num_kv_heads:
         raise Incompatible("num_kv_heads", lspec.num_kv_heads, rspec.num_kv_heads, f"remote rank holds too few heads for [{target.remote_head_start}, +{heads})")
-    unit = min(rspec.block_size, lspec.block_size)
-    per_token_layer = rspec.bytes_per_block_per_layer // rspec.block_size * heads // rspec.num_kv_heads
-    unit_layer_bytes = max(1, per_token_layer * (unit if not rspec.opaque else 1))
-    layer_chunk = max(1, min(len(layers), segment_bytes // unit_layer_bytes))
-    max_units = max(1, segment_bytes // (unit_layer_bytes * layer_chunk))
-    ext: Extents = plan_extents(
-        remote_ids, rspec.block_size, list(local_ids), lspec.block_size, num_tokens, max_units=max_units
-    )
+    unit = 1 if rspec.opaque else min(rspec.block_size, lspec.block_size)
+    num_kv = rspec.num_kv
+    # Bytes of one unit (B tokens) of one layer and one K/V plane, for our heads.
+    per_block_layer = rspec.bytes_per_block_per_layer * heads // rspec.num_kv_heads
+    unit_plane_bytes = max(1, per_block_layer // num_kv // (1 if rspec.opaque else rspec.block_size) * unit)
+    # The owner's memory is contiguous per (layer, K/V plane) when kv sits
+    # outside the block dim (or K and V are separate tensors).
+    kv_outer = rspec.parts_per_layer == 2 or ("kv" in rspec.layout and rspec.layout.index("kv") < rspec.layout.index("block"))
+    planes = num_kv if kv_outer else 1
+    fine_max_units = max(1, segment_bytes // (unit_plane_bytes * (num_kv // planes)))
+    ext: Extents = plan_extents(remote_ids, rspec.block_size, list(local_ids), lspec.block_size, num_tokens, max_units=fine_max_units)
+    coarse_layers = max(1, min(len(layers), segment_bytes // max(1, unit_plane_bytes * num_kv)))
     r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
     l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}
-    chunks = [layers[i : i + layer_chunk] for i in range(0, len(layers), layer_chunk)]
+    kvs_per_fine = num_kv // planes
     for e in range(len(ext)):
         rb, rc, rt, rtc = ext.side(e, remote=True)
         lb, lc, lt, ltc = ext.side(e, remote=False)
         n, u = int(ext.n[e]), int(ext.u[e])
         if rspec.opaque:
             rt, rtc, lt, ltc = 0, 1, 0, 1  # the span hides tokens; whole blocks only
+        units = n * u
+        fine = units * unit_plane_bytes * kvs_per_fine >= zero_copy_min_bytes
+        if fine:
+            pieces = [([layer], (p * kvs_per_fine, kvs_per_fine)) for layer in layers for p in range(planes)]
+        else:
+            chunk = coarse_layers if units * unit_plane_bytes * num_kv * coarse_layers <= segment_bytes else 1
+            pieces = [(layers[i : i + chunk], (0, num_kv)) for i in range(0, len(layers), chunk)]
         local_block_ids = np.arange(lb, lb + lc, dtype=np.int64)
-        for chunk in chunks:
+        for chunk_layers, kv in pieces:
             rr.read.segments.add(
-                group_id=rgroup.group_id, layers=[r_pos[i] for i in chunk],
+                group_id=rgroup.group_id, layers=[r_pos[i] for i in chunk_layers],
                 block_start=rb, block_count=rc, token_start=rt, token_count=rtc,
+                kv_start=kv[0], kv_count=kv[1],
             )
-            wire_dims = (len(chunk), rc, rtc, heads)
+            wire_dims = (len(chunk_layers), rc, rtc, heads, kv[1])
             shape, _ = wire_shape(rspec, *wire_dims)
             rr.sinks.append(
                 SegmentSink(
@@ -210,18 +246,23 @@ def _plan_group(
                     remote_spec=rspec,
                     wire_dims=wire_dims,
                     local=ltensors,
-                    local_positions=tuple(l_pos[i] for i in chunk),
+                    local_positions=tuple(l_pos[i] for i in chunk_layers),
                     local_block=(lb, lc),
                     local_token=(lt, ltc),
                     local_head=(target.local_head_start, heads),
+                    kv=kv,
                     n=n, u=u,
                     local_block_ids=local_block_ids,
                 )
             )
 
 
+def _kv_range(spec: KVCacheSpec, seg: pb.DataSegment) -> tuple[int, int]:
+    return (seg.kv_start, seg.kv_count) if seg.kv_count else (0, spec.num_kv)
+
+
 def segment_nbytes(spec: KVCacheSpec, seg: pb.DataSegment, heads: int) -> int:
-    shape, _ = wire_shape(spec, len(seg.layers), seg.block_count, seg.token_count, heads)
+    shape, _ = wire_shape(spec, len(seg.layers), seg.block_count, seg.token_count, heads, _kv_range(spec, seg)[1])
     return math.prod(shape) * spec.itemsize
 
 
@@ -238,18 +279,21 @@ def serve_segment(
     block = (seg.block_start, seg.block_count)
     token = (seg.token_start, seg.token_count)
     head = (head_start, head_count)
-    if spec.parts_per_layer == 1:
-        runs = list(group.layer_runs(0, positions))
+    kv0, kvn = _kv_range(spec, seg)
+    joined_kv = (kv0, kvn) if spec.parts_per_layer == 1 and spec.num_kv > 1 else None
+    parts = [0] if spec.parts_per_layer == 1 else list(range(kv0, kv0 + kvn))
+    if len(parts) == 1:
+        runs = list(group.layer_runs(parts[0], positions))
         if len(runs) == 1:
-            v = physical(select(runs[0][2], block, token, head), spec)
+            v = physical(select(runs[0][2], block, token, head, joined_kv), spec)
             if v.is_contiguous():
                 return v.reshape(-1).view(torch.uint8)
-    shape, _ = wire_shape(spec, len(positions), seg.block_count, seg.token_count, head_count)
+    shape, _ = wire_shape(spec, len(positions), seg.block_count, seg.token_count, head_count, kvn)
     buf = staging(math.prod(shape) * spec.itemsize)
     out = buf.view(move_dtype(spec.dtype)).view(shape)
-    for p in range(spec.parts_per_layer):
+    for j, p in enumerate(parts):
         for i, c, view in group.layer_runs(p, positions):
-            out[i : i + c, p].copy_(physical(select(view, block, token, head), spec))
+            out[i : i + c, j].copy_(physical(select(view, block, token, head, joined_kv), spec))
     return buf
 
 
@@ -264,3 +308,5 @@ def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, 
         raise InvalidArgument("segment.token_start", seg.token_start, f"with count {seg.token_count} is outside [0, {tokens})")
     if head_count <= 0 or head_start + head_count > spec.num_kv_heads:
         raise InvalidArgument("read.head_start", head_start, f"with count {head_count} is outside [0, {spec.num_kv_heads})")
+    if seg.kv_count and seg.kv_start + seg.kv_count > spec.num_kv:
+        raise InvalidArgument("segment.kv_start", seg.kv_start, f"with count {seg.kv_count} is outside [0, {spec.num_kv})")

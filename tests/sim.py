@@ -100,7 +100,8 @@ def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng
     return SimEngine(meta, ranks)
 
 
-def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_ids: list[int], num_tokens: int, *, segment_bytes: int = 1 << 16) -> dict[tuple[int, int], int]:
+def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_ids: list[int], num_tokens: int, *,
+             segment_bytes: int = 1 << 16, zero_copy_min_bytes: int = 0) -> dict[tuple[int, int], int]:
     """Run every D rank's pull against P in memory; returns bytes read per P rank."""
     params = pb.TransferParams(remote_engine_id=p.meta.engine_id, request_id=request_id, generation=1, num_tokens=num_tokens, block_ids=[pb.BlockIds(ids=p_ids)])
     staging = Staging()
@@ -109,13 +110,18 @@ def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_id
         reads = plan_pull(
             local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
             remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=segment_bytes,
+            zero_copy_min_bytes=zero_copy_min_bytes,
         )
         for rr in reads:
             owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
             for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
                 payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, staging)
                 assert payload.numel() == sink.nbytes
-                sink.land(payload.clone())
+                direct = sink.direct()
+                if direct is not None:  # what the transport does: bytes straight into place
+                    direct.reshape(-1).view(torch.uint8).copy_(payload)
+                else:
+                    sink.land(payload.clone())
                 key = (rr.read.tp_rank, rr.read.pp_rank)
                 read_bytes[key] = read_bytes.get(key, 0) + sink.nbytes
     return read_bytes

@@ -52,7 +52,7 @@ def spec_for(c, tp, bs, layout, num_blocks):
     return make
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairings())
 def test_any_pairing_reconstructs_exactly(c):
     rng = random.Random(c["seed"])
@@ -66,7 +66,8 @@ def test_any_pairing_reconstructs_exactly(c):
     d_ids = rng.sample(range(nb_d), n_d) if rng.random() < 0.5 else list(range(2, n_d + 2))
     for r in p.ranks.values():
         pattern.fill(r.tensors, c["seed"], p_ids, r.coords)
-    read = transfer(p, d, "req", p_ids, d_ids, c["num_tokens"], segment_bytes=rng.choice([256, 4096, 1 << 20]))
+    read = transfer(p, d, "req", p_ids, d_ids, c["num_tokens"], segment_bytes=rng.choice([256, 4096, 1 << 20]),
+                    zero_copy_min_bytes=rng.choice([1, 512, 1 << 30]))
     for (tp, pp), r in d.ranks.items():
         bad = pattern.mismatch(r.tensors, c["seed"], d_ids, r.coords, c["num_tokens"])
         assert bad is None, f"D tp{tp}/pp{pp}: {bad}"

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+import torch
 import uvloop
 from prometheus_client import start_http_server
 
@@ -19,6 +20,9 @@ log = logging.getLogger("kvd.serve")
 
 
 async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
+    # Copies here are a few MiB each; torch's intra-op pool only adds
+    # spinning threads that compete with the sockets for the node's cores.
+    torch.set_num_threads(1)
     daemon = Daemon(config)
     await daemon.start()
     server, health = build_server(daemon)
