@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(d)
 
+    b = sub.add_parser("bench", help="measure kvd against baselines in the same run, as ratios")
+    from kvd.bench import add_arguments as bench_arguments
+
+    bench_arguments(b)
+
     st = sub.add_parser("status", help="show a daemon's workers, peers and work")
     st.add_argument("address")
     st.add_argument("--json", action="store_true")
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvd.demo import run_demo
 
         return run_demo(args)
+    if args.command == "bench":
+        from kvd.bench import run_bench
+
+        return run_bench(args)
     if args.command == "status":
         return _status(args.address, args.json)
     return 2

@@ -267,15 +267,16 @@ def run_demo(args: argparse.Namespace) -> int:
             done += len(batch)
             _progress(done, args.requests, total_bytes, transfer_s)
         wall = time.perf_counter() - t_start
-        # Prefill must have reported every request as sent.
-        sent: set[str] = set()
+        # Every prefill rank must report every request as sent (its blocks freed).
+        sent: list[set[str]] = [set() for _ in sides["prefill"]]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            for s, _r in _call(sides["prefill"], "finished", [None] * len(sides["prefill"])):
-                sent.update(s)
-            if len(sent) >= args.requests - len(failures):
+            for box, (s, _r) in zip(sent, _call(sides["prefill"], "finished", [None] * len(sides["prefill"])), strict=True):
+                box.update(s)
+            if all(len(box) >= args.requests - len(failures) for box in sent):
                 break
             time.sleep(0.05)
+        sent_everywhere = set.intersection(*sent) if sent else set()
         print()
         gbps = total_bytes / transfer_s / 1e9 if transfer_s else 0.0
         say("kvd demo summary")
@@ -285,8 +286,8 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"  throughput     {gbps:.2f} GB/s (bytes / time from pull to finished_recving)")
         say(f"  wall time      {wall:.1f} s (including filling and verifying)")
         say(f"  failures       {len(failures)}" + (f" (first: {next(iter(failures.values()))})" if failures else ""))
-        say(f"  finished_sending reported for {len(sent)} of {args.requests} requests")
-        ok = first_mismatch is None and not failures and len(sent) >= args.requests
+        say(f"  finished_sending reported by all {len(sent)} prefill ranks for {len(sent_everywhere)} of {args.requests} requests")
+        ok = first_mismatch is None and not failures and len(sent_everywhere) >= args.requests
         if first_mismatch:
             say(f"  MISMATCH       {first_mismatch}")
         elif ok:

@@ -88,11 +88,44 @@ def check_pairing(local: EngineShape, remote: EngineShape) -> None:
         raise Incompatible("layers", sorted(local_layers), sorted(remote_layers), f"remote engine lacks layers {missing[:8]}")
 
 
+def replica_primary(shape: EngineShape, tp_rank: int) -> int:
+    """The lowest TP rank holding exactly the same heads as ``tp_rank``.
+
+    With MLA every rank holds the one latent; with ``tp_size > heads`` each
+    head is held by ``tp_size / heads`` consecutive ranks.
+    """
+    if shape.use_mla:
+        return 0
+    if shape.tp_size > shape.total_num_kv_heads:
+        rep = shape.tp_size // shape.total_num_kv_heads
+        return tp_rank // rep * rep
+    return tp_rank
+
+
+def fanout_source(shape: EngineShape, tp_rank: int, pp_rank: int, present: frozenset[tuple[int, int]]) -> int | None:
+    """The local TP rank to copy from instead of reading remotely, or None.
+
+    A replica that is not its group's primary copies from the primary when
+    the primary's memory is on the same daemon (``present`` lists the
+    (tp, pp) ranks there), so the engine reads each remote byte once.
+    """
+    primary = replica_primary(shape, tp_rank)
+    if primary != tp_rank and (primary, pp_rank) in present:
+        return primary
+    return None
+
+
 def read_targets(
-    local: EngineShape, remote: EngineShape, local_tp_rank: int, local_pp_rank: int
+    local: EngineShape, remote: EngineShape, local_tp_rank: int, local_pp_rank: int,
+    present: frozenset[tuple[int, int]] = frozenset(),
 ) -> list[ReadTarget]:
-    """The remote reads one local rank makes, heads first, then PP stages."""
+    """The remote reads one local rank makes, heads first, then PP stages.
+
+    Empty for a replica that copies from its primary (see ``fanout_source``).
+    """
     check_pairing(local, remote)
+    if fanout_source(local, local_tp_rank, local_pp_rank, present) is not None:
+        return []
     mine = heads_of_rank(local_tp_rank, local.tp_size, local.total_num_kv_heads, local.use_mla)
     wanted_layers = local.layers_by_pp_rank.get(local_pp_rank, frozenset())
     targets: list[ReadTarget] = []

@@ -81,7 +81,7 @@ class SegmentSink:
     u: int
     local_block_ids: np.ndarray  # the local blocks this segment writes (for invalid_block_ids)
 
-    def _targets(self) -> list[tuple[torch.Tensor, slice, torch.Tensor]]:
+    def _targets(self) -> list[tuple[torch.Tensor, slice, slice]]:
         """(restricted local view, wire layer slice, wire kv slice) per part and layer run."""
         kv0, kvn = self.kv
         out = []
@@ -310,3 +310,30 @@ def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, 
         raise InvalidArgument("read.head_start", head_start, f"with count {head_count} is outside [0, {spec.num_kv_heads})")
     if seg.kv_count and seg.kv_start + seg.kv_count > spec.num_kv:
         raise InvalidArgument("segment.kv_start", seg.kv_start, f"with count {seg.kv_count} is outside [0, {spec.num_kv})")
+
+
+def copy_blocks(
+    src: Sequence[GroupTensors], src_ids: Sequence[Sequence[int]], dst: Sequence[GroupTensors], dst_ids: Sequence[Sequence[int]], num_tokens: int
+) -> int:
+    """Copy a request's blocks between two ranks of one engine holding the same
+    heads (a replica fan-out): per group, one gather and one scatter per part
+    and layer run, all blocks at once. Returns bytes copied."""
+    moved = 0
+    for s_group, s_ids, d_group, d_ids in zip(src, src_ids, dst, dst_ids, strict=True):
+        if s_group.spec != d_group.spec:
+            raise Incompatible("replica spec", d_group.spec, s_group.spec, "replicas of one engine must share a spec")
+        n = len(s_ids) if s_group.spec.opaque else -(-num_tokens // s_group.spec.block_size)
+        s_idx = torch.as_tensor(list(s_ids)[:n], dtype=torch.int64)
+        d_idx = torch.as_tensor(list(d_ids)[:n], dtype=torch.int64)
+        positions = tuple(range(len(s_group.layer_indices)))
+        for p in range(len(s_group.parts)):
+            s_runs = [v for _, _, v in s_group.layer_runs(p, positions)]
+            d_runs = [v for _, _, v in d_group.layer_runs(p, positions)]
+            if [v.shape[0] for v in s_runs] != [v.shape[0] for v in d_runs]:
+                s_runs = [v[j : j + 1] for v in s_runs for j in range(v.shape[0])]
+                d_runs = [v[j : j + 1] for v in d_runs for j in range(v.shape[0])]
+            for sv, dv in zip(s_runs, d_runs, strict=True):
+                block = sv.index_select(2, s_idx)
+                dv.index_copy_(2, d_idx, block)
+                moved += block.numel() * block.element_size()
+    return moved

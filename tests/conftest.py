@@ -113,9 +113,9 @@ class TestWorker:
 
 
 def make_worker(address: str, engine_id: str, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, layers=4, heads=4, head_size=16,
-                block_size=16, num_blocks=64, dtype="bfloat16", layout="NHD", register=True) -> TestWorker:
+                block_size=16, num_blocks=64, dtype="bfloat16", layout="NHD", register=True, local_heads=0) -> TestWorker:
     model = ModelInfo(layers, heads)
-    h = heads_of_rank(tp_rank, tp_size, heads, False).count
+    h = local_heads or heads_of_rank(tp_rank, tp_size, heads, False).count
     spec = KVCacheSpec(block_size, h, head_size, dtype, parse_layout(layout), num_blocks)
     per = -(-layers // pp_size)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(pp_rank * per, min(layers, (pp_rank + 1) * per))]

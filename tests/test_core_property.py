@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from kvd import pattern
 from kvd.errors import Incompatible
+from kvd.sim import make_engine, transfer
 from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
 from kvd.topology import heads_of_rank
-from tests.sim import make_engine, transfer
 
 JOINED_OR_SPLIT = ["NHD", "HND", "NHD_BLOCKS_FIRST", "HND_BLOCKS_FIRST", "NHD_SPLIT", "HND_SPLIT"]
 DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn"]

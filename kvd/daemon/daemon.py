@@ -48,9 +48,10 @@ from kvd.spec import (
     compat_fields,
     fingerprint,
 )
-from kvd.topology import read_targets
+from kvd.topology import fanout_source, heads_of_rank, read_targets
 from kvd.transfer import (
     DEFAULT_SEGMENT_BYTES,
+    copy_blocks,
     engine_shape,
     plan_pull,
     serve_segment,
@@ -134,6 +135,7 @@ class Daemon:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._handshake_locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self._replica_done: dict[tuple[str, int, RankKey], asyncio.Future[list[list[int]]]] = {}
         self.data_server = TcpDataServer(self, config.host, config.data_port)
         self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch), connections_per_peer=config.connections_per_peer, stall_timeout_s=config.pull_timeout_seconds)
 
@@ -192,6 +194,12 @@ class Daemon:
         if ids != list(range(len(groups))):
             raise InvalidArgument("groups.group_id", ids, "must be 0..n-1 in order")
         for g in groups:
+            try:
+                want = heads_of_rank(worker.tp_rank, worker.tp_size, model.total_num_kv_heads, g.spec.use_mla).count
+            except Incompatible as e:
+                raise InvalidArgument("worker.tp_size", worker.tp_size, f"cannot split model.total_num_kv_heads={model.total_num_kv_heads}: {e.message}") from None
+            if g.spec.num_kv_heads != want:
+                raise InvalidArgument(f"groups[{g.group_id}].spec.num_kv_heads", g.spec.num_kv_heads, f"should be {want} for tp_rank {worker.tp_rank} of {worker.tp_size} with {model.total_num_kv_heads} KV heads")
             bad = [i for i in g.layer_indices if i >= model.num_layers]
             if bad:
                 raise InvalidArgument(f"groups[{g.group_id}].layers.layer_index", bad[0], f"is not below model.num_layers={model.num_layers}")
@@ -386,20 +394,29 @@ class Daemon:
         if rank not in peer.expected_readers:
             mine = engine_shape(self.engine_meta())
             theirs = engine_shape(peer.meta)
+            present = frozenset((r.tp_rank, r.pp_rank) for r in peer.meta.ranks)
             count = 0
             for pp in theirs.layers_by_pp_rank:
                 for tp in range(theirs.tp_size):
-                    targets = read_targets(theirs, mine, tp, pp)
+                    targets = read_targets(theirs, mine, tp, pp, present)
                     count += any((t.remote_tp_rank, t.remote_pp_rank) == rank for t in targets)
-            peer.expected_readers[rank] = max(1, count)
+            peer.expected_readers[rank] = count
         return peer.expected_readers[rank]
 
     def read_acknowledged(self, read: pb.DataRead, reader_engine: str) -> None:
         rank = (read.tp_rank, read.pp_rank)
         ended = self.publications.ack(
             read.request_id, read.generation, rank, (reader_engine, read.reader_tp_rank, read.reader_pp_rank),
-            self._expected_readers(reader_engine, rank),
+            max(1, self._expected_readers(reader_engine, rank)),
         )
+        pub = self.publications.by_request.get(read.request_id)
+        if ended and pub is not None and pub.generation == read.generation:
+            # Ranks nobody reads (replicated heads, MLA) are done once every
+            # rank that is read has been.
+            unread = [r for r in pub.masks if self._expected_readers(reader_engine, r) == 0]
+            if len(unread) == len(pub.masks):
+                for r in unread:
+                    ended.extend(self.publications.ack(read.request_id, read.generation, r, (reader_engine, -1, -1), 1))
         for e in ended:
             self._report_sending(e)
 
@@ -460,6 +477,9 @@ class Daemon:
                     log.info("retrying pull request_id=%s after %s: %s", req.request_id, type(e).__name__, e)
                     await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
             total = moved
+            landed = self._replica_future(req.params, rank)
+            if not landed.done():
+                landed.set_result(local_ids)
             self.metrics.bytes_received.labels("tcp").inc(total)
             self.metrics.blocks_received.labels("tcp").inc(len(all_local))
             self.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
@@ -467,6 +487,10 @@ class Daemon:
         except BaseException as e:
             reason, message = _failure_reason(e)
             invalid = _unlanded_blocks(sinks_all, landed_all, all_local)
+            fut = self._replica_done.get((req.params.request_id, req.params.generation, rank))
+            if fut is not None and not fut.done():
+                fut.set_exception(FailedPrecondition(message))
+                fut.exception()  # nobody may be waiting; don't warn about it
             self.metrics.failures.labels(reason).inc()
             self.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
             self.finished[rank].add(Outcome(req.request_id, "recving", "failed", message), invalid)
@@ -478,6 +502,11 @@ class Daemon:
 
     async def _attempt_pull(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
                             sinks_all: list, landed_all: list[list[bool]]) -> int:
+        local_meta = self.engine_meta()
+        present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
+        source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
+        if source is not None:
+            return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
         peer = await self._peer_for(req.params)
         if peer.meta.epoch != req.params.remote_epoch:
             raise FailedPrecondition(
@@ -492,6 +521,7 @@ class Daemon:
             rr.read.reader_tp_rank, rr.read.reader_pp_rank = rank
             sinks_all.append(rr.sinks)
             landed_all.append([False] * len(rr.sinks))
+        self._replica_future(req.params, rank)  # replicas may wait on us
         planned = sum(rr.nbytes for rr in reads)
         self.metrics.bytes_in_flight.inc(planned)
         try:
@@ -502,6 +532,30 @@ class Daemon:
         finally:
             self.metrics.bytes_in_flight.dec(planned)
         return sum(moved)
+
+    def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[list[int]]]:
+        """Resolves with a rank's local block ids once its pull of ``params`` landed."""
+        key = (params.request_id, params.generation, rank)
+        fut = self._replica_done.get(key)
+        if fut is None:
+            fut = self._replica_done[key] = asyncio.get_running_loop().create_future()
+            # Forget it once no replica can still need it.
+            asyncio.get_running_loop().call_later(self.config.pull_timeout_seconds * 2, self._replica_done.pop, key, None)
+        return fut
+
+    async def _copy_from_replica(self, reg: Registration, req: pb.PullRequest, source: RankKey, local_ids: list[list[int]]) -> int:
+        """Copy a request's blocks from the replica that read them, instead of
+        reading the same remote bytes again."""
+        fut = self._replica_future(req.params, source)
+        try:
+            src_ids = await asyncio.wait_for(asyncio.shield(fut), self.config.pull_timeout_seconds)
+        except KvdError as e:
+            raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} failed to pull request_id={req.request_id!r}: {e.message}") from None
+        src_reg = self.registrations.get(source)
+        if src_reg is None:
+            raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} is no longer registered")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, req.params.num_tokens)
 
     # ------------------------------------------------------------ abort, finished sets
 

@@ -1,4 +1,4 @@
-"""In-memory engines for testing the planning and relayout core without a network.
+"""In-memory engines: the planning and relayout core without a network (tests, bench).
 
 A rank's caches live in a plain uint8 tensor standing in for a region; the
 transfer runs plan_pull -> serve_segment -> SegmentSink.land, which is

@@ -1,0 +1,60 @@
+"""Heterogeneous pairings through real daemons and worker processes, byte-exact."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, make_worker
+
+PAIRINGS = {
+    "tp4-pp1-b16-HND_to_tp2-pp2-b64-NHD": "--prefill-tp 4 --prefill-pp 1 --prefill-block-size 16 --prefill-layout HND --decode-tp 2 --decode-pp 2 --decode-block-size 64 --decode-layout NHD",
+    "tp1-b128-NHD_to_tp4-b32-HND": "--prefill-tp 1 --prefill-block-size 128 --prefill-layout NHD --decode-tp 4 --decode-block-size 32 --decode-layout HND",
+    "mla_tp2_to_tp4": "--mla --kv-heads 1 --head-size 576 --prefill-tp 2 --decode-tp 4 --dtype float8_e4m3fn",
+    "replicated_kv_2heads_tp4_to_tp8": "--kv-heads 2 --prefill-tp 4 --decode-tp 8 --dtype float16",
+    "flashinfer_split_kv": "--prefill-layout HND_BLOCKS_FIRST --decode-layout NHD_SPLIT --prefill-tp 2 --decode-tp 1 --dtype float32",
+    "opaque_cpu_layout_tp2_to_tp1": "--prefill-layout OPAQUE --decode-layout OPAQUE --prefill-tp 2 --decode-tp 1",
+}
+
+
+@pytest.mark.parametrize("flags", list(PAIRINGS.values()), ids=list(PAIRINGS))
+def test_pairing_through_daemons_is_byte_exact(flags):
+    cmd = [sys.executable, "-m", "kvd", "demo", "--requests", "12", "--layers", "4", "--num-blocks", "256", "--max-tokens", "300", "--concurrency", "6", *flags.split()]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "verified" in r.stdout
+    assert "finished_sending reported by all" in r.stdout
+
+
+def test_a_tp_that_cannot_split_the_heads_is_refused_at_registration(daemons):
+    from kvd.errors import InvalidArgument
+
+    d = daemons.start("decode")
+    with pytest.raises(InvalidArgument, match=r"worker.tp_size=3 .*total_num_kv_heads=4"):
+        make_worker(d.grpc, "decode", tp_rank=0, tp_size=3, heads=4, local_heads=1)
+    with pytest.raises(InvalidArgument, match=r"num_kv_heads=4 should be 2"):
+        make_worker(d.grpc, "decode", tp_rank=0, tp_size=2, heads=4, local_heads=4)
+
+
+@pytest.mark.parametrize(
+    "p_kwargs, d_kwargs, field",
+    [
+        (dict(block_size=16), dict(block_size=24), "block_size"),
+        (dict(dtype="bfloat16"), dict(dtype="float16"), "dtype"),
+        (dict(head_size=16), dict(head_size=8), "head_size"),
+    ],
+)
+def test_impossible_pairings_are_refused_before_any_transfer(daemons, p_kwargs, d_kwargs, field):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = make_worker(p.grpc, "prefill", **p_kwargs)
+    dw = make_worker(d.grpc, "decode", **d_kwargs)
+    params = pw.client.publish("r", [[1, 2]], 32)
+    dw.client.pull("r", params, [[3, 4, 5]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed"
+    assert field in detail.reason and "local=" in detail.reason and "remote=" in detail.reason
+    # Refused before any byte landed: every local block is reported invalid.
+    assert f.invalid_block_ids == {3, 4, 5}
