@@ -14,8 +14,8 @@ import json
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 

@@ -26,7 +26,21 @@ from kvd.convert import worker_to_pb
 from kvd.errors import DeadlineExceeded, from_code
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.spec import KVCacheSpec, ModelInfo, WorkerId
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, infer_spec
+
+VLLM_NHD_DIMS = ("kv", "block", "token", "head", "dim")
+
+
+def infer_spec_from_tensors(
+    kv_caches: Mapping[str, KVCacheTensors], *, dims: Sequence[str] | None = None, block_size: int = 0, use_mla: bool = False
+) -> KVCacheSpec:
+    """A spec from the first tensor's shape, strides and dtype."""
+    first = next(iter(kv_caches.values()))
+    t = first[0] if isinstance(first, tuple) else first
+    names = tuple(dims or (("block", "token", "dim") if use_mla else VLLM_NHD_DIMS))
+    if isinstance(first, tuple) and "kv" in names:
+        names = tuple(d for d in names if d != "kv")
+    return infer_spec(names, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), use_mla=use_mla, block_size=block_size)
 
 
 @dataclass
@@ -70,9 +84,24 @@ class KvdClient:
         spec: KVCacheSpec | None = None,
         *,
         dims: Sequence[str] | None = None,
+        block_size: int = 0,
+        use_mla: bool = False,
     ) -> pb.RegisterResponse:
-        """Register one group (``kv_caches`` + ``spec``) or several ``(spec, kv_caches)`` groups."""
-        groups = [(spec, kv_caches)] if spec is not None else list(kv_caches)  # type: ignore[list-item,arg-type]
+        """Register one group (``kv_caches`` + ``spec``) or several ``(spec, kv_caches)`` groups.
+
+        With a single ``dict[layer_name, Tensor]`` and no ``spec``, the spec is
+        inferred from the first tensor's shape, strides and dtype; ``dims``
+        names its dims in shape order (vLLM FlashAttention's
+        ``(kv, block, token, head, dim)`` by default), and an HND cache shows up
+        through its strides.
+        """
+        if isinstance(kv_caches, Mapping):
+            if spec is None:
+                spec = infer_spec_from_tensors(kv_caches, dims=dims, block_size=block_size, use_mla=use_mla)
+                dims = dims or VLLM_NHD_DIMS
+            groups = [(spec, kv_caches)]
+        else:
+            groups = list(kv_caches)
         described = describe(groups, dims=dims)  # type: ignore[arg-type]
         return self._call(self._worker.Register, pb.RegisterRequest(
             worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),

@@ -84,7 +84,7 @@ def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankC
         plane = exp if kv is None else exp[:, kv : kv + 1]
         for i, view in runs:
             c = view.shape[0]
-            view[:, :, ids] = plane[i : i + c]
+            view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
 
 
 def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int) -> str | None:
@@ -98,7 +98,7 @@ def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: R
         plane = exp if kv is None else exp[:, kv : kv + 1]
         for i, view in runs:
             c = view.shape[0]
-            got = view[:, :, ids]
+            got = view[:, :, ids.to(view.device)].cpu()
             want = plane[i : i + c]
             bad = (got != want) & valid.view(1, 1, *valid.shape, 1, 1)
             if bool(bad.any()):

@@ -277,8 +277,16 @@ class Daemon:
             if a.get(k) != b.get(k):
                 raise Incompatible(k, a.get(k), b.get(k), f"engines {mine.engine_id!r} and {theirs.engine_id!r} cannot exchange KV")
         from kvd.topology import check_pairing
+        from kvd.transfer import check_group_pairing
 
         check_pairing(engine_shape(mine), engine_shape(theirs))
+        # Every group must convert: block-size ratio, head size, layout kind.
+        if mine.ranks and theirs.ranks:
+            for g in mine.ranks[0].groups:
+                other = next((x for x in theirs.ranks[0].groups if x.group_id == g.group_id), None)
+                if other is None:
+                    raise Incompatible(f"group[{g.group_id}]", "present", "absent")
+                check_group_pairing(g, other)
 
     def handshake(self, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """A peer introduces itself (it wants to read from us)."""

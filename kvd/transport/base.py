@@ -21,12 +21,14 @@ from kvd.transfer import SegmentSink
 class Staging:
     """A gather buffer that grows to the largest segment and is then reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pinned: bool = False) -> None:
+        self.pinned = pinned
         self._buf = torch.empty(0, dtype=torch.uint8)
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         if self._buf.numel() < nbytes:
-            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+            # Pinned (page-locked) host memory lets device copies run at full speed.
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and torch.cuda.is_available())
         return self._buf[:nbytes]
 
 

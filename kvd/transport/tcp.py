@@ -108,6 +108,7 @@ class TcpDataServer:
         loop = asyncio.get_running_loop()
         conn = Connection(server=True)
         staging = Staging()
+        host_staging = Staging(pinned=True)
         try:
             _hello, _, length = await asyncio.wait_for(_recv_frame(loop, sock, conn), self.hello_timeout_s)
             hello = pb.DataHello.FromString(await _recv_body(loop, sock, length))
@@ -130,6 +131,9 @@ class TcpDataServer:
                 total = 0
                 for i in range(len(read.segments)):
                     payload = opened.segment(i, staging)
+                    if payload.device.type != "cpu":
+                        # GPU memory leaves through pinned host staging.
+                        payload = host_staging(payload.numel()).copy_(payload)
                     await loop.sock_sendall(sock, Header(FrameType.DATA, i, payload.numel()).encode())
                     await loop.sock_sendall(sock, _as_bytes(payload))
                     total += payload.numel()

@@ -1,0 +1,102 @@
+"""Registration paths a real engine uses: inferred specs, adopted tensors, CUDA IPC."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvd import pattern
+from kvd.caches import adopt_into_shm, allocate_kv_caches, local_group_tensors
+from kvd.client import KvdClient
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from tests.conftest import make_worker
+
+
+def test_spec_is_inferred_from_shape_and_strides(daemons):
+    """vLLM shapes an HND cache as NHD and permutes strides; kvd sees HND."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = make_worker(p.grpc, "prefill", layout="NHD")
+    hnd = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("HND"), 64)
+    physical = allocate_kv_caches(hnd, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
+    # Present each layer in NHD shape order: (kv, block, token, head, dim).
+    shaped = {name: t.permute(0, 1, 3, 2, 4) for name, t in physical.items()}
+    client = KvdClient(d.grpc, WorkerId("decode"))
+    client.register(shaped, ModelInfo(4, 4))
+    import grpc
+
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.proto import kvd_pb2_grpc as pbg
+
+    with grpc.insecure_channel(d.grpc) as ch:
+        st = pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+    assert st.workers[0].layers == 4
+    pw.fill(9, [1, 2, 3])
+    params = pw.client.publish("r", [[1, 2, 3]], 40)
+    client.pull("r", params, [[4, 5, 6]])
+    f = client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done"
+    tensors = local_group_tensors(hnd, physical)
+    assert pattern.mismatch(tensors, 9, [4, 5, 6], pattern.RankCoords(0), 40) is None
+
+
+def test_adopt_moves_existing_tensors_into_shm_in_place(daemons):
+    """vLLM's CPU backend: one buffer, every layer a view into it."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 32)
+    buffer = torch.zeros(4, *spec.part_shape(), dtype=torch.bfloat16)
+    caches = {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(4)}
+    ids = [2, 3, 7]
+    pattern.fill(local_group_tensors_plain(spec, caches), 5, ids, pattern.RankCoords(0))
+    before = {k: v.clone() for k, v in caches.items()}
+    objects = {k: id(v) for k, v in caches.items()}
+    old_ptr = buffer.data_ptr()
+    adopt_into_shm(caches)
+    assert {k: id(v) for k, v in caches.items()} == objects  # the same tensor objects
+    assert all(v.data_ptr() != old_ptr for v in caches.values())
+    assert all(torch.equal(caches[k], before[k]) for k in caches)
+    pc = KvdClient(p.grpc, WorkerId("prefill"))
+    pc.register(caches, ModelInfo(4, 4), spec)
+    # Writes through the engine's own tensor objects are what the daemon serves.
+    pattern.fill(local_group_tensors_plain(spec, caches), 6, ids, pattern.RankCoords(0))
+    dw = make_worker(d.grpc, "decode", num_blocks=32)
+    params = pc.publish("r", [ids], 48)
+    dw.client.pull("r", params, [[10, 11, 12]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done"
+    assert dw.mismatch(6, [10, 11, 12], 48) is None
+
+
+def local_group_tensors_plain(spec, caches):
+    """Canonical views of caches wherever they live (for the test's own fills)."""
+    from kvd.relayout import GroupTensors
+    from kvd.spec import GroupSpec, LayerSpec, TensorRef
+
+    base = next(iter(caches.values())).untyped_storage()
+    region = torch.empty(0, dtype=torch.uint8).set_(base)
+    layers = []
+    for i, (name, t) in enumerate(caches.items()):
+        off = t.data_ptr() - region.data_ptr()
+        layers.append(LayerSpec(name, i, (TensorRef("r", off, tuple(t.shape), tuple(t.stride()), spec.layout),)))
+    return GroupTensors.build(GroupSpec(0, spec, tuple(layers)), {"r": region})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_caches_register_by_ipc_handle_and_transfer(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 32)
+    buffer = torch.zeros(4, *spec.part_shape(), dtype=torch.bfloat16, device="cuda")
+    caches = {f"model.layers.{i}.self_attn.attn": buffer[i] for i in range(4)}
+    ids = [1, 2]
+    cpu = local_group_tensors_plain(spec, {k: v for k, v in caches.items()})
+    pattern.fill(cpu, 3, ids, pattern.RankCoords(0))
+    torch.cuda.synchronize()
+    pc = KvdClient(p.grpc, WorkerId("prefill"))
+    resp = pc.register(caches, ModelInfo(4, 4), spec)
+    assert resp.registered_bytes >= buffer.numel() * 2
+    dw = make_worker(d.grpc, "decode", num_blocks=32)
+    params = pc.publish("r", [ids], 32)
+    dw.client.pull("r", params, [[5, 6]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=60)
+    assert f.details[("recving", "r")].outcome == "done", f.details
+    assert dw.mismatch(3, [5, 6], 32) is None
