@@ -9,7 +9,7 @@ it; invalid block ids are unioned.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -67,3 +67,35 @@ class KVOutputAggregator:
                 else:
                     self._pending[key] = (count, worst)
         return merged
+
+
+class EngineFinishedHub:
+    """An engine's merged finished sets: drained by one call, or pushed to
+    subscribers as requests complete. Pure: subscribers are plain callbacks."""
+
+    def __init__(self, expected_finished_count: int = 1) -> None:
+        self.aggregator = KVOutputAggregator(expected_finished_count)
+        self.pending = WorkerFinished()
+        self.subscribers: list[Callable[[WorkerFinished], None]] = []
+
+    @property
+    def expected(self) -> int:
+        return self.aggregator.expected
+
+    def set_expected(self, count: int) -> None:
+        if count < 1:
+            raise ValueError("expected_finished_count must be >= 1")
+        self.aggregator.expected = count
+
+    def report(self, output: WorkerFinished) -> WorkerFinished:
+        merged = self.aggregator.aggregate([output])
+        if merged.sending or merged.recving or merged.invalid_block_ids:
+            for o in (*merged.sending.values(), *merged.recving.values()):
+                self.pending.add(o)
+            self.pending.invalid_block_ids |= merged.invalid_block_ids
+            for notify in list(self.subscribers):
+                notify(merged)
+        return merged
+
+    def drain(self) -> WorkerFinished:
+        return self.pending.drain()

@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", "120")))
     s.add_argument("--connections-per-peer", type=int, default=int(_env("CONNECTIONS_PER_PEER", "4")))
     s.add_argument("--pull-timeout-seconds", type=float, default=float(_env("PULL_TIMEOUT_SECONDS", "60")))
+    s.add_argument("--data-advertise-address", default=_env("DATA_ADVERTISE_ADDRESS", ""), help="host:port peers dial for the data plane [KVD_DATA_ADVERTISE_ADDRESS]")
+    s.add_argument("--stall-timeout-seconds", type=float, default=float(_env("STALL_TIMEOUT_SECONDS", "10")), help="a peer silent this long fails the read [KVD_STALL_TIMEOUT_SECONDS]")
+    s.add_argument("--max-concurrent-pulls", type=int, default=int(_env("MAX_CONCURRENT_PULLS", "64")), help="more are queued [KVD_MAX_CONCURRENT_PULLS]")
+    s.add_argument("--aggregator-address", default=_env("AGGREGATOR_ADDRESS", ""), help="the engine's aggregator daemon (default: this one) [KVD_AGGREGATOR_ADDRESS]")
     s.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", "10")), help="SIGTERM: how long in-flight pulls may finish [KVD_DRAIN_SECONDS]")
     s.add_argument("--ready-file", default="", help="write a JSON line with the bound addresses once serving")
 
@@ -56,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                 engine_id=args.engine_id, host=args.host, advertise_host=args.advertise_host, grpc_port=args.grpc_port,
                 data_port=args.data_port, metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
                 connections_per_peer=args.connections_per_peer, pull_timeout_seconds=args.pull_timeout_seconds,
-                drain_seconds=args.drain_seconds,
+                drain_seconds=args.drain_seconds, stall_timeout_seconds=args.stall_timeout_seconds,
+                max_concurrent_pulls=args.max_concurrent_pulls, aggregator_address=args.aggregator_address,
+                data_advertise_address=args.data_advertise_address,
             )
             from kvd.spec import WorkerId
 

@@ -16,7 +16,7 @@ For a vLLM developer, the mapping is:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -55,6 +55,10 @@ class Finished:
         self.finished_recving |= other.finished_recving
         self.invalid_block_ids |= other.invalid_block_ids
         self.details.update(other.details)
+
+
+def _finished(r: pb.GetFinishedResponse) -> Finished:
+    return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
 
 
 class KvdClient:
@@ -124,8 +128,8 @@ class KvdClient:
         return bool(self._call(self._worker.Abort, pb.AbortRequest(worker=self._wid, request_id=request_id)).found)
 
     def get_finished(self) -> Finished:
-        r = self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid))
-        return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
+        """This worker's finished_sending / finished_recving / invalid_block_ids since the last call."""
+        return _finished(self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid)))
 
     def wait_finished(self, recving: set[str] = frozenset(), sending: set[str] = frozenset(), timeout: float = 60.0, poll: float = 0.001) -> Finished:  # type: ignore[assignment]
         """Poll until every id in ``recving``/``sending`` is reported; returns all seen."""
@@ -137,6 +141,25 @@ class KvdClient:
             seen.merge(self.get_finished())
             time.sleep(poll)
         return seen
+
+    def engine_finished(self) -> Finished:
+        """The engine's merged sets (a request appears once every expected worker reported it)."""
+        r = self._call(self._worker.GetEngineFinished, pb.EngineFinishedRequest(engine_id=self.worker.engine_id))
+        return _finished(r)
+
+    def watch_engine_finished(self) -> Iterator[Finished]:
+        """Yields the engine's merged sets as requests complete (a server stream)."""
+        stream = self._worker.WatchEngineFinished(pb.EngineFinishedRequest(engine_id=self.worker.engine_id))
+        try:
+            for r in stream:
+                yield _finished(r)
+        finally:
+            stream.cancel()
+
+    def set_expected_finished_count(self, count: int) -> int:
+        """How many workers must report a request before the engine sees it (0: world size)."""
+        r = self._call(self._worker.SetExpectedFinishedCount, pb.SetExpectedFinishedCountRequest(engine_id=self.worker.engine_id, expected_finished_count=count))
+        return int(r.expected_finished_count)
 
     def unregister(self) -> None:
         self._call(self._worker.Unregister, pb.UnregisterRequest(worker=self._wid))

@@ -31,3 +31,20 @@ def test_drain_empties_the_box():
     w = out(sending=["x"])
     assert set(w.drain().sending) == {"x"}
     assert w.drain().sending == {}
+
+
+def test_engine_hub_pushes_merged_sets_to_subscribers_and_drains():
+    from kvd.aggregate import EngineFinishedHub
+
+    hub = EngineFinishedHub(expected_finished_count=2)
+    pushed = []
+    hub.subscribers.append(pushed.append)
+    hub.report(out(recving=["a"]))
+    assert pushed == [] and hub.drain().recving == {}
+    hub.report(out(recving=["a"], invalid=[4], outcome="failed"))
+    assert [set(p.recving) for p in pushed] == [{"a"}]
+    drained = hub.drain()
+    assert set(drained.recving) == {"a"} and drained.invalid_block_ids == {4}
+    hub.set_expected(1)
+    hub.report(out(sending=["b"]))
+    assert set(pushed[-1].sending) == {"b"}

@@ -9,7 +9,10 @@ except the pull task, which runs in the background.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
+import hmac
 import logging
 import os
 import socket
@@ -23,10 +26,18 @@ import numpy as np
 import torch
 
 from kvd import errors
-from kvd.aggregate import Outcome, WorkerFinished
-from kvd.convert import engine_from_pb, engine_to_pb, group_from_pb, model_from_pb, worker_from_pb
+from kvd.aggregate import EngineFinishedHub, Outcome, WorkerFinished
+from kvd.convert import (
+    engine_from_pb,
+    engine_to_pb,
+    group_from_pb,
+    model_from_pb,
+    worker_from_pb,
+    worker_to_pb,
+)
 from kvd.daemon.metrics import Metrics
 from kvd.errors import (
+    Aborted,
     FailedPrecondition,
     Incompatible,
     InvalidArgument,
@@ -71,13 +82,18 @@ class DaemonConfig:
     data_port: int = 0
     metrics_port: int = 0  # 0 = pick a free port; -1 = no metrics endpoint
     advertise_host: str = ""  # what peers dial; defaults to host
+    data_advertise_address: str = ""  # host:port peers dial for the data plane (behind NAT or a proxy)
     lease_seconds: float = 120.0
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     connections_per_peer: int = 4
-    pull_timeout_seconds: float = 60.0
+    pull_timeout_seconds: float = 60.0  # a whole pull, queueing excluded
+    stall_timeout_seconds: float = 10.0  # no byte from a peer for this long fails the read
+    max_concurrent_pulls: int = 64  # more are queued (and kept alive by heartbeat)
     drain_seconds: float = 10.0
+    drain_report_seconds: float = 5.0  # after draining, how long workers get to collect outcomes
     handshake_retries: int = 3
     pull_retries: int = 2
+    aggregator_address: str = ""  # the engine's aggregator daemon; empty: this one
 
 
 @dataclass
@@ -107,6 +123,32 @@ class Peer:
     expected_readers: dict[RankKey, int] = field(default_factory=dict)
 
 
+@dataclass
+class ActivePull:
+    """A pull queued or in flight, kept alive on P by heartbeat."""
+
+    worker: WorkerId
+    request: pb.PullRequest
+    started: float
+    task: asyncio.Task[None] | None = None
+    queued: bool = True
+    next_renew: float = 0.0
+    cancel_reason: str = ""  # why we cancelled it ourselves
+    cancel_outcome: str = "failed"  # "aborted" when the local worker asked
+
+    @property
+    def params(self) -> pb.TransferParams:
+        return self.request.params
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str
+    reason: str
+    message: str
+    at: float
+
+
 def host_id() -> str:
     """Same value for every daemon on one host (and kernel boot)."""
     try:
@@ -127,8 +169,16 @@ class Daemon:
         self.registrations: dict[RankKey, Registration] = {}
         self.finished: dict[RankKey, WorkerFinished] = {}
         self.publications = PublicationTable(config.lease_seconds, self.epoch)
-        self.peers: dict[str, Peer] = {}  # by engine id, peers we read from or that read from us
-        self.pulls: dict[tuple[RankKey, str], asyncio.Task[None]] = {}
+        self.peers: dict[str, Peer] = {}  # engines we read from, by engine id
+        self.readers: dict[tuple[str, str], Peer] = {}  # daemons that read from us, by (engine id, epoch)
+        self._expected: dict[tuple[str, RankKey], int] = {}
+        self.pulls: dict[tuple[RankKey, str], ActivePull] = {}
+        self.recent_failures: collections.deque[Failure] = collections.deque(maxlen=32)
+        self.engine_hub = EngineFinishedHub()
+        self._expected_override = 0
+        self._pull_slots = asyncio.Semaphore(config.max_concurrent_pulls)
+        self._to_aggregator: list[pb.ReportFinishedRequest] = []
+        self._background: list[asyncio.Task[None]] = []
         self._registration_version = 0
         self._generation = 0
         self._draining = False
@@ -136,31 +186,43 @@ class Daemon:
         self._handshake_locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._replica_done: dict[tuple[str, int, RankKey], asyncio.Future[list[list[int]]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
         self.data_server = TcpDataServer(self, config.host, config.data_port)
-        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch), connections_per_peer=config.connections_per_peer, stall_timeout_s=config.pull_timeout_seconds)
+        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch), connections_per_peer=config.connections_per_peer, stall_timeout_s=config.stall_timeout_seconds)
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         self.config.data_port = await self.data_server.start()
         self._sweeper = asyncio.create_task(self._sweep_leases())
+        self._background = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._forward_to_aggregator())]
 
     @property
     def data_address(self) -> str:
+        if self.config.data_advertise_address:
+            return self.config.data_advertise_address
         return f"{self.config.advertise_host or self.config.host}:{self.config.data_port}"
 
     async def drain(self) -> None:
         """Stop new work; let in-flight pulls finish within the drain bound, then fail them."""
         self._draining = True
-        tasks = list(self.pulls.values())
+        tasks = [p.task for p in self.pulls.values() if p.task is not None]
         if tasks:
             _done, pending = await asyncio.wait(tasks, timeout=self.config.drain_seconds)
             for t in pending:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+        # Report everything before exiting: give workers (and the aggregator)
+        # a bounded time to collect what the drain produced.
+        deadline = time.monotonic() + self.config.drain_report_seconds
+        while time.monotonic() < deadline and (self._to_aggregator or any(b.sending or b.recving for b in self.finished.values())):
+            await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        for t in self._background:
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -226,6 +288,7 @@ class Daemon:
         reg = Registration(worker, model, mapped, groups, tensors, self._generation)
         self.registrations[key] = reg
         self.finished.setdefault(key, WorkerFinished())
+        self.engine_hub.set_expected(self._expected_override or worker.tp_size * worker.pp_size)
         self._update_region_metrics()
         log.info("registered worker=%s regions=%d bytes=%d groups=%d layers=%d", worker, len(mapped), reg.nbytes, len(groups), sum(len(g.layers) for g in groups))
         return pb.RegisterResponse(registration_generation=reg.generation, registered_bytes=reg.nbytes, daemon_epoch=self.epoch)
@@ -233,8 +296,9 @@ class Daemon:
     def unregister(self, worker: WorkerId) -> None:
         key = self._registered(worker).worker
         k = (key.tp_rank, key.pp_rank)
-        for t in [t for (r, _), t in self.pulls.items() if r == k]:
-            t.cancel()
+        for p in [p for (r, _), p in self.pulls.items() if r == k]:
+            if p.task is not None:
+                p.task.cancel()
         for ended in self._abort_rank_publications(k, "worker unregistered"):
             self._report_sending(ended)
         self.registrations.pop(k).close()
@@ -299,7 +363,11 @@ class Daemon:
         except KvdError:
             self.metrics.handshakes.labels("callee", "refused").inc()
             raise
-        self.peers[theirs.engine_id] = Peer(theirs, "", self._registration_version)
+        # A restarted daemon of the same engine replaces its old epoch's entry.
+        for key in [k for k, r in self.readers.items() if k[0] == theirs.engine_id and r.meta.host_id == theirs.host_id and r.meta.data_address == theirs.data_address]:
+            del self.readers[key]
+        self.readers[(theirs.engine_id, theirs.epoch)] = Peer(theirs, "", self._registration_version)
+        self._expected = {k: v for k, v in self._expected.items() if k[0] != theirs.engine_id}
         self.metrics.handshakes.labels("callee", "ok").inc()
         log.info("handshake from engine=%s epoch=%s tp=%d pp=%d", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size)
         return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine)))
@@ -314,10 +382,7 @@ class Daemon:
             if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self._registration_version:
                 return peer
             mine = self.engine_meta()
-            channel = self._channels.get(params.remote_address)
-            if channel is None:
-                channel = self._channels[params.remote_address] = grpc.aio.insecure_channel(params.remote_address)
-            stub = pbg.PeerStub(channel)
+            stub = pbg.PeerStub(self._channel(params.remote_address))
             t0 = time.perf_counter()
             last: Exception | None = None
             for attempt in range(self.config.handshake_retries):
@@ -364,6 +429,7 @@ class Daemon:
             request_id=req.request_id, generation=pub.generation, capability=pub.capability,
             block_ids=[pb.BlockIds(ids=list(b.ids)) for b in req.block_ids], num_tokens=req.num_tokens,
             remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
+            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else self.config.lease_seconds,
         ))
 
     grpc_address = ""  # set by the server shell once it is bound
@@ -371,8 +437,7 @@ class Daemon:
     # ------------------------------------------------------------ data plane, owner side
 
     def check_hello(self, hello: pb.DataHello) -> None:
-        peer = self.peers.get(hello.engine_id)
-        if peer is None or peer.meta.epoch != hello.epoch:
+        if (hello.engine_id, hello.epoch) not in self.readers:
             self.metrics.refused_reads.labels("no_handshake").inc()
             raise FailedPrecondition(f"engine {hello.engine_id!r} epoch {hello.epoch[:8]} has not handshaken with this daemon")
 
@@ -396,20 +461,33 @@ class Daemon:
         return _OpenRead(self, reg, read, hello.engine_id)
 
     def _expected_readers(self, reader_engine: str, rank: RankKey) -> int:
-        peer = self.peers.get(reader_engine)
-        if peer is None:
-            return 1
-        if rank not in peer.expected_readers:
+        """How many ranks of ``reader_engine`` will read our ``rank``.
+
+        Counted over the reader engine's whole TP x PP shape; a rank copies from
+        a replica instead (fan-out) only when both sit on one daemon we have
+        handshaken with. Unknown ranks are assumed to read: over-counting only
+        delays the release to lease expiry, under-counting would refuse a read.
+        """
+        key = (reader_engine, rank)
+        if key not in self._expected:
+            daemons = [r.meta for (eid, _), r in self.readers.items() if eid == reader_engine]
+            if not daemons:
+                return 1
             mine = engine_shape(self.engine_meta())
-            theirs = engine_shape(peer.meta)
-            present = frozenset((r.tp_rank, r.pp_rank) for r in peer.meta.ranks)
+            merged = dataclasses.replace(daemons[0], ranks=tuple(r for m in daemons for r in m.ranks))
+            theirs = engine_shape(merged)
             count = 0
-            for pp in theirs.layers_by_pp_rank:
+            for pp in range(theirs.pp_size):
                 for tp in range(theirs.tp_size):
+                    if pp not in theirs.layers_by_pp_rank:
+                        count += 1  # a stage we know nothing of: assume it reads
+                        continue
+                    home = next((m for m in daemons if m.rank(tp, pp) is not None), None)
+                    present = frozenset((r.tp_rank, r.pp_rank) for r in home.ranks) if home else frozenset()
                     targets = read_targets(theirs, mine, tp, pp, present)
                     count += any((t.remote_tp_rank, t.remote_pp_rank) == rank for t in targets)
-            peer.expected_readers[rank] = count
-        return peer.expected_readers[rank]
+            self._expected[key] = count
+        return self._expected[key]
 
     def read_acknowledged(self, read: pb.DataRead, reader_engine: str) -> None:
         rank = (read.tp_rank, read.pp_rank)
@@ -454,12 +532,15 @@ class Daemon:
         key = (rank, req.request_id)
         if key in self.pulls:
             raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
-        task = asyncio.create_task(self._run_pull(reg, req))
-        self.pulls[key] = task
-        task.add_done_callback(lambda _t: self.pulls.pop(key, None))
+        now = time.monotonic()
+        active = ActivePull(worker, req, now, next_renew=now + _renew_interval(p))
+        active.task = asyncio.create_task(self._run_pull(reg, active))
+        self.pulls[key] = active
+        active.task.add_done_callback(lambda _t: self.pulls.pop(key, None))
         return pb.PullResponse(accepted=True)
 
-    async def _run_pull(self, reg: Registration, req: pb.PullRequest) -> None:
+    async def _run_pull(self, reg: Registration, active: ActivePull) -> None:
+        req = active.request
         rank = (reg.worker.tp_rank, reg.worker.pp_rank)
         local_ids = [list(b.ids) for b in req.local_block_ids]
         all_local = sorted({i for ids in local_ids for i in ids})
@@ -468,22 +549,10 @@ class Daemon:
         sinks_all: list = []
         landed_all: list[list[bool]] = []
         try:
-            for attempt in range(self.config.pull_retries + 1):
-                sinks_all.clear()
-                landed_all.clear()
-                try:
-                    moved = await self._attempt_pull(reg, req, rank, local_ids, sinks_all, landed_all)
-                    break
-                except (ConnectionError, OSError, Unavailable) as e:
-                    # Transient: the peer may have restarted. Forget what we knew
-                    # (handshake, pooled connections) and try again, boundedly.
-                    stale = self.peers.pop(req.params.remote_engine_id, None)
-                    if stale is not None:
-                        await self.data_client.forget(stale.meta.data_address)
-                    if attempt == self.config.pull_retries:
-                        raise
-                    log.info("retrying pull request_id=%s after %s: %s", req.request_id, type(e).__name__, e)
-                    await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+            async with self._pull_slots:
+                active.queued = False
+                t0 = time.perf_counter()
+                moved = await asyncio.wait_for(self._pull_with_retries(reg, req, rank, local_ids, sinks_all, landed_all), self.config.pull_timeout_seconds)
             total = moved
             landed = self._replica_future(req.params, rank)
             if not landed.done():
@@ -491,9 +560,13 @@ class Daemon:
             self.metrics.bytes_received.labels("tcp").inc(total)
             self.metrics.blocks_received.labels("tcp").inc(len(all_local))
             self.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
-            self.finished[rank].add(Outcome(req.request_id, "recving", "done", bytes=total))
+            self._emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
         except BaseException as e:
             reason, message = _failure_reason(e)
+            outcome = "failed"
+            if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
+                outcome, message = active.cancel_outcome, active.cancel_reason
+                reason = "aborted" if outcome == "aborted" else "lease_lost"
             invalid = _unlanded_blocks(sinks_all, landed_all, all_local)
             fut = self._replica_done.get((req.params.request_id, req.params.generation, rank))
             if fut is not None and not fut.done():
@@ -501,12 +574,32 @@ class Daemon:
                 fut.exception()  # nobody may be waiting; don't warn about it
             self.metrics.failures.labels(reason).inc()
             self.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
-            self.finished[rank].add(Outcome(req.request_id, "recving", "failed", message), invalid)
+            self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
+            self._emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
             log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
             self.metrics.pulls_in_flight.dec()
+
+    async def _pull_with_retries(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
+                                 sinks_all: list, landed_all: list[list[bool]]) -> int:
+        for attempt in range(self.config.pull_retries + 1):
+            sinks_all.clear()
+            landed_all.clear()
+            try:
+                return await self._attempt_pull(reg, req, rank, local_ids, sinks_all, landed_all)
+            except (ConnectionError, OSError, Unavailable) as e:
+                # Transient: the peer may have restarted. Forget what we knew
+                # (handshake, pooled connections) and try again, boundedly.
+                stale = self.peers.pop(req.params.remote_engine_id, None)
+                if stale is not None:
+                    await self.data_client.forget(stale.meta.data_address)
+                if attempt == self.config.pull_retries:
+                    raise
+                log.info("retrying pull request_id=%s after %s: %s", req.request_id, type(e).__name__, e)
+                await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+        raise AssertionError("unreachable")
 
     async def _attempt_pull(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
                             sinks_all: list, landed_all: list[list[bool]]) -> int:
@@ -533,9 +626,8 @@ class Daemon:
         planned = sum(rr.nbytes for rr in reads)
         self.metrics.bytes_in_flight.inc(planned)
         try:
-            moved = await asyncio.wait_for(
-                asyncio.gather(*(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed) for rr, landed in zip(reads, landed_all, strict=True))),
-                self.config.pull_timeout_seconds,
+            moved = await asyncio.gather(
+                *(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed) for rr, landed in zip(reads, landed_all, strict=True))
             )
         finally:
             self.metrics.bytes_in_flight.dec(planned)
@@ -568,26 +660,148 @@ class Daemon:
     # ------------------------------------------------------------ abort, finished sets
 
     def abort(self, req: pb.AbortRequest) -> bool:
+        """Either side: D cancels its pull (and tells P), P ends its publication."""
         worker = worker_from_pb(req.worker)
         self._registered(worker)
         rank = (worker.tp_rank, worker.pp_rank)
         found = False
-        task = self.pulls.get((rank, req.request_id))
-        if task is not None:
-            task.cancel()
+        active = self.pulls.get((rank, req.request_id))
+        if active is not None and active.task is not None:
+            active.cancel_reason, active.cancel_outcome = f"aborted by {worker}", "aborted"
+            active.task.cancel()
+            self._spawn(self._abort_remote(active.params, f"reader {self.config.engine_id} aborted"))
             found = True
         for e in self.publications.abort(req.request_id, rank):
             self._report_sending(e)
             found = True
         return found
 
+    async def _abort_remote(self, params: pb.TransferParams, reason: str) -> None:
+        """Best effort: let P release the lease now rather than at expiry."""
+        try:
+            await pbg.PeerStub(self._channel(params.remote_address)).Abort(
+                pb.PeerAbortRequest(engine_id=params.remote_engine_id, request_id=params.request_id, generation=params.generation,
+                                    capability=params.capability, reason=reason), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.info("peer abort of request_id=%s not delivered: %s", params.request_id, e.code().name)
+
+    def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
+        pub = self.publications.by_request.get(req.request_id)
+        if pub is None or pub.generation != req.generation or not hmac.compare_digest(pub.capability, req.capability):
+            return False
+        for e in self.publications.abort(req.request_id, None, req.reason or "aborted by the reader"):
+            self._report_sending(e)
+        return True
+
+    def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
+        now = time.monotonic()
+        alive = []
+        for lease in req.leases:
+            pub = self.publications.by_request.get(lease.request_id)
+            ok = (pub is not None and hmac.compare_digest(pub.capability, lease.capability)
+                  and self.publications.renew(lease.request_id, lease.generation, now))
+            alive.append(bool(ok))
+        return pb.RenewLeasesResponse(alive=alive)
+
+    async def _heartbeat(self) -> None:
+        """Renew P's leases for every pull queued or in flight, batched per peer."""
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            due: dict[str, list[ActivePull]] = {}
+            for p in self.pulls.values():
+                if now >= p.next_renew:
+                    p.next_renew = now + _renew_interval(p.params)
+                    due.setdefault(p.params.remote_address, []).append(p)
+            for address, pulls in due.items():
+                self._spawn(self._renew(address, pulls))
+
+    async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
+        req = pb.RenewLeasesRequest(engine_id=pulls[0].params.remote_engine_id, reader_engine_id=self.config.engine_id,
+                                    leases=[pb.LeaseRef(request_id=p.params.request_id, generation=p.params.generation, capability=p.params.capability) for p in pulls])
+        try:
+            resp = await pbg.PeerStub(self._channel(address)).RenewLeases(req, timeout=5)
+        except grpc.aio.AioRpcError as e:
+            log.info("lease heartbeat to %s failed: %s", address, e.code().name)
+            return  # the pull itself will find out
+        for p, ok in zip(pulls, resp.alive, strict=False):
+            if not ok and p.task is not None and not p.task.done():
+                # Don't wait for a read that can only be refused.
+                p.cancel_reason = f"publication of request_id={p.params.request_id!r} expired or ended on the prefill side"
+                p.task.cancel()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+        return ch
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ finished sets
+
     def get_finished(self, worker: WorkerId) -> WorkerFinished:
         self._registered(worker)
         return self.finished[(worker.tp_rank, worker.pp_rank)].drain()
 
+    def _emit(self, rank: RankKey, outcome: Outcome, invalid: Sequence[int] = ()) -> None:
+        """A worker's outcome: into its own box, and to the engine's aggregator."""
+        self.finished.setdefault(rank, WorkerFinished()).add(outcome, invalid)
+        one = WorkerFinished()
+        one.add(outcome, invalid)
+        if self.config.aggregator_address and self.config.aggregator_address != self.grpc_address:
+            reg = self.registrations.get(rank)
+            wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=self.config.engine_id, tp_rank=rank[0], pp_rank=rank[1])
+            self._to_aggregator.append(pb.ReportFinishedRequest(
+                engine_id=self.config.engine_id, worker=wid, invalid_block_ids=sorted(invalid),
+                details=[pb.FinishedDetail(request_id=outcome.request_id, direction=outcome.direction, outcome=outcome.outcome, reason=outcome.reason, bytes=outcome.bytes)],
+            ))
+        else:
+            self.engine_hub.report(one)
+
+    def report_finished(self, req: pb.ReportFinishedRequest) -> None:
+        """Another rank's daemon reports to us, the engine's aggregator."""
+        if req.engine_id != self.config.engine_id:
+            raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {self.config.engine_id!r}")
+        out = WorkerFinished()
+        for i, d in enumerate(req.details):
+            out.add(Outcome(d.request_id, d.direction, d.outcome, d.reason, d.bytes), req.invalid_block_ids if i == 0 else ())
+        self.engine_hub.report(out)
+
+    async def _forward_to_aggregator(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            while self._to_aggregator:
+                item = self._to_aggregator[0]
+                try:
+                    await pbg.PeerStub(self._channel(self.config.aggregator_address)).ReportFinished(item, timeout=5)
+                    self._to_aggregator.pop(0)
+                except grpc.aio.AioRpcError as e:
+                    log.warning("aggregator %s unreachable (%s); %d reports queued", self.config.aggregator_address, e.code().name, len(self._to_aggregator))
+                    await asyncio.sleep(0.5)
+                    break
+
+    def engine_finished(self, engine_id: str) -> WorkerFinished:
+        self._check_engine(engine_id)
+        return self.engine_hub.drain()
+
+    def set_expected_finished_count(self, engine_id: str, count: int) -> int:
+        self._check_engine(engine_id)
+        self._expected_override = count
+        regs = list(self.registrations.values())
+        world = regs[0].worker.tp_size * regs[0].worker.pp_size if regs else 1
+        self.engine_hub.set_expected(count or world)
+        return self.engine_hub.expected
+
+    def _check_engine(self, engine_id: str) -> None:
+        if engine_id != self.config.engine_id:
+            raise InvalidArgument("engine_id", engine_id, f"is not this daemon's engine {self.config.engine_id!r}")
+
     def _report_sending(self, ended: Ended) -> None:
-        box = self.finished.setdefault(ended.rank, WorkerFinished())
-        box.add(Outcome(ended.request_id, "sending", ended.outcome, ended.reason))
+        self._emit(ended.rank, Outcome(ended.request_id, "sending", ended.outcome, ended.reason))
         if ended.outcome == "expired":
             self.metrics.leases_expired.inc()
         self.metrics.leases_held.set(len(self.publications))
@@ -607,12 +821,19 @@ class Daemon:
 
     def status(self) -> pb.StatusResponse:
         from kvd import __version__
-        from kvd.convert import worker_to_pb
 
+        now = time.monotonic()
         return pb.StatusResponse(
-            engine_id=self.config.engine_id, epoch=self.epoch, version=__version__,
+            engine_id=self.config.engine_id, epoch=self.epoch, version=__version__, draining=self._draining,
             workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups)) for r in self.registrations.values()],
             peers=sorted(self.peers), publications=len(self.publications), pulls_in_flight=len(self.pulls),
+            leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
+                    for p in list(self.publications.by_request.values())[:200]],
+            pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started)
+                   for (_, rid), p in list(self.pulls.items())[:200]],
+            recent_failures=[pb.FailureStatus(request_id=f.request_id, reason=f.reason, message=f.message, age_seconds=now - f.at) for f in self.recent_failures],
+            staging_buffers=self.data_client.staging_buffers(), staging_bytes=self.data_client.staging_bytes(),
+            tasks=len(self._tasks) + len(self.pulls),
         )
 
 
@@ -629,6 +850,21 @@ class _OpenRead:
 
     def acknowledged(self) -> None:
         self.daemon.read_acknowledged(self.read, self.reader)
+
+    def check_alive(self) -> None:
+        """Raise if the publication ended (aborted, expired) while being served."""
+        pub = self.daemon.publications.by_request.get(self.read.request_id)
+        rank = (self.read.tp_rank, self.read.pp_rank)
+        if pub is None or pub.generation != self.read.generation or rank not in pub.masks:
+            raise Aborted(f"publication of request_id={self.read.request_id!r} ended while being read")
+        if time.monotonic() >= pub.expires_at:
+            raise Aborted(f"publication of request_id={self.read.request_id!r} expired while being read")
+
+
+def _renew_interval(params: pb.TransferParams) -> float:
+    """Heartbeat three times per lease, so one lost beat does not lose the lease."""
+    lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
+    return max(0.05, lease / 3)
 
 
 def _failure_reason(e: BaseException) -> tuple[str, str]:

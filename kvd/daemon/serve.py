@@ -41,7 +41,7 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
         await health.set(name, SERVING)
     info = {
         "engine_id": config.engine_id, "epoch": daemon.epoch, "grpc": daemon.grpc_address,
-        "data": daemon.data_address, "metrics": f"{config.host}:{metrics_port}" if metrics_port >= 0 else "off",
+        "data": daemon.data_address, "data_bind": f"{config.host}:{config.data_port}", "metrics": f"{config.host}:{metrics_port}" if metrics_port >= 0 else "off",
         "version": __version__,
     }
     log.info("kvd serving " + " ".join(f"{k}={v}" for k, v in info.items()))

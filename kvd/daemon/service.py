@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvd.aggregate import WorkerFinished
 from kvd.convert import worker_from_pb
 from kvd.daemon.daemon import Daemon
 from kvd.errors import KvdError
@@ -43,6 +45,17 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
+def finished_to_pb(f: WorkerFinished) -> pb.GetFinishedResponse:
+    details = [
+        pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
+        for o in (*f.sending.values(), *f.recving.values())
+    ]
+    return pb.GetFinishedResponse(
+        finished_sending=sorted(f.sending), finished_recving=sorted(f.recving),
+        invalid_block_ids=sorted(f.invalid_block_ids), details=details,
+    )
+
+
 class WorkerService(pbg.WorkerServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
@@ -70,15 +83,32 @@ class WorkerService(pbg.WorkerServicer):
 
     @rpc
     def GetFinished(self, request: pb.GetFinishedRequest, context: Any) -> pb.GetFinishedResponse:
-        f = self.d.get_finished(worker_from_pb(request.worker))
-        details = [
-            pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
-            for o in (*f.sending.values(), *f.recving.values())
-        ]
-        return pb.GetFinishedResponse(
-            finished_sending=sorted(f.sending), finished_recving=sorted(f.recving),
-            invalid_block_ids=sorted(f.invalid_block_ids), details=details,
-        )
+        return finished_to_pb(self.d.get_finished(worker_from_pb(request.worker)))
+
+    @rpc
+    def GetEngineFinished(self, request: pb.EngineFinishedRequest, context: Any) -> pb.GetFinishedResponse:
+        return finished_to_pb(self.d.engine_finished(request.engine_id))
+
+    async def WatchEngineFinished(self, request: pb.EngineFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
+        """Push the engine's merged sets as requests complete; nobody polls."""
+        try:
+            self.d._check_engine(request.engine_id)
+        except KvdError as e:
+            await context.abort(e.code, e.message)
+        queue: asyncio.Queue[WorkerFinished] = asyncio.Queue()
+        self.d.engine_hub.subscribers.append(queue.put_nowait)
+        try:
+            backlog = self.d.engine_hub.drain()
+            if backlog.sending or backlog.recving or backlog.invalid_block_ids:
+                yield finished_to_pb(backlog)
+            while True:
+                yield finished_to_pb(await queue.get())
+        finally:
+            self.d.engine_hub.subscribers.remove(queue.put_nowait)
+
+    @rpc
+    def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:
+        return pb.SetExpectedFinishedCountResponse(expected_finished_count=self.d.set_expected_finished_count(request.engine_id, request.expected_finished_count))
 
 
 class PeerService(pbg.PeerServicer):
@@ -91,7 +121,16 @@ class PeerService(pbg.PeerServicer):
 
     @rpc
     def Abort(self, request: pb.PeerAbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(found=False)
+        return pb.AbortResponse(found=self.d.peer_abort(request))
+
+    @rpc
+    def RenewLeases(self, request: pb.RenewLeasesRequest, context: Any) -> pb.RenewLeasesResponse:
+        return self.d.renew_leases(request)
+
+    @rpc
+    def ReportFinished(self, request: pb.ReportFinishedRequest, context: Any) -> pb.ReportFinishedResponse:
+        self.d.report_finished(request)
+        return pb.ReportFinishedResponse()
 
 
 class AdminService(pbg.AdminServicer):

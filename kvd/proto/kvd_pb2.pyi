@@ -161,7 +161,7 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("remote_engine_id", "remote_address", "remote_epoch", "request_id", "generation", "capability", "block_ids", "num_tokens", "remote_tp_size", "remote_pp_size")
+    __slots__ = ("remote_engine_id", "remote_address", "remote_epoch", "request_id", "generation", "capability", "block_ids", "num_tokens", "remote_tp_size", "remote_pp_size", "lease_seconds")
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class TransferParams(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     remote_engine_id: str
     remote_address: str
     remote_epoch: str
@@ -182,7 +183,8 @@ class TransferParams(_message.Message):
     num_tokens: int
     remote_tp_size: int
     remote_pp_size: int
-    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds")
@@ -272,6 +274,26 @@ class FinishedDetail(_message.Message):
     bytes: int
     def __init__(self, request_id: _Optional[str] = ..., direction: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
+class EngineFinishedRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class SetExpectedFinishedCountRequest(_message.Message):
+    __slots__ = ("engine_id", "expected_finished_count")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FINISHED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    expected_finished_count: int
+    def __init__(self, engine_id: _Optional[str] = ..., expected_finished_count: _Optional[int] = ...) -> None: ...
+
+class SetExpectedFinishedCountResponse(_message.Message):
+    __slots__ = ("expected_finished_count",)
+    EXPECTED_FINISHED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    expected_finished_count: int
+    def __init__(self, expected_finished_count: _Optional[int] = ...) -> None: ...
+
 class RankInfo(_message.Message):
     __slots__ = ("tp_rank", "pp_rank", "groups")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -317,23 +339,67 @@ class HandshakeResponse(_message.Message):
     def __init__(self, callee: _Optional[_Union[EngineInfo, _Mapping]] = ...) -> None: ...
 
 class PeerAbortRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "generation", "capability")
+    __slots__ = ("engine_id", "request_id", "generation", "capability", "reason")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     generation: int
     capability: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
+    reason: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaseRef(_message.Message):
+    __slots__ = ("request_id", "generation", "capability")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generation: int
+    capability: bytes
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("engine_id", "reader_engine_id", "leases")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    reader_engine_id: str
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseRef]
+    def __init__(self, engine_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseRef, _Mapping]]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("alive",)
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    alive: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, alive: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class ReportFinishedRequest(_message.Message):
+    __slots__ = ("engine_id", "worker", "details", "invalid_block_ids")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    INVALID_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    worker: WorkerId
+    details: _containers.RepeatedCompositeFieldContainer[FinishedDetail]
+    invalid_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., worker: _Optional[_Union[WorkerId, _Mapping]] = ..., details: _Optional[_Iterable[_Union[FinishedDetail, _Mapping]]] = ..., invalid_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportFinishedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version")
+    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version", "leases", "pulls", "recent_failures", "staging_buffers", "staging_bytes", "tasks", "draining")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +407,13 @@ class StatusResponse(_message.Message):
     PUBLICATIONS_FIELD_NUMBER: _ClassVar[int]
     PULLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -348,7 +421,50 @@ class StatusResponse(_message.Message):
     publications: int
     pulls_in_flight: int
     version: str
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseStatus]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullStatus]
+    recent_failures: _containers.RepeatedCompositeFieldContainer[FailureStatus]
+    staging_buffers: int
+    staging_bytes: int
+    tasks: int
+    draining: bool
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullStatus, _Mapping]]] = ..., recent_failures: _Optional[_Iterable[_Union[FailureStatus, _Mapping]]] = ..., staging_buffers: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., tasks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class LeaseStatus(_message.Message):
+    __slots__ = ("request_id", "generation", "ranks", "expires_in_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    generation: int
+    ranks: _containers.RepeatedScalarFieldContainer[str]
+    expires_in_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[str]] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
+
+class PullStatus(_message.Message):
+    __slots__ = ("request_id", "worker", "remote_engine_id", "age_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker: str
+    remote_engine_id: str
+    age_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., worker: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class FailureStatus(_message.Message):
+    __slots__ = ("request_id", "reason", "message", "age_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    message: str
+    age_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker", "regions", "bytes", "layers")

@@ -64,6 +64,21 @@ class WorkerStub:
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.SerializeToString,
                 response_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
                 _registered_method=True)
+        self.GetEngineFinished = channel.unary_unary(
+                '/kvd.v1.Worker/GetEngineFinished',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
+                _registered_method=True)
+        self.WatchEngineFinished = channel.unary_stream(
+                '/kvd.v1.Worker/WatchEngineFinished',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
+                _registered_method=True)
+        self.SetExpectedFinishedCount = channel.unary_unary(
+                '/kvd.v1.Worker/SetExpectedFinishedCount',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.SetExpectedFinishedCountRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.SetExpectedFinishedCountResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -105,6 +120,25 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetEngineFinished(self, request, context):
+        """For the engine's scheduler: one call, or a stream that pushes as requests complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEngineFinished(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetExpectedFinishedCount(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +171,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetFinished,
                     request_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.FromString,
                     response_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.SerializeToString,
+            ),
+            'GetEngineFinished': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetEngineFinished,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.SerializeToString,
+            ),
+            'WatchEngineFinished': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEngineFinished,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.SerializeToString,
+            ),
+            'SetExpectedFinishedCount': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetExpectedFinishedCount,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.SetExpectedFinishedCountRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.SetExpectedFinishedCountResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +360,87 @@ class Worker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetEngineFinished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Worker/GetEngineFinished',
+            kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEngineFinished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Worker/WatchEngineFinished',
+            kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetExpectedFinishedCount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Worker/SetExpectedFinishedCount',
+            kvd_dot_proto_dot_kvd__pb2.SetExpectedFinishedCountRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.SetExpectedFinishedCountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PeerStub:
     """Missing associated documentation comment in .proto file."""
@@ -331,6 +461,16 @@ class PeerStub:
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.PeerAbortRequest.SerializeToString,
                 response_deserializer=kvd_dot_proto_dot_kvd__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvd.v1.Peer/RenewLeases',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
+        self.ReportFinished = channel.unary_unary(
+                '/kvd.v1.Peer/ReportFinished',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -348,6 +488,18 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFinished(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -360,6 +512,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=kvd_dot_proto_dot_kvd__pb2.PeerAbortRequest.FromString,
                     response_serializer=kvd_dot_proto_dot_kvd__pb2.AbortResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'ReportFinished': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFinished,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +578,60 @@ class Peer:
             '/kvd.v1.Peer/Abort',
             kvd_dot_proto_dot_kvd__pb2.PeerAbortRequest.SerializeToString,
             kvd_dot_proto_dot_kvd__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/RenewLeases',
+            kvd_dot_proto_dot_kvd__pb2.RenewLeasesRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFinished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/ReportFinished',
+            kvd_dot_proto_dot_kvd__pb2.ReportFinishedRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.ReportFinishedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,10 @@ class OpenRead(Protocol):
 
     def acknowledged(self) -> None: ...
 
+    def check_alive(self) -> None:
+        """Raise a KvdError if the read may no longer be served (abort, expiry)."""
+        ...
+
 
 class ReadServer(Protocol):
     def check_hello(self, hello: pb.DataHello) -> None: ...

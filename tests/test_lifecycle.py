@@ -1,0 +1,163 @@
+"""Aggregation per engine, drain reporting, and a bounded soak."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from tests.conftest import make_worker
+
+
+def status(address):
+    with grpc.insecure_channel(address) as ch:
+        return pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+
+
+def test_engine_finished_needs_every_worker_and_is_pushed_by_stream(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2) for r in range(2)]
+    dw = [make_worker(d.grpc, "decode", tp_rank=r, tp_size=2) for r in range(2)]
+    pushed: list = []
+    stream = dw[0].client.watch_engine_finished()
+    def consume():
+        try:
+            for x in stream:
+                pushed.append(x)
+        except grpc.RpcError:
+            pass  # the daemon stops at teardown
+
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    cap = secrets.token_bytes(32)
+    published = [w.client.publish("r", [[1, 2]], 32, capability=cap) for w in pw]  # every P rank publishes
+    params = published[0]
+    dw[0].client.pull("r", params, [[3, 4]])
+    dw[0].client.wait_finished(recving={"r"})
+    time.sleep(0.3)
+    assert dw[0].client.engine_finished().finished_recving == set()  # one of two workers
+    assert not any("r" in x.finished_recving for x in pushed)
+    dw[1].client.pull("r", params, [[3, 4]])
+    dw[1].client.wait_finished(recving={"r"})
+    deadline = time.monotonic() + 10
+    while not any("r" in x.finished_recving for x in pushed) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any("r" in x.finished_recving for x in pushed)
+    # P's engine reports r as sent once both P workers have.
+    deadline = time.monotonic() + 10
+    sent: set = set()
+    while "r" not in sent and time.monotonic() < deadline:
+        sent |= pw[0].client.engine_finished().finished_sending
+        time.sleep(0.05)
+    assert "r" in sent
+
+
+def test_ranks_on_two_daemons_aggregate_on_the_engines_aggregator(daemons):
+    p = daemons.start("prefill")
+    d0 = daemons.start("decode")
+    d1 = daemons.start("decode", "--aggregator-address", d0.grpc)
+    pw = make_worker(p.grpc, "prefill")
+    w0 = make_worker(d0.grpc, "decode", tp_rank=0, tp_size=2, heads=4)
+    w1 = make_worker(d1.grpc, "decode", tp_rank=1, tp_size=2, heads=4)
+    pw.fill(4, [1, 2])
+    params = pw.client.publish("r", [[1, 2]], 32)
+    for w in (w0, w1):
+        w.client.pull("r", params, [[5, 6]])
+    for w in (w0, w1):
+        assert w.client.wait_finished(recving={"r"}).details[("recving", "r")].outcome == "done"
+        assert w.mismatch(4, [5, 6], 32) is None
+    deadline = time.monotonic() + 10
+    merged: set = set()
+    while "r" not in merged and time.monotonic() < deadline:
+        merged |= w0.client.engine_finished().finished_recving
+        time.sleep(0.05)
+    assert "r" in merged
+    # A worker can lower the count: one report is then enough.
+    assert w0.client.set_expected_finished_count(1) == 1
+    pw.fill(5, [3])
+    params = pw.client.publish("q", [[3]], 16)
+    w1.client.pull("q", params, [[7]])
+    w1.client.wait_finished(recving={"q"})
+    deadline = time.monotonic() + 10
+    while "q" not in merged and time.monotonic() < deadline:
+        merged |= w0.client.engine_finished().finished_recving
+        time.sleep(0.05)
+    assert "q" in merged
+
+
+def test_sigterm_drains_and_reports_in_flight_work(daemons):
+    from tests.faultproxy import FaultProxy
+
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    d = daemons.start("decode", "--drain-seconds", "1", "--stall-timeout-seconds", "30")
+    big = dict(layers=8, heads=4, head_size=128, num_blocks=512)
+    pw, dw = make_worker(p.grpc, "prefill", **big), make_worker(d.grpc, "decode", **big)
+    proxy.stall_after = 1 << 20
+    ids = list(range(1, 300))
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    dw.client.pull("r", params, [ids])
+    assert proxy.stalled.wait(10)
+    import signal
+
+    d.proc.send_signal(signal.SIGTERM)
+    f = dw.client.wait_finished(recving={"r"}, timeout=15)  # reported before the daemon exits
+    assert f.details[("recving", "r")].outcome == "failed" and f.invalid_block_ids
+    assert d.proc.wait(timeout=20) == 0
+    proxy.close()
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_soak_1000_concurrent_requests_stays_exact_flat_and_leak_free(daemons):
+    seconds = float(os.environ.get("KVD_SOAK_SECONDS", "40"))
+    p, d = daemons.start("prefill"), daemons.start("decode", "--max-concurrent-pulls", "128")
+    small = dict(layers=2, heads=4, head_size=16, num_blocks=4200)
+    pws = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2, **small) for r in range(2)]
+    dws = [make_worker(d.grpc, "decode", tp_rank=r, tp_size=4, **small) for r in range(4)]
+    n = 1000
+
+    def rss(pid):
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+
+    rounds = 0
+    baseline = None
+    t_end = time.monotonic() + seconds
+    while rounds < 2 or time.monotonic() < t_end:
+        reqs = []
+        for i in range(n):
+            ids = [1 + (4 * i + j) % 4199 for j in range(1 + i % 4)]
+            reqs.append((f"s{rounds}-{i}", rounds * n + i, ids, 16 * len(ids) - (i % 7)))
+        cap = {rid: secrets.token_bytes(32) for rid, *_ in reqs}
+        params = {}
+        for w in pws:
+            for rid, seed, ids, ntok in reqs:
+                w.fill(seed, ids)
+                params[rid] = w.client.publish(rid, [ids], ntok, capability=cap[rid])
+        for w in dws:
+            for rid, _seed, ids, _ntok in reqs:
+                w.client.pull(rid, params[rid], [ids])  # 4000 pulls in flight or queued
+        for w in dws:
+            f = w.client.wait_finished(recving={rid for rid, *_ in reqs}, timeout=300)
+            assert not f.invalid_block_ids
+            for rid, seed, ids, ntok in reqs[:: max(1, n // 50)]:
+                assert f.details[("recving", rid)].outcome == "done"
+                assert w.mismatch(seed, ids, ntok) is None, rid
+        for w in pws:
+            w.client.wait_finished(sending={rid for rid, *_ in reqs}, timeout=60)
+        rounds += 1
+        if rounds == 1:
+            baseline = (rss(p.proc.pid), rss(d.proc.pid))
+    growth = (rss(p.proc.pid) - baseline[0], rss(d.proc.pid) - baseline[1])
+    assert max(growth) < 64 << 20, f"daemon memory grew {growth} bytes over {rounds} rounds"
+    for s in (status(p.grpc), status(d.grpc)):
+        assert s.publications == 0 and s.pulls_in_flight == 0 and not s.recent_failures
+        assert s.tasks < 10
