@@ -74,6 +74,7 @@ def test_decode_daemon_restart_between_requests(daemons):
     assert dw2.mismatch(2, [5, 6], 32) is None
 
 
+@pytest.mark.faults
 def test_prefill_daemon_restart_fails_old_params_cleanly_and_serves_new(daemons):
     p, d = daemons.start("prefill"), daemons.start("decode")
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
@@ -248,3 +249,24 @@ def test_demo_command_verifies(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verified" in r.stdout and "failures       0" in r.stdout
+
+
+def test_reregistration_replaces_stale_regions_and_publications(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [1, 2])
+    old_params = pw.client.publish("old", [[1, 2]], 32)
+    # The worker restarts: new memory, same rank.
+    pw2 = make_worker(p.grpc, "prefill")
+    with grpc.insecure_channel(p.grpc) as ch:
+        st = pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+    assert len(st.workers) == 1 and st.publications == 0
+    f = pw2.client.wait_finished(sending={"old"}, timeout=10)
+    assert f.details[("sending", "old")].outcome == "aborted"
+    dw.client.pull("old", old_params, [[3, 4]])
+    assert dw.client.wait_finished(recving={"old"}).details[("recving", "old")].outcome == "failed"
+    pw2.fill(2, [1, 2])
+    params = pw2.client.publish("new", [[1, 2]], 32)
+    dw.client.pull("new", params, [[3, 4]])
+    dw.client.wait_finished(recving={"new"})
+    assert dw.mismatch(2, [3, 4], 32) is None  # served from the new memory
