@@ -5,6 +5,10 @@ Sections:
 * ``relayout``: landing received bytes into a different layout, block size
   or head slice (what D does after every receive), against a plain memcpy of
   the same number of bytes.
+* ``transport``: real daemons moving one request of scattered blocks at
+  several unit sizes (bytes of one block of one layer), over TCP and over the
+  same-host path, against a plain two-process socket and a memcpy; plus the
+  latency of a small request from pull to the engine's finished set.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +114,163 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
     }
 
 
+# ---------------------------------------------------------------- transport
+
+UNIT_SIZES = {"16k": 16 << 10, "64k": 64 << 10, "1m": 1 << 20}
+
+
+def _socket_receiver(port_q: Any, nbytes: int, out_q: Any) -> None:
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    # Receive into request-sized memory, as kvd must: reusing one small
+    # buffer would keep it in cache and flatter the baseline.
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    t0 = time.perf_counter()
+    while got < nbytes:
+        k = conn.recv_into(view[got : got + (1 << 20)])
+        if not k:
+            break
+        got += k
+    out_q.put((got, time.perf_counter() - t0))
+
+
+def socket_baseline(nbytes: int, repeat: int) -> float:
+    """GB/s of a plain sender/receiver pair: sendall and recv_into, 1 MiB at a
+    time, from and into request-sized buffers (distinct memory, like kvd's)."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    best = 0.0
+    payload = memoryview(bytearray(nbytes))
+    for _ in range(repeat):
+        port_q, out_q = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_socket_receiver, args=(port_q, nbytes, out_q))
+        proc.start()
+        sock = socket.create_connection(("127.0.0.1", port_q.get(timeout=30)))
+        for off in range(0, nbytes, 1 << 20):
+            sock.sendall(payload[off : off + (1 << 20)])
+        got, seconds = out_q.get(timeout=120)
+        sock.close()
+        proc.join(timeout=30)
+        best = max(best, got / seconds / 1e9)
+    return best
+
+
+class _Pair:
+    """A P and a D daemon, and one worker of each in this process."""
+
+    def __init__(self, same_host: bool) -> None:
+        from kvd.demo import Daemons
+
+        self.daemons = Daemons()
+        flag = ["--same-host", "auto" if same_host else "off", "--metrics-port", "-1"]
+        self.p = self.daemons.start("bench-p", flag)
+        self.d = self.daemons.start("bench-d", flag)
+        self.done: dict[str, float] = {}
+        self.cv = threading.Condition()
+        self.p_client: Any = None
+        self.d_client: Any = None
+        self._watch: Any = None
+
+    def register(self, spec: KVCacheSpec, layers: int) -> None:
+        from kvd.caches import allocate_kv_caches
+        from kvd.client import KvdClient
+        from kvd.spec import WorkerId
+
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        model = ModelInfo(layers, spec.num_kv_heads)
+        for attr, info, eid in (("p_client", self.p, "bench-p"), ("d_client", self.d, "bench-d")):
+            client = getattr(self, attr) or KvdClient(info["grpc"], WorkerId(eid))
+            client.wait_ready()
+            client.register(allocate_kv_caches(spec, names), model, spec)
+            setattr(self, attr, client)
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._consume, daemon=True)
+            self._watch.start()
+
+    def _consume(self) -> None:
+        import grpc
+
+        try:
+            for f in self.d_client.watch_engine_finished():
+                with self.cv:
+                    for rid in f.finished_recving:
+                        self.done[rid] = time.perf_counter()
+                    self.cv.notify_all()
+        except grpc.RpcError:
+            pass
+
+    def transfer(self, rid: str, p_ids: list[int], d_ids: list[int], num_tokens: int) -> float:
+        params = self.p_client.publish(rid, [p_ids], num_tokens)
+        t0 = time.perf_counter()
+        self.d_client.pull(rid, params, [d_ids])
+        with self.cv:
+            if not self.cv.wait_for(lambda: rid in self.done, timeout=120):
+                raise SystemExit(f"bench request {rid} did not finish")
+        return self.done[rid] - t0
+
+    def close(self) -> None:
+        from kvd.caches import release_all
+
+        self.daemons.stop()
+        release_all()
+
+
+def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    nbytes = args.transfer_mib << 20
+    layers = 4
+    rng = random.Random(0)
+    out: dict[str, Any] = {}
+    say(f"transport: one request of {args.transfer_mib} MiB, scattered block ids, {layers} layers, best of {args.repeat}")
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    out["memcpy_gbps"] = nbytes / _best(lambda: dst.copy_(src), args.repeat) / 1e9
+    src = dst = torch.empty(0)  # free 2x the request before the daemons start
+    out["socket_gbps"] = socket_baseline(nbytes, args.repeat)
+    say(f"  {'memcpy (1 thread)':<34} {out['memcpy_gbps']:6.2f} GB/s")
+    say(f"  {'plain socket, 1 MiB sendall':<34} {out['socket_gbps']:6.2f} GB/s")
+    for mode in ("tcp", "samehost"):
+        pair = _Pair(same_host=mode == "samehost")
+        try:
+            units = UNIT_SIZES if mode == "tcp" else {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]}
+            for label, unit in units.items():
+                # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
+                block_size = unit // 4096
+                blocks = max(1, nbytes // (unit * layers))
+                spec = KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1)
+                pair.register(spec, layers)
+                best = 0.0
+                for r in range(args.repeat):
+                    p_ids = rng.sample(range(1, blocks + 1), blocks)
+                    d_ids = rng.sample(range(1, blocks + 1), blocks)
+                    seconds = pair.transfer(f"{mode}-{label}-{r}", p_ids, d_ids, blocks * block_size)
+                    best = max(best, blocks * unit * layers / seconds / 1e9)
+                out[f"{mode}_{label}_gbps"] = best
+                say(f"  {f'kvd {mode}, {label} units':<34} {best:6.2f} GB/s")
+            if mode == "tcp":
+                spec = KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
+                pair.register(spec, layers)
+                lat = sorted(pair.transfer(f"small-{i}", list(range(1, 17)), list(range(17, 33)), 256) for i in range(args.latency_requests))
+                out["small_request_p50_ms"] = lat[len(lat) // 2] * 1e3
+                out["small_request_p99_ms"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3
+                say(f"  {'small request (16 blocks) p50/p99':<34} {out['small_request_p50_ms']:6.2f} / {out['small_request_p99_ms']:.2f} ms")
+        finally:
+            pair.close()
+    out["tcp_vs_socket_1m"] = out["tcp_1m_gbps"] / out["socket_gbps"]
+    out["tcp_16k_vs_1m"] = out["tcp_16k_gbps"] / out["tcp_1m_gbps"]
+    out["samehost_vs_memcpy"] = out["samehost_1m_gbps"] / out["memcpy_gbps"]
+    out["vs_nixl"] = None  # set by bench_peers when NIXL is installed
+    out["vs_mooncake"] = None
+    return out
+
+
 def run_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     results: dict[str, object] = {}
@@ -126,6 +288,19 @@ def run_bench(args: argparse.Namespace) -> int:
         results["relayout_vs_memcpy_min"] = min(float(r["ratio"]) for r in rows)
         if not args.json:
             print(f"  worst relayout / memcpy ratio: {results['relayout_vs_memcpy_min']:.2f} (target >= 0.5)")
+    if "transport" in args.sections:
+        def say(line: str) -> None:
+            if not args.json:
+                print(line, flush=True)
+
+        t = bench_transport(args, say)
+        results.update(t)
+        say("  ratios (same run):")
+        say(f"    tcp_vs_socket_1m    {t['tcp_vs_socket_1m']:.2f}  (target >= 0.9)")
+        say(f"    tcp_16k_vs_1m       {t['tcp_16k_vs_1m']:.2f}  (target >= 0.9)")
+        say(f"    samehost_vs_memcpy  {t['samehost_vs_memcpy']:.2f}  (target >= 0.6)")
+        say(f"    small_request_p50   {t['small_request_p50_ms']:.2f} ms (target < 2)")
+        say("    vs_nixl, vs_mooncake: not installed (pip install 'kvd[peers]')" if t["vs_nixl"] is None else f"    vs_nixl {t['vs_nixl']:.2f}")
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
@@ -133,7 +308,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout"], choices=["relayout"])
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport"], choices=["relayout", "transport"])
+    p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
+    p.add_argument("--latency-requests", type=int, default=200)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)

@@ -4,34 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"KVD_{name}", default)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon for disaggregated prefill/decode serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the daemon (flags override KVD_* environment variables)")
-    s.add_argument("--engine-id", default=_env("ENGINE_ID", ""), help="engine this daemon serves [KVD_ENGINE_ID]")
-    s.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="listen address [KVD_HOST]")
-    s.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", ""), help="address peers dial [KVD_ADVERTISE_HOST]")
-    s.add_argument("--grpc-port", type=int, default=int(_env("GRPC_PORT", "50051")), help="[KVD_GRPC_PORT]; 0 picks a free port")
-    s.add_argument("--data-port", type=int, default=int(_env("DATA_PORT", "50052")), help="[KVD_DATA_PORT]; 0 picks a free port")
-    s.add_argument("--metrics-port", type=int, default=int(_env("METRICS_PORT", "9400")), help="[KVD_METRICS_PORT]; -1 disables")
-    s.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", "120")))
-    s.add_argument("--connections-per-peer", type=int, default=int(_env("CONNECTIONS_PER_PEER", "4")))
-    s.add_argument("--pull-timeout-seconds", type=float, default=float(_env("PULL_TIMEOUT_SECONDS", "60")))
-    s.add_argument("--data-advertise-address", default=_env("DATA_ADVERTISE_ADDRESS", ""), help="host:port peers dial for the data plane [KVD_DATA_ADVERTISE_ADDRESS]")
-    s.add_argument("--stall-timeout-seconds", type=float, default=float(_env("STALL_TIMEOUT_SECONDS", "10")), help="a peer silent this long fails the read [KVD_STALL_TIMEOUT_SECONDS]")
-    s.add_argument("--max-concurrent-pulls", type=int, default=int(_env("MAX_CONCURRENT_PULLS", "64")), help="more are queued [KVD_MAX_CONCURRENT_PULLS]")
-    s.add_argument("--aggregator-address", default=_env("AGGREGATOR_ADDRESS", ""), help="the engine's aggregator daemon (default: this one) [KVD_AGGREGATOR_ADDRESS]")
-    s.add_argument("--drain-seconds", type=float, default=float(_env("DRAIN_SECONDS", "10")), help="SIGTERM: how long in-flight pulls may finish [KVD_DRAIN_SECONDS]")
+    s = sub.add_parser("serve", help="run the daemon", description=(
+        "Settings come from a YAML file (--config or KVD_CONFIG), then KVD_<KEY> environment variables, "
+        "then these flags; each later source wins. Every flag's key is its name with dashes as underscores."))
+    s.add_argument("--config", help="YAML config file [KVD_CONFIG]")
+    s.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     s.add_argument("--ready-file", default="", help="write a JSON line with the bound addresses once serving")
+    for name, help_ in SERVE_FLAGS.items():
+        s.add_argument(f"--{name}", default=None, help=help_)
 
     d = sub.add_parser("demo", help="a real P/D transfer on loopback, verified byte for byte")
     from kvd.demo import add_arguments
@@ -49,28 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        if not args.engine_id:
-            parser.error("--engine-id (or KVD_ENGINE_ID) is required")
-        from kvd.daemon.daemon import DaemonConfig
-        from kvd.daemon.serve import run
-        from kvd.errors import InvalidArgument
-
-        try:
-            config = DaemonConfig(
-                engine_id=args.engine_id, host=args.host, advertise_host=args.advertise_host, grpc_port=args.grpc_port,
-                data_port=args.data_port, metrics_port=args.metrics_port, lease_seconds=args.lease_seconds,
-                connections_per_peer=args.connections_per_peer, pull_timeout_seconds=args.pull_timeout_seconds,
-                drain_seconds=args.drain_seconds, stall_timeout_seconds=args.stall_timeout_seconds,
-                max_concurrent_pulls=args.max_concurrent_pulls, aggregator_address=args.aggregator_address,
-                data_advertise_address=args.data_advertise_address,
-            )
-            from kvd.spec import WorkerId
-
-            WorkerId(config.engine_id)
-        except InvalidArgument as e:
-            print(f"kvd: {e.message.replace('worker.engine_id', 'engine-id')}", file=sys.stderr)
-            return 2
-        return run(config, args.ready_file or None)
+        return _serve(args)
     if args.command == "demo":
         from kvd.demo import run_demo
 
@@ -82,6 +48,58 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args.address, args.json)
     return 2
+
+
+SERVE_FLAGS = {
+    "engine-id": "engine this daemon serves",
+    "host": "listen address (default 127.0.0.1)",
+    "advertise-host": "address peers dial (default: host)",
+    "grpc-port": "gRPC port (default 50051; 0 picks a free one)",
+    "data-port": "data-plane port (default 50052; 0 picks a free one)",
+    "metrics-port": "Prometheus port (default 9400; -1 disables)",
+    "data-advertise-address": "host:port peers dial for the data plane",
+    "lease-seconds": "how long published blocks are held without a heartbeat (default 120)",
+    "connections-per-peer": "data connections to each peer (default 4)",
+    "pull-timeout-seconds": "bound on one pull (default 60)",
+    "stall-timeout-seconds": "a peer silent this long fails the read (default 10)",
+    "max-concurrent-pulls": "more are queued and kept alive by heartbeat (default 64)",
+    "aggregator-address": "the engine's aggregator daemon (default: this one)",
+    "same-host": "auto: direct copies between mapped regions when peers share a host; off: always TCP",
+    "drain-seconds": "SIGTERM: how long in-flight pulls may finish (default 10)",
+    "log-format": "text (key=value) or json",
+    "log-level": "DEBUG, INFO, WARNING or ERROR",
+}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvd import config as cfg
+
+    flags = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in SERVE_FLAGS}
+    try:
+        config = cfg.load(args.config, flags=flags)
+    except cfg.ConfigError as e:
+        print(f"kvd: config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(cfg.describe(config), end="")
+        return 0
+    from kvd.daemon.serve import run
+
+    return run(config, args.ready_file or None)
+
+
+def _table(title: str, header: list[str], rows: list[tuple[object, ...]]) -> None:
+    print(title)
+    if not rows:
+        print("  (none)\n")
+        return
+    cells = [header, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for j, row in enumerate(cells):
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if j == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+    print()
 
 
 def _status(address: str, as_json: bool) -> int:
@@ -100,10 +118,16 @@ def _status(address: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(MessageToDict(r), indent=2))
         return 0
-    print(f"engine {r.engine_id}  epoch {r.epoch[:8]}  version {r.version}")
-    print(f"publications {r.publications}  pulls in flight {r.pulls_in_flight}  peers {', '.join(r.peers) or '-'}")
-    print(f"{'worker':<28} {'regions':>7} {'layers':>6} {'bytes':>14}")
-    for w in r.workers:
-        name = f"tp{w.worker.tp_rank}/{w.worker.tp_size} pp{w.worker.pp_rank}/{w.worker.pp_size}"
-        print(f"{name:<28} {w.regions:>7} {w.layers:>6} {w.bytes:>14,}")
+    state = "draining" if r.draining else "serving"
+    print(f"kvd {r.version}  engine {r.engine_id}  epoch {r.epoch[:8]}  {state}")
+    print(f"peers: {', '.join(r.peers) or '-'}    tasks: {r.tasks}    staging: {r.staging_buffers} buffers, {r.staging_bytes / 1e6:.1f} MB")
+    print()
+    _table("workers", ["worker", "regions", "layers", "registered"],
+           [(f"tp{w.worker.tp_rank}/{w.worker.tp_size} pp{w.worker.pp_rank}/{w.worker.pp_size}", w.regions, w.layers, f"{w.bytes / 1e6:,.1f} MB") for w in r.workers])
+    _table(f"leases ({r.publications})", ["request", "generation", "ranks", "expires in"],
+           [(x.request_id, x.generation, ",".join(x.ranks), f"{x.expires_in_seconds:.1f}s") for x in r.leases])
+    _table(f"pulls in flight ({r.pulls_in_flight})", ["request", "worker", "from", "age"],
+           [(x.request_id, x.worker, x.remote_engine_id, f"{x.age_seconds:.1f}s") for x in r.pulls])
+    _table("recent failures", ["request", "reason", "ago", "message"],
+           [(x.request_id, x.reason, f"{x.age_seconds:.0f}s", x.message[:80]) for x in r.recent_failures])
     return 0

@@ -112,12 +112,14 @@ def model_from_pb(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.num_layers, m.total_num_kv_heads)
 
 
-def engine_to_pb(meta: EngineMeta, fingerprint: str) -> pb.EngineInfo:
+def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, int], list[pb.Region]] | None = None) -> pb.EngineInfo:
+    """``regions`` (same-host peers only) adds each rank's memory and tensor views."""
     return pb.EngineInfo(
         engine_id=meta.engine_id, epoch=meta.epoch, host_id=meta.host_id, data_address=meta.data_address,
         tp_size=meta.tp_size, pp_size=meta.pp_size,
         model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
-        ranks=[pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=False) for g in r.groups]) for r in meta.ranks],
+        ranks=[pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=regions is not None) for g in r.groups],
+                           regions=(regions or {}).get((r.tp_rank, r.pp_rank), [])) for r in meta.ranks],
         fingerprint=fingerprint,
     )
 

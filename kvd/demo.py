@@ -136,6 +136,7 @@ class Daemons:
         self.tmp = tempfile.mkdtemp(prefix="kvd-demo-")
 
     def start(self, engine_id: str, extra: Sequence[str] = ()) -> dict[str, Any]:
+        """Start ``kvd serve``; ``extra`` are more flags."""
         ready = os.path.join(self.tmp, f"{engine_id}.json")
         log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")  # noqa: SIM115 - the child keeps it
         proc = subprocess.Popen(
@@ -198,14 +199,16 @@ def run_demo(args: argparse.Namespace) -> int:
     dcfg = EngineConfig(dcfg.engine_id, dcfg.tp, dcfg.pp, dcfg.block_size, dcfg.layout, max(2, args.num_blocks * pcfg.block_size // dcfg.block_size + 1))
     rng = random.Random(args.seed)
     say = print
-    say(f"kvd demo: prefill TP{pcfg.tp}/PP{pcfg.pp} block {pcfg.block_size} {pcfg.layout} -> decode TP{dcfg.tp}/PP{dcfg.pp} block {dcfg.block_size} {dcfg.layout}; "
+    say(f"kvd demo ({args.transport}): prefill TP{pcfg.tp}/PP{pcfg.pp} block {pcfg.block_size} {pcfg.layout} -> decode TP{dcfg.tp}/PP{dcfg.pp} block {dcfg.block_size} {dcfg.layout}; "
         f"{model.layers} layers, {model.kv_heads} KV heads x {model.head_size} {model.dtype}{' MLA' if model.mla else ''}")
     daemons = Daemons()
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     try:
-        p_info = daemons.start("prefill")
-        d_info = daemons.start("decode")
+        same_host = ["--same-host", "auto" if args.transport == "samehost" else "off"]
+        # Existing daemons (docker-compose, a cluster) or our own.
+        p_info = {"grpc": args.prefill_address, "data": "(theirs)"} if args.prefill_address else daemons.start("prefill", same_host)
+        d_info = {"grpc": args.decode_address, "data": "(theirs)"} if args.decode_address else daemons.start("decode", same_host)
         say(f"  daemons: prefill grpc={p_info['grpc']} data={p_info['data']}  decode grpc={d_info['grpc']} data={d_info['data']}")
         sides: dict[str, list[Connection]] = {}
         for engine, info in ((pcfg, p_info), (dcfg, d_info)):
@@ -342,3 +345,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-layout", default="")
     p.add_argument("--decode-layout", default="")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-address", default="", help="use this running prefill daemon (engine id 'prefill') instead of starting one")
+    p.add_argument("--decode-address", default="", help="use this running decode daemon (engine id 'decode') instead of starting one")
+    p.add_argument("--transport", choices=["tcp", "samehost"], default="tcp",
+                   help="tcp: the cross-host data plane over loopback; samehost: direct copies between mapped regions")

@@ -130,6 +130,17 @@ class PublicationTable:
         return pub
 
     @staticmethod
+    def check_block_list(pub: Publication, rank: RankKey, group: int, ids: np.ndarray) -> None:
+        masks = pub.masks[rank]
+        if not 0 <= group < len(masks):
+            raise InvalidArgument("segment.group_id", group, f"is not one of {len(masks)} groups")
+        mask = masks[group]
+        if ids.size and (ids.min() < 0 or ids.max() >= mask.shape[0]):
+            raise InvalidArgument("segment.block_ids", int(ids.max()), f"is outside [0, {mask.shape[0]})")
+        if not mask[ids].all():
+            raise PermissionDenied(f"blocks {ids[~mask[ids]][:4].tolist()} of group {group} are not published for request_id={pub.request_id!r}")
+
+    @staticmethod
     def check_blocks(pub: Publication, rank: RankKey, group: int, start: int, count: int) -> None:
         masks = pub.masks[rank]
         if not 0 <= group < len(masks):

@@ -80,6 +80,7 @@ class SegmentSink:
     n: int
     u: int
     local_block_ids: np.ndarray  # the local blocks this segment writes (for invalid_block_ids)
+    local_index: torch.Tensor | None = None  # batched scattered blocks: where each wire block lands
 
     def _targets(self) -> list[tuple[torch.Tensor, slice, slice]]:
         """(restricted local view, wire layer slice, wire kv slice) per part and layer run."""
@@ -94,7 +95,8 @@ class SegmentSink:
             else:
                 continue
             for i, c, view in self.local.layer_runs(p, self.local_positions):
-                dst = select(view, self.local_block, self.local_token, self.local_head, local_kv)
+                block = (0, view.shape[2]) if self.local_index is not None else self.local_block
+                dst = select(view, block, self.local_token, self.local_head, local_kv)
                 out.append((dst, slice(i, i + c), wire_kv))
         return out
 
@@ -102,7 +104,7 @@ class SegmentSink:
         """The local memory itself, when the wire bytes already have its layout
         and it is contiguous: then bytes are received straight into place."""
         rs, ls = self.remote_spec, self.local.spec
-        if rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
+        if rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1 or self.local_index is not None:
             return None
         targets = self._targets()
         if len(targets) != 1:
@@ -119,7 +121,11 @@ class SegmentSink:
         """Relayout ``payload`` (uint8, this segment's bytes) into local memory."""
         src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
         for dst, layers, kv in self._targets():
-            to_units(dst, self.n, self.u).copy_(to_units(src[layers, kv], self.n, self.u))
+            if self.local_index is not None:
+                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device)
+                dst[:, :, idx] = src[layers, kv].to(dst.device)  # one scatter for every block
+            else:
+                to_units(dst, self.n, self.u).copy_(to_units(src[layers, kv], self.n, self.u))
 
 
 @dataclass
@@ -218,18 +224,25 @@ def _plan_group(
     r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
     l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}
     kvs_per_fine = num_kv // planes
+    units_per_extent = ext.n * ext.u
+    fine_mask = units_per_extent * unit_plane_bytes * kvs_per_fine >= zero_copy_min_bytes
+    same_blocks = rspec.block_size == lspec.block_size
+    if same_blocks and (~fine_mask).any():
+        # Small scattered extents: batch their blocks into few segments, moved
+        # with one gather on the owner and one scatter here (numpy, no loop per block).
+        _plan_batched(rr, rgroup, ltensors, layers, ext, ~fine_mask, r_pos, l_pos, target, unit_plane_bytes * num_kv, segment_bytes)
     for e in range(len(ext)):
+        if same_blocks and not fine_mask[e]:
+            continue
         rb, rc, rt, rtc = ext.side(e, remote=True)
         lb, lc, lt, ltc = ext.side(e, remote=False)
         n, u = int(ext.n[e]), int(ext.u[e])
         if rspec.opaque:
             rt, rtc, lt, ltc = 0, 1, 0, 1  # the span hides tokens; whole blocks only
-        units = n * u
-        fine = units * unit_plane_bytes * kvs_per_fine >= zero_copy_min_bytes
-        if fine:
+        if fine_mask[e]:
             pieces = [([layer], (p * kvs_per_fine, kvs_per_fine)) for layer in layers for p in range(planes)]
         else:
-            chunk = coarse_layers if units * unit_plane_bytes * num_kv * coarse_layers <= segment_bytes else 1
+            chunk = coarse_layers if n * u * unit_plane_bytes * num_kv * coarse_layers <= segment_bytes else 1
             pieces = [(layers[i : i + chunk], (0, num_kv)) for i in range(0, len(layers), chunk)]
         local_block_ids = np.arange(lb, lb + lc, dtype=np.int64)
         for chunk_layers, kv in pieces:
@@ -257,6 +270,50 @@ def _plan_group(
             )
 
 
+MAX_BATCH_BLOCKS = 8192  # block ids in one batched segment (bounds the READ message)
+
+
+def _plan_batched(
+    rr: RankRead,
+    rgroup: GroupSpec,
+    ltensors: GroupTensors,
+    layers: list[int],
+    ext: Extents,
+    mask: np.ndarray,
+    r_pos: dict[int, int],
+    l_pos: dict[int, int],
+    target: ReadTarget,
+    block_layer_bytes: int,
+    segment_bytes: int,
+) -> None:
+    rspec = rgroup.spec
+    lens = (ext.n * ext.u)[mask]
+    r_starts, l_starts = ext.remote_block[mask], ext.local_block[mask]
+    total = int(lens.sum())
+    run = np.repeat(np.arange(lens.shape[0]), lens)
+    within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    r_ids, l_ids = r_starts[run] + within, l_starts[run] + within
+    layer_chunk = max(1, min(len(layers), segment_bytes // max(1, block_layer_bytes)))
+    per_batch = int(min(MAX_BATCH_BLOCKS, max(1, segment_bytes // (block_layer_bytes * layer_chunk))))
+    tokens = 1 if rspec.opaque else rspec.block_size
+    heads = target.head_count
+    for b0 in range(0, total, per_batch):
+        rb, lb = r_ids[b0 : b0 + per_batch], l_ids[b0 : b0 + per_batch]
+        local_index = torch.from_numpy(lb.astype(np.int64))
+        for i in range(0, len(layers), layer_chunk):
+            chunk = layers[i : i + layer_chunk]
+            rr.read.segments.add(group_id=rgroup.group_id, layers=[r_pos[x] for x in chunk], block_start=0,
+                                 block_count=len(rb), token_start=0, token_count=tokens, block_ids=rb.tolist())
+            wire_dims = (len(chunk), len(rb), tokens, heads, 0)
+            shape, _ = wire_shape(rspec, *wire_dims)
+            rr.sinks.append(SegmentSink(
+                nbytes=math.prod(shape) * rspec.itemsize, remote_spec=rspec, wire_dims=wire_dims, local=ltensors,
+                local_positions=tuple(l_pos[x] for x in chunk), local_block=(0, len(lb)), local_token=(0, tokens),
+                local_head=(target.local_head_start, heads), kv=(0, rspec.num_kv), n=len(lb), u=1,
+                local_block_ids=lb, local_index=local_index,
+            ))
+
+
 def _kv_range(spec: KVCacheSpec, seg: pb.DataSegment) -> tuple[int, int]:
     return (seg.kv_start, seg.kv_count) if seg.kv_count else (0, spec.num_kv)
 
@@ -282,6 +339,8 @@ def serve_segment(
     kv0, kvn = _kv_range(spec, seg)
     joined_kv = (kv0, kvn) if spec.parts_per_layer == 1 and spec.num_kv > 1 else None
     parts = [0] if spec.parts_per_layer == 1 else list(range(kv0, kv0 + kvn))
+    if seg.block_ids:
+        return _serve_batched(group, seg, head, joined_kv, parts, staging)
     if len(parts) == 1:
         runs = list(group.layer_runs(parts[0], positions))
         if len(runs) == 1:
@@ -297,6 +356,29 @@ def serve_segment(
     return buf
 
 
+def _serve_batched(
+    group: GroupTensors, seg: pb.DataSegment, head: tuple[int, int], joined_kv: tuple[int, int] | None,
+    parts: list[int], staging: Callable[[int], torch.Tensor],
+) -> torch.Tensor:
+    """Gather scattered blocks with one index_select per part and layer run."""
+    spec = group.spec
+    positions = tuple(seg.layers)
+    idx = torch.as_tensor(list(seg.block_ids), dtype=torch.int64)
+    shape, _ = wire_shape(spec, len(positions), len(seg.block_ids), seg.token_count, head[1], len(parts) if spec.parts_per_layer == 2 else (joined_kv[1] if joined_kv else 0))
+    buf = staging(math.prod(shape) * spec.itemsize)
+    out = buf.view(move_dtype(spec.dtype)).view(shape)
+    block_dim = 1 + spec.layout.index("block")  # in (layer, *physical)
+    for j, p in enumerate(parts):
+        for i, c, view in group.layer_runs(p, positions):
+            v = physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), head, joined_kv), spec)
+            dst = out[i : i + c, j]
+            if dst.is_contiguous() and v.device == dst.device:
+                torch.index_select(v, block_dim, idx.to(v.device), out=dst)
+            else:
+                dst.copy_(v.index_select(block_dim, idx.to(v.device)))
+    return buf
+
+
 def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> None:
     """Bounds of one requested segment against the owner's registration."""
     spec = group.spec
@@ -308,6 +390,8 @@ def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, 
         raise InvalidArgument("segment.token_start", seg.token_start, f"with count {seg.token_count} is outside [0, {tokens})")
     if head_count <= 0 or head_start + head_count > spec.num_kv_heads:
         raise InvalidArgument("read.head_start", head_start, f"with count {head_count} is outside [0, {spec.num_kv_heads})")
+    if len(seg.block_ids) > MAX_BATCH_BLOCKS:
+        raise InvalidArgument("segment.block_ids", f"<{len(seg.block_ids)} ids>", f"exceeds {MAX_BATCH_BLOCKS} per segment")
     if seg.kv_count and seg.kv_start + seg.kv_count > spec.num_kv:
         raise InvalidArgument("segment.kv_start", seg.kv_start, f"with count {seg.kv_count} is outside [0, {spec.num_kv})")
 

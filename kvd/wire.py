@@ -25,6 +25,10 @@ HEADER_SIZE = HEADER.size
 MAX_CONTROL_BYTES = 1 << 20  # a READ of ~40k segments fits; larger is refused
 MAX_DATA_BYTES = 1 << 31
 
+# READ flag: a same-host read. The owner authorises it and answers END with no
+# DATA; the reader copies straight from the owner's memory, which it has mapped.
+FLAG_LOCAL = 1
+
 
 class FrameType(enum.IntEnum):
     HELLO = 1  # client -> server: who I am (and, with auth on, my credential)

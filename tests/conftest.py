@@ -52,13 +52,14 @@ class Daemons:
     tmp: Path
     started: list[DaemonProc] = field(default_factory=list)
 
-    def start(self, engine_id: str, *extra: str, grpc_port: int = 0) -> DaemonProc:
+    def start(self, engine_id: str, *extra: str, grpc_port: int = 0, same_host: str = "off") -> DaemonProc:
+        """A ``kvd serve`` process. Tests use TCP unless they ask for the same-host path."""
         n = len(self.started)
         ready = self.tmp / f"{engine_id}-{n}.json"
         log_path = self.tmp / f"{engine_id}-{n}.log"
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
-             "--metrics-port", "0", "--ready-file", str(ready), *extra],
+             "--metrics-port", "0", "--ready-file", str(ready), "--same-host", same_host, *extra],
             stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
         )
         deadline = time.monotonic() + 60

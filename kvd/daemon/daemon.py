@@ -35,7 +35,7 @@ from kvd.convert import (
     worker_from_pb,
     worker_to_pb,
 )
-from kvd.daemon.metrics import Metrics
+from kvd.daemon.metrics import ActiveClock, Metrics
 from kvd.errors import (
     Aborted,
     FailedPrecondition,
@@ -43,6 +43,7 @@ from kvd.errors import (
     InvalidArgument,
     KvdError,
     NotFound,
+    PermissionDenied,
     Unavailable,
 )
 from kvd.leases import Ended, PublicationTable, RankKey
@@ -65,11 +66,12 @@ from kvd.transfer import (
     copy_blocks,
     engine_shape,
     plan_pull,
+    segment_nbytes,
     serve_segment,
     validate_segment,
 )
 from kvd.transport.base import Staging
-from kvd.transport.tcp import TcpDataClient, TcpDataServer
+from kvd.transport.tcp import LocalSource, TcpDataClient, TcpDataServer
 
 log = logging.getLogger("kvd.daemon")
 
@@ -94,6 +96,9 @@ class DaemonConfig:
     handshake_retries: int = 3
     pull_retries: int = 2
     aggregator_address: str = ""  # the engine's aggregator daemon; empty: this one
+    same_host: str = "auto"  # auto: copy directly between mapped regions when peers share a host; off: always TCP
+    log_format: str = "text"  # text: key=value lines; json: one JSON object a line
+    log_level: str = "INFO"
 
 
 @dataclass
@@ -104,6 +109,7 @@ class Registration:
     groups: list[GroupSpec]
     tensors: list[GroupTensors]
     generation: int
+    region_pbs: list[pb.Region]
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +127,15 @@ class Peer:
     address: str
     local_version: int  # our registration version when we handshook
     expected_readers: dict[RankKey, int] = field(default_factory=dict)
+    # Same host: the owner's ranks, mapped here, so reads are plain copies.
+    local_sources: dict[RankKey, LocalSource] = field(default_factory=dict)
+    mapped: list[MappedRegion] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.local_sources.clear()
+        for r in self.mapped:
+            r.close()
+        self.mapped.clear()
 
 
 @dataclass
@@ -166,6 +181,7 @@ class Daemon:
         self.epoch = uuid.uuid4().hex
         self.host_id = host_id()
         self.metrics = Metrics()
+        self.active_clock = ActiveClock(self.metrics.active_seconds)
         self.registrations: dict[RankKey, Registration] = {}
         self.finished: dict[RankKey, WorkerFinished] = {}
         self.publications = PublicationTable(config.lease_seconds, self.epoch)
@@ -188,7 +204,8 @@ class Daemon:
         self._replica_done: dict[tuple[str, int, RankKey], asyncio.Future[list[list[int]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.data_server = TcpDataServer(self, config.host, config.data_port)
-        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch), connections_per_peer=config.connections_per_peer, stall_timeout_s=config.stall_timeout_seconds)
+        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch), connections_per_peer=config.connections_per_peer,
+                                         stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -231,6 +248,8 @@ class Daemon:
         await self.data_client.close()
         for ch in self._channels.values():
             await ch.close()
+        for peer in self.peers.values():
+            peer.close()
         for reg in self.registrations.values():
             reg.close()
         self.registrations.clear()
@@ -285,7 +304,7 @@ class Daemon:
             old.close()
         self._generation += 1
         self._registration_version += 1
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation)
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions))
         self.registrations[key] = reg
         self.finished.setdefault(key, WorkerFinished())
         self.engine_hub.set_expected(self._expected_override or worker.tp_size * worker.pp_size)
@@ -369,8 +388,10 @@ class Daemon:
         self.readers[(theirs.engine_id, theirs.epoch)] = Peer(theirs, "", self._registration_version)
         self._expected = {k: v for k, v in self._expected.items() if k[0] != theirs.engine_id}
         self.metrics.handshakes.labels("callee", "ok").inc()
-        log.info("handshake from engine=%s epoch=%s tp=%d pp=%d", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size)
-        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine)))
+        same_host = self.config.same_host != "off" and theirs.host_id == self.host_id
+        log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
+        regions = {k: r.region_pbs for k, r in self.registrations.items()} if same_host else None
+        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions))
 
     async def _peer_for(self, params: pb.TransferParams) -> Peer:
         """The remote engine's metadata, handshaking once and again only after a
@@ -405,8 +426,29 @@ class Daemon:
             self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
             self.metrics.handshakes.labels("caller", "ok").inc()
             peer = Peer(theirs, params.remote_address, self._registration_version)
+            if self.config.same_host != "off" and theirs.host_id == self.host_id:
+                self._map_same_host(peer, resp.callee)
+            old = self.peers.pop(eid, None)
+            if old is not None:
+                old.close()
             self.peers[eid] = peer
             return peer
+
+    def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
+        """Map the owner's regions; on any failure fall back to TCP."""
+        try:
+            for rank in callee.ranks:
+                if not rank.regions:
+                    continue
+                mapped = {r.region_id: map_region(r) for r in rank.regions}
+                peer.mapped.extend(mapped.values())
+                views = {rid: m.tensor for rid, m in mapped.items()}
+                groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
+                peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
+            log.info("same-host path to engine=%s: %d ranks mapped", peer.meta.engine_id, len(peer.local_sources))
+        except KvdError as e:
+            log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
+            peer.close()
 
     # ------------------------------------------------------------ publish (P side)
 
@@ -441,8 +483,12 @@ class Daemon:
             self.metrics.refused_reads.labels("no_handshake").inc()
             raise FailedPrecondition(f"engine {hello.engine_id!r} epoch {hello.epoch[:8]} has not handshaken with this daemon")
 
-    def open_read(self, hello: pb.DataHello, read: pb.DataRead) -> _OpenRead:
+    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False) -> _OpenRead:
         try:
+            if local:
+                reader = self.readers.get((hello.engine_id, hello.epoch))
+                if reader is None or reader.meta.host_id != self.host_id or self.config.same_host == "off":
+                    raise PermissionDenied("a same-host read from a reader on another host (or with same_host=off)")
             if read.owner_engine_id != self.config.engine_id:
                 raise InvalidArgument("read.owner_engine_id", read.owner_engine_id, f"is not this daemon's engine {self.config.engine_id!r}")
             rank = (read.tp_rank, read.pp_rank)
@@ -454,10 +500,15 @@ class Daemon:
                 if seg.group_id >= len(reg.tensors):
                     raise InvalidArgument("segment.group_id", seg.group_id, f"is not one of {len(reg.tensors)} groups")
                 validate_segment(reg.tensors[seg.group_id], seg, read.head_start, read.head_count)
-                self.publications.check_blocks(pub, rank, seg.group_id, seg.block_start, seg.block_count)
+                if seg.block_ids:
+                    self.publications.check_block_list(pub, rank, seg.group_id, np.asarray(seg.block_ids, dtype=np.int64))
+                else:
+                    self.publications.check_blocks(pub, rank, seg.group_id, seg.block_start, seg.block_count)
         except KvdError as e:
             self.metrics.refused_reads.labels(e.code.name.lower()).inc()
             raise
+        if local:
+            self.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.head_count) for s in read.segments))
         return _OpenRead(self, reg, read, hello.engine_id)
 
     def _expected_readers(self, reader_engine: str, rank: RankKey) -> int:
@@ -557,8 +608,6 @@ class Daemon:
             landed = self._replica_future(req.params, rank)
             if not landed.done():
                 landed.set_result(local_ids)
-            self.metrics.bytes_received.labels("tcp").inc(total)
-            self.metrics.blocks_received.labels("tcp").inc(len(all_local))
             self.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
             self._emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
         except BaseException as e:
@@ -594,6 +643,7 @@ class Daemon:
                 # (handshake, pooled connections) and try again, boundedly.
                 stale = self.peers.pop(req.params.remote_engine_id, None)
                 if stale is not None:
+                    stale.close()
                     await self.data_client.forget(stale.meta.data_address)
                 if attempt == self.config.pull_retries:
                     raise
@@ -625,12 +675,20 @@ class Daemon:
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = sum(rr.nbytes for rr in reads)
         self.metrics.bytes_in_flight.inc(planned)
+        sources = [peer.local_sources.get((rr.read.tp_rank, rr.read.pp_rank)) for rr in reads]
+        self.active_clock.start()
         try:
             moved = await asyncio.gather(
-                *(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed) for rr, landed in zip(reads, landed_all, strict=True))
+                *(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed, src)
+                  for rr, landed, src in zip(reads, landed_all, sources, strict=True))
             )
         finally:
+            self.active_clock.stop()
             self.metrics.bytes_in_flight.dec(planned)
+        for n, src, rr in zip(moved, sources, reads, strict=True):
+            transport = "samehost" if src is not None else "tcp"
+            self.metrics.bytes_received.labels(transport).inc(n)
+            self.metrics.blocks_received.labels(transport).inc(len({int(b) for s in rr.sinks for b in s.local_block_ids}))
         return sum(moved)
 
     def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[list[int]]]:

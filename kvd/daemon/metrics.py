@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kvd import __version__
@@ -29,5 +32,31 @@ class Metrics:
         self.regions = Gauge("kvd_registered_regions", "Mapped memory regions", registry=r)
         self.region_bytes = Gauge("kvd_registered_bytes", "Bytes of mapped memory regions", registry=r)
         self.relayout_seconds = Counter("kvd_relayout_seconds", "Time spent landing (relaying out) received segments", registry=r)
+        # Honest throughput: rate(kvd_received_bytes_total) / rate(kvd_transfer_active_seconds_total)
+        # divides by the wall time during which any pull was active, not by
+        # the sum of overlapping durations (which under-reports by the concurrency).
+        self.active_seconds = Counter("kvd_transfer_active_seconds", "Wall time during which at least one pull was in flight", registry=r)
         self.build = Info("kvd_build", "kvd build information", registry=r)
         self.build.info({"version": __version__})
+
+
+class ActiveClock:
+    """Accumulates wall time while at least one transfer is active."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.active = 0
+        self.since = 0.0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self.active == 0:
+                self.since = time.perf_counter()
+            self.active += 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self.active -= 1
+            if self.active == 0:
+                self.counter.inc(time.perf_counter() - self.since)

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 
 import torch
 import uvloop
@@ -66,6 +65,8 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
 
 
 def run(config: DaemonConfig, ready_file: str | None = None) -> int:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from kvd.logs import setup
+
+    setup(config.log_format, config.log_level)
     uvloop.run(serve(config, ready_file))
     return 0

@@ -295,14 +295,16 @@ class SetExpectedFinishedCountResponse(_message.Message):
     def __init__(self, expected_finished_count: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("tp_rank", "pp_rank", "groups")
+    __slots__ = ("tp_rank", "pp_rank", "groups", "regions")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     pp_rank: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
-    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint")
@@ -513,7 +515,7 @@ class DataRead(_message.Message):
     def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ...) -> None: ...
 
 class DataSegment(_message.Message):
-    __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count")
+    __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_START_FIELD_NUMBER: _ClassVar[int]
@@ -522,6 +524,7 @@ class DataSegment(_message.Message):
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     KV_START_FIELD_NUMBER: _ClassVar[int]
     KV_COUNT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     block_start: int
@@ -530,7 +533,8 @@ class DataSegment(_message.Message):
     token_count: int
     kv_start: int
     kv_count: int
-    def __init__(self, group_id: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., block_start: _Optional[int] = ..., block_count: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., kv_start: _Optional[int] = ..., kv_count: _Optional[int] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., block_start: _Optional[int] = ..., block_count: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., kv_start: _Optional[int] = ..., kv_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DataEnd(_message.Message):
     __slots__ = ("bytes",)

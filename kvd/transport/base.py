@@ -25,6 +25,10 @@ class Staging:
         self.pinned = pinned
         self._buf = torch.empty(0, dtype=torch.uint8)
 
+    @property
+    def nbytes(self) -> int:
+        return self._buf.numel()
+
     def __call__(self, nbytes: int) -> torch.Tensor:
         if self._buf.numel() < nbytes:
             # Pinned (page-locked) host memory lets device copies run at full speed.
@@ -47,7 +51,7 @@ class OpenRead(Protocol):
 class ReadServer(Protocol):
     def check_hello(self, hello: pb.DataHello) -> None: ...
 
-    def open_read(self, hello: pb.DataHello, read: pb.DataRead) -> OpenRead: ...
+    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False) -> OpenRead: ...
 
 
 class TransportClient(Protocol):

@@ -10,18 +10,23 @@ whose relayout runs in a worker thread while the next segment arrives.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import socket
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from kvd import errors
 from kvd.proto import kvd_pb2 as pb
-from kvd.transfer import SegmentSink
+from kvd.relayout import GroupTensors
+from kvd.transfer import SegmentSink, serve_segment
 from kvd.transport.base import ReadServer, Staging
 from kvd.wire import (
+    FLAG_LOCAL,
     HEADER_SIZE,
     Connection,
     FrameType,
@@ -33,9 +38,17 @@ from kvd.wire import (
 
 log = logging.getLogger("kvd.tcp")
 
-# Below this a segment is relaid out on the event loop: waking a worker thread
-# and the loop again costs ~100 us, more than copying 1 MiB at memcpy speed.
-INLINE_LAND_BYTES = 1 << 20
+# Bigger kernel buffers let one recv_into/send return megabytes, so the event
+# loop wakes far less often per byte (the per-wakeup cost is what limits us).
+SOCKET_BUFFER_BYTES = 8 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -57,10 +70,14 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, vi
         got += k
 
 
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Connection) -> tuple[FrameType, int, int]:
+async def _recv_raw_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytearray:
     raw = bytearray(HEADER_SIZE)
     await _recv_exactly(loop, sock, memoryview(raw))
-    header = conn.receive(decode_header(raw))
+    return raw
+
+
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Connection) -> tuple[FrameType, int, int]:
+    header = conn.receive(decode_header(await _recv_raw_header(loop, sock)))
     return header.type, header.tag, header.length
 
 
@@ -73,10 +90,20 @@ async def _recv_body(loop: asyncio.AbstractEventLoop, sock: socket.socket, lengt
 class TcpDataServer:
     """Serves reads of this daemon's registered memory."""
 
-    def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0) -> None:
+    def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
+                 max_connections_per_peer: int = 16, max_connections: int = 256) -> None:
         self.server = server
         self.host, self.port = host, port
         self.hello_timeout_s = hello_timeout_s
+        # Each connection holds at most one segment of staging, and a slow
+        # reader only blocks its own sends; capping connections caps memory.
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_connections = max_connections
+        self._per_peer: dict[str, int] = {}
+        # Bulk sends run in threads on blocking sockets: one sendmsg per
+        # segment and no event-loop wakeup per chunk (that wakeup, not the
+        # copy, is what bounded the asyncio path).
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvd-send")
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -99,7 +126,10 @@ class TcpDataServer:
         while True:
             conn, _ = await loop.sock_accept(self._sock)
             conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(conn)
+            if len(self._conns) >= self.max_connections:
+                conn.close()  # over the overall cap: refuse before reading a byte
+                continue
             task = asyncio.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -107,42 +137,38 @@ class TcpDataServer:
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         conn = Connection(server=True)
+        peer_key = ""
         staging = Staging()
         host_staging = Staging(pinned=True)
         try:
             _hello, _, length = await asyncio.wait_for(_recv_frame(loop, sock, conn), self.hello_timeout_s)
             hello = pb.DataHello.FromString(await _recv_body(loop, sock, length))
+            peer_key = hello.engine_id
             try:
                 self.server.check_hello(hello)
+                if self._per_peer.get(peer_key, 0) >= self.max_connections_per_peer:
+                    peer_key = ""
+                    raise errors.ResourceExhausted(f"engine {hello.engine_id!r} already has {self.max_connections_per_peer} data connections")
+                self._per_peer[peer_key] = self._per_peer.get(peer_key, 0) + 1
             except errors.KvdError as e:
+                peer_key = ""
                 await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                 return
             await loop.sock_sendall(sock, encode(FrameType.HELLO_OK))
             conn.sent(FrameType.HELLO_OK)
             while True:
-                _read, _, length = await _recv_frame(loop, sock, conn)  # the state machine only admits READ here
-                read = pb.DataRead.FromString(await _recv_body(loop, sock, length))
+                header = conn.receive(decode_header(await _recv_raw_header(loop, sock)))  # only READ is admitted here
+                read = pb.DataRead.FromString(await _recv_body(loop, sock, header.length))
+                local = bool(header.flags & FLAG_LOCAL)
                 try:
-                    opened = self.server.open_read(hello, read)
+                    opened = self.server.open_read(hello, read, local=local)
                 except errors.KvdError as e:
                     await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                total = 0
-                failed: errors.KvdError | None = None
-                for i in range(len(read.segments)):
-                    try:
-                        opened.check_alive()
-                    except errors.KvdError as e:
-                        failed = e
-                        break
-                    payload = opened.segment(i, staging)
-                    if payload.device.type != "cpu":
-                        # GPU memory leaves through pinned host staging.
-                        payload = host_staging(payload.numel()).copy_(payload)
-                    await loop.sock_sendall(sock, Header(FrameType.DATA, i, payload.numel()).encode())
-                    await loop.sock_sendall(sock, _as_bytes(payload))
-                    total += payload.numel()
+                failed, total = (None, 0) if local else await loop.run_in_executor(
+                    self._pool, _send_segments, sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3
+                )
                 if failed is not None:
                     await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
@@ -159,6 +185,8 @@ class TcpDataServer:
         except Exception:
             log.exception("data-plane connection failed")
         finally:
+            if peer_key and peer_key in self._per_peer:
+                self._per_peer[peer_key] -= 1
             sock.close()
 
     async def close(self) -> None:
@@ -172,13 +200,95 @@ class TcpDataServer:
             await asyncio.gather(*self._conns, return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _blocking(sock: socket.socket, timeout: float) -> Iterator[socket.socket]:
+    """Lend a loop socket to a worker thread; the timeout is the stall bound."""
+    sock.settimeout(timeout)
+    try:
+        yield sock
+    finally:
+        sock.setblocking(False)
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    while buffers:
+        sent = sock.sendmsg(buffers)
+        while buffers and sent >= len(buffers[0]):
+            sent -= len(buffers[0])
+            buffers.pop(0)
+        if buffers and sent:
+            buffers[0] = buffers[0][sent:]
+
+
+def _send_segments(sock: socket.socket, opened: Any, count: int, staging: Staging, host_staging: Staging,
+                   stall_s: float) -> tuple[errors.KvdError | None, int]:
+    """Owner side, in a worker thread: every DATA frame of one read."""
+    total = 0
+    with _blocking(sock, stall_s):
+        for i in range(count):
+            try:
+                opened.check_alive()
+            except errors.KvdError as e:
+                return e, total
+            payload = opened.segment(i, staging)
+            if payload.device.type != "cpu":
+                # GPU memory leaves through pinned host staging.
+                payload = host_staging(payload.numel()).copy_(payload)
+            _sendmsg_all(sock, [memoryview(Header(FrameType.DATA, i, payload.numel()).encode()), _as_bytes(payload)])
+            total += payload.numel()
+    return None, total
+
+
+def _recv_into_all(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("peer closed the connection")
+        got += k
+
+
+def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[SegmentSink], landed: list[bool],
+                   staging: Staging, stall_s: float, on_relayout: Callable[[float], None]) -> int:
+    """Reader side, in a worker thread: DATA frames straight into place (or
+    into staging, relaid out at once) until END or ERROR."""
+    moved = 0
+    raw = bytearray(HEADER_SIZE)
+    with _blocking(sock, stall_s):
+        while True:
+            _recv_into_all(sock, memoryview(raw))
+            header = proto.receive(decode_header(raw))
+            if header.type is not FrameType.DATA:
+                body = bytearray(header.length)
+                _recv_into_all(sock, memoryview(body))
+                if header.type is FrameType.ERROR:
+                    err = pb.DataError.FromString(bytes(body))
+                    raise errors.from_code(err.code, err.message)
+                return moved  # END
+            sink = sinks[header.tag]
+            if header.length != sink.nbytes:
+                raise ProtocolError(f"segment {header.tag} carries {header.length} bytes, expected {sink.nbytes}")
+            direct = sink.direct()
+            if direct is not None and direct.device.type == "cpu":
+                _recv_into_all(sock, _as_bytes(direct))
+            else:
+                buf = staging(header.length)
+                _recv_into_all(sock, _as_bytes(buf))
+                t0 = time.perf_counter()
+                sink.land(buf)
+                on_relayout(time.perf_counter() - t0)
+            landed[header.tag] = True
+            moved += header.length
 
 
 class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.proto = Connection(server=False)
-        self.staging = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.staging = Staging()
 
 
 class TcpDataClient:
@@ -186,12 +296,15 @@ class TcpDataClient:
 
     name = "tcp"
 
-    def __init__(self, hello: pb.DataHello, *, connections_per_peer: int = 4, stall_timeout_s: float = 30.0) -> None:
+    def __init__(self, hello: pb.DataHello, *, connections_per_peer: int = 4, stall_timeout_s: float = 30.0,
+                 on_relayout: Callable[[float], None] = lambda seconds: None) -> None:
+        self.on_relayout = on_relayout
         self.hello = hello
         self.connections_per_peer = connections_per_peer
         self.stall_timeout_s = stall_timeout_s
         self._idle: dict[str, list[_Conn]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
 
     async def _connect(self, address: str) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -200,7 +313,7 @@ class TcpDataClient:
         family, stype, proto, _, addr = infos[0]
         sock = socket.socket(family, stype, proto)
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune(sock)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, addr), self.stall_timeout_s)
             conn = _Conn(sock)
@@ -215,79 +328,61 @@ class TcpDataClient:
             raise
         return conn
 
-    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
+    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+                   local_source: LocalSource | None = None) -> int:
+        """Move every segment; with ``local_source`` (same host) only the
+        authorisation crosses the socket and the bytes are copied in place."""
         slots = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         async with slots:
             idle = self._idle.setdefault(address, [])
             conn = idle.pop() if idle else await self._connect(address)
             try:
-                moved = await self._read_on(conn, read, sinks, landed)
+                if local_source is not None:
+                    moved = await self._read_local(conn, read, sinks, landed, local_source)
+                else:
+                    moved = await self._read_on(conn, read, sinks, landed)
             except BaseException:
+                # Shutting the socket down also stops a worker thread still receiving on it.
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
                 conn.sock.close()
                 raise
             idle.append(conn)
             return moved
+
+    async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+        loop = asyncio.get_running_loop()
+        sock = conn.sock
+        await loop.sock_sendall(sock, _frame(FrameType.READ, read.SerializeToString(), FLAG_LOCAL))
+        conn.proto.sent(FrameType.READ, segments=0)
+        async with asyncio.timeout(self.stall_timeout_s):
+            ftype, _, length = await _recv_frame(loop, sock, conn.proto)
+            body = await _recv_body(loop, sock, length)
+        if ftype is FrameType.ERROR:
+            err = pb.DataError.FromString(body)
+            raise errors.from_code(err.code, err.message)
+        t0 = time.perf_counter()
+        moved = await loop.run_in_executor(self._pool, copy_local, read, sinks, landed, source)
+        self.on_relayout(time.perf_counter() - t0)
+        await loop.sock_sendall(sock, encode(FrameType.ACK))
+        conn.proto.sent(FrameType.ACK)
+        return moved
 
     async def _read_on(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
         loop = asyncio.get_running_loop()
         sock = conn.sock
         await loop.sock_sendall(sock, encode(FrameType.READ, read.SerializeToString()))
         conn.proto.sent(FrameType.READ, segments=len(sinks))
-        pending: list[asyncio.Future[None] | None] = [None, None]
-        moved = 0
-        timeout = self.stall_timeout_s
-        try:
-            while True:
-                async with asyncio.timeout(timeout):
-                    ftype, tag, length = await _recv_frame(loop, sock, conn.proto)
-                if ftype is FrameType.ERROR:
-                    err = pb.DataError.FromString(await _recv_body(loop, sock, length))
-                    raise errors.from_code(err.code, err.message)
-                if ftype is FrameType.END:
-                    await _recv_body(loop, sock, length)
-                    break
-                sink = sinks[tag]
-                if length != sink.nbytes:
-                    raise ProtocolError(f"segment {tag} carries {length} bytes, expected {sink.nbytes}")
-                direct = sink.direct()
-                if direct is not None and direct.device.type == "cpu":
-                    async with asyncio.timeout(timeout):
-                        await _recv_exactly(loop, sock, _as_bytes(direct))
-                    landed[tag] = True
-                else:
-                    slot = tag % 2
-                    prev = pending[slot]
-                    if prev is not None:
-                        await prev  # the buffer is free again once its relayout is done
-                        pending[slot] = None
-                    if conn.staging[slot].numel() < length:
-                        conn.staging[slot] = torch.empty(length, dtype=torch.uint8)
-                    buf = conn.staging[slot][:length]
-                    async with asyncio.timeout(timeout):
-                        await _recv_exactly(loop, sock, _as_bytes(buf))
-                    if length < INLINE_LAND_BYTES:
-                        # A thread handoff costs more than copying this little.
-                        _land(sink, buf, landed, tag)
-                    else:
-                        pending[slot] = loop.run_in_executor(None, _land, sink, buf, landed, tag)
-                moved += length
-            for fut in pending:
-                if fut is not None:
-                    await fut
-        finally:
-            for fut in pending:
-                if fut is not None and not fut.done():
-                    with contextlib.suppress(BaseException):
-                        await fut
+        moved = await loop.run_in_executor(self._pool, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout)
         await loop.sock_sendall(sock, encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
         return moved
 
     def staging_buffers(self) -> int:
-        return sum(1 for conns in self._idle.values() for c in conns for b in c.staging if b.numel())
+        return sum(1 for conns in self._idle.values() for c in conns if c.staging.nbytes)
 
     def staging_bytes(self) -> int:
-        return sum(b.numel() for conns in self._idle.values() for c in conns for b in c.staging)
+        return sum(c.staging.nbytes for conns in self._idle.values() for c in conns)
 
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""
@@ -301,6 +396,29 @@ class TcpDataClient:
         self._idle.clear()
 
 
-def _land(sink: SegmentSink, buf: torch.Tensor, landed: list[bool], tag: int) -> None:
-    sink.land(buf)
-    landed[tag] = True
+def _frame(type_: FrameType, body: bytes, flags: int = 0) -> bytes:
+    return Header(type_, 0, len(body), flags).encode() + body
+
+
+class LocalSource:
+    """The owner rank's memory, mapped by the reader on the same host."""
+
+    def __init__(self, groups: dict[int, GroupTensors]) -> None:
+        self.groups = groups
+        self.staging = Staging()
+
+
+def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+    """Same-host segments: one copy from the owner's memory when it already has
+    the wire layout (zero-copy view), else a gather then the usual landing."""
+    moved = 0
+    for i, (seg, sink) in enumerate(zip(read.segments, sinks, strict=True)):
+        payload = serve_segment(source.groups[seg.group_id], seg, read.head_start, read.head_count, source.staging)
+        direct = sink.direct()
+        if direct is not None:
+            direct.reshape(-1).view(torch.uint8).copy_(payload)
+        else:
+            sink.land(payload)
+        landed[i] = True
+        moved += sink.nbytes
+    return moved

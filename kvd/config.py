@@ -1,0 +1,122 @@
+"""One config model for ``kvd serve``: a YAML file, then ``KVD_*`` environment
+variables, then command-line flags; each later source wins.
+
+Every key is a field of ``DaemonConfig``. Values are validated at startup, and
+a wrong one is reported in one line naming the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvd.daemon.daemon import DaemonConfig
+from kvd.errors import InvalidArgument
+from kvd.spec import WorkerId
+
+ENV_PREFIX = "KVD_"
+
+# key -> (check, what it must be)
+_RULES: dict[str, tuple[Any, str]] = {
+    "grpc_port": (lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
+    "data_port": (lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
+    "metrics_port": (lambda v: -1 <= v <= 65535, "a port in [0, 65535], or -1 for none"),
+    "lease_seconds": (lambda v: v > 0, "> 0"),
+    "segment_bytes": (lambda v: 4096 <= v <= 1 << 30, "in [4096, 1 GiB]"),
+    "connections_per_peer": (lambda v: 1 <= v <= 64, "in [1, 64]"),
+    "pull_timeout_seconds": (lambda v: v > 0, "> 0"),
+    "stall_timeout_seconds": (lambda v: v > 0, "> 0"),
+    "max_concurrent_pulls": (lambda v: v >= 1, ">= 1"),
+    "drain_seconds": (lambda v: v >= 0, ">= 0"),
+    "drain_report_seconds": (lambda v: v >= 0, ">= 0"),
+    "handshake_retries": (lambda v: v >= 1, ">= 1"),
+    "pull_retries": (lambda v: v >= 0, ">= 0"),
+    "same_host": (lambda v: v in ("auto", "off"), "auto or off"),
+    "log_format": (lambda v: v in ("text", "json"), "text or json"),
+    "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
+}
+
+
+class ConfigError(ValueError):
+    """One line naming the key, the value and its source."""
+
+
+def fields() -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(DaemonConfig)}
+
+
+def _coerce(key: str, raw: Any, source: str) -> Any:
+    f = fields()[key]
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind == "int":
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={raw!r} (from {source}) is not a valid {kind}") from None
+
+
+def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: Mapping[str, Any] | None = None) -> DaemonConfig:
+    """Merge file < environment < flags into a validated DaemonConfig."""
+    env = os.environ if env is None else env
+    known = fields()
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    path = path or env.get(f"{ENV_PREFIX}CONFIG") or None
+    if path:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: must be a mapping of keys to values")
+        for key, raw in data.items():
+            key = str(key).replace("-", "_")
+            if key not in known:
+                raise ConfigError(f"{key} (from {path}) is not a config key; known: {', '.join(sorted(known))}")
+            values[key], sources[key] = _coerce(key, raw, path), path
+    for key in known:
+        name = f"{ENV_PREFIX}{key.upper()}"
+        if name in env:
+            values[key], sources[key] = _coerce(key, env[name], name), name
+    for key, raw in (flags or {}).items():
+        if raw is not None and key in known:
+            flag = "--" + key.replace("_", "-")
+            values[key], sources[key] = _coerce(key, raw, flag), flag
+    if not values.get("engine_id"):
+        raise ConfigError("engine_id is required (config file, KVD_ENGINE_ID or --engine-id)")
+    try:
+        WorkerId(values["engine_id"])
+    except InvalidArgument as e:
+        raise ConfigError(f"engine_id={values['engine_id']!r} (from {sources['engine_id']}) {e.message.split(' ', 1)[1]}") from None
+    for key, value in values.items():
+        rule = _RULES.get(key)
+        if rule is not None and not rule[0](value):
+            raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be {rule[1]}")
+    return DaemonConfig(**values)
+
+
+def describe(config: DaemonConfig) -> str:
+    """The effective config, for ``kvd serve --print-config``."""
+    import yaml
+
+    return yaml.safe_dump(dataclasses.asdict(config), sort_keys=True)

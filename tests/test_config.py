@@ -1,0 +1,71 @@
+"""One config model: file < environment < flags, validated with one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvd import config
+from tests.conftest import REPO, make_worker
+
+
+def test_precedence_file_then_env_then_flags(tmp_path):
+    f = tmp_path / "kvd.yaml"
+    f.write_text("engine_id: from-file\nlease_seconds: 30\ngrpc_port: 6000\ndata_port: 6001\n")
+    c = config.load(str(f), env={"KVD_LEASE_SECONDS": "45", "KVD_GRPC_PORT": "7000"}, flags={"grpc_port": "8000", "data_port": None})
+    assert (c.engine_id, c.lease_seconds, c.grpc_port, c.data_port) == ("from-file", 45.0, 8000, 6001)
+
+
+@pytest.mark.parametrize(
+    "text, env, flags, message",
+    [
+        ("engine_id: p\nlease_seconds: -1\n", {}, {}, "lease_seconds=-1.0 (from {f}) must be > 0"),
+        ("engine_id: p\n", {"KVD_GRPC_PORT": "http"}, {}, "grpc_port='http' (from KVD_GRPC_PORT) is not a valid int"),
+        ("engine_id: p\n", {}, {"same_host": "maybe"}, "same_host='maybe' (from --same-host) must be auto or off"),
+        ("engine_id: p\nbogus: 1\n", {}, {}, "bogus (from {f}) is not a config key"),
+        ("engine_id: 'bad id'\n", {}, {}, "engine_id='bad id' (from {f})"),
+        ("lease_seconds: 1\n", {}, {}, "engine_id is required"),
+        ("[1, 2]\n", {}, {}, "must be a mapping"),
+    ],
+)
+def test_a_wrong_value_is_one_line_naming_the_key(tmp_path, text, env, flags, message):
+    f = tmp_path / "kvd.yaml"
+    f.write_text(text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load(str(f), env=env, flags=flags)
+    assert message.format(f=f) in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_serve_reports_config_errors_and_prints_the_effective_config(tmp_path):
+    f = tmp_path / "kvd.yaml"
+    f.write_text("engine_id: p\nmetrics_port: 99999\n")
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--config", str(f)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"kvd: config error: metrics_port=99999 (from {f}) must be a port in [0, 65535], or -1 for none"
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--config", str(f), "--metrics-port", "9500", "--print-config"],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0 and "metrics_port: 9500" in r.stdout and "engine_id: p" in r.stdout
+
+
+def test_status_table_and_json(daemons):
+    d = daemons.start("decode")
+    make_worker(d.grpc, "decode")
+    r = subprocess.run([sys.executable, "-m", "kvd", "status", d.grpc], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for heading in ("workers", "leases (0)", "pulls in flight (0)", "recent failures", "tp0/1 pp0/1"):
+        assert heading in r.stdout
+    r = subprocess.run([sys.executable, "-m", "kvd", "status", d.grpc, "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert json.loads(r.stdout)["engineId"] == "decode"
+
+
+def test_json_logs_are_one_object_a_line(daemons):
+    d = daemons.start("decode", "--log-format", "json")
+    make_worker(d.grpc, "decode")
+    d.stop()
+    lines = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    serving = next(x for x in lines if x["msg"] == "kvd serving")
+    assert serving["engine_id"] == "decode" and serving["level"] == "info"
+    assert any(x["msg"] == "registered" and x["worker"].startswith("decode") for x in lines)
