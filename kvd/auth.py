@@ -110,9 +110,8 @@ class AuthConfig:
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
         creds = self.channel_credentials()
-        options = [("grpc.ssl_target_name_override", "localhost")] if creds is not None and address.startswith("127.") else []
         if creds is not None:
-            return grpc.aio.secure_channel(address, creds, options=options)
+            return grpc.aio.secure_channel(address, creds)
         return grpc.aio.insecure_channel(address)
 
     def check_hello_token(self, presented: bytes) -> bool:

@@ -66,6 +66,13 @@ SERVE_FLAGS = {
     "aggregator-address": "the engine's aggregator daemon (default: this one)",
     "same-host": "auto: direct copies between mapped regions when peers share a host; off: always TCP",
     "drain-seconds": "SIGTERM: how long in-flight pulls may finish (default 10)",
+    "auth": "none, token or mtls (docs/security.md)",
+    "token-file": "auth=token: file holding the shared token (mode 600)",
+    "tls-cert-file": "auth=mtls: this daemon's certificate chain (PEM)",
+    "tls-key-file": "auth=mtls: its private key (PEM, mode 600)",
+    "tls-ca-file": "auth=mtls: the CA that signs every peer's certificate",
+    "worker-api": "local (default): Worker RPCs only from this host; any: from anywhere",
+    "worker-socket": "also serve the Worker API on this Unix socket path",
     "log-format": "text (key=value) or json",
     "log-level": "DEBUG, INFO, WARNING or ERROR",
 }

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvd.auth import WORKER_TOKEN_HEADER, AuthConfig
 from kvd.caches import KVCacheTensors, describe
 from kvd.convert import worker_to_pb
 from kvd.errors import DeadlineExceeded, from_code
@@ -64,17 +65,26 @@ def _finished(r: pb.GetFinishedResponse) -> Finished:
 class KvdClient:
     """A worker's connection to its local daemon (blocking calls)."""
 
-    def __init__(self, address: str, worker: WorkerId, *, timeout: float = 30.0) -> None:
+    def __init__(self, address: str, worker: WorkerId, *, timeout: float = 30.0, auth: AuthConfig | None = None) -> None:
+        """``address`` is host:port or unix:/path; ``auth`` as the daemon's (token or mTLS)."""
         self.address = address
         self.worker = worker
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)])
+        self.auth = auth or AuthConfig()
+        options = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20)]
+        creds = self.auth.channel_credentials()
+        self._channel = grpc.secure_channel(address, creds, options=options) if creds else grpc.insecure_channel(address, options=options)
         self._worker = pbg.WorkerStub(self._channel)
         self._wid = worker_to_pb(worker)
+        self.worker_token = b""  # issued by register(); proves we are this worker
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        token = ((WORKER_TOKEN_HEADER, self.worker_token.hex()),) if self.worker_token else ()
+        return (*self.auth.call_metadata(), *token)
 
     def _call(self, method, request):  # type: ignore[no-untyped-def]
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._metadata())
         except grpc.RpcError as e:
             raise from_code(e.code().name, e.details() or "") from None
 
@@ -107,10 +117,12 @@ class KvdClient:
         else:
             groups = list(kv_caches)
         described = describe(groups, dims=dims)  # type: ignore[arg-type]
-        return self._call(self._worker.Register, pb.RegisterRequest(
+        resp = self._call(self._worker.Register, pb.RegisterRequest(
             worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),
             regions=described.regions, groups=described.groups,
         ))
+        self.worker_token = resp.worker_token
+        return resp
 
     def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "", lease_seconds: float = 0.0) -> pb.TransferParams:
         resp = self._call(self._worker.Publish, pb.PublishRequest(
@@ -149,7 +161,7 @@ class KvdClient:
 
     def watch_engine_finished(self) -> Iterator[Finished]:
         """Yields the engine's merged sets as requests complete (a server stream)."""
-        stream = self._worker.WatchEngineFinished(pb.EngineFinishedRequest(engine_id=self.worker.engine_id))
+        stream = self._worker.WatchEngineFinished(pb.EngineFinishedRequest(engine_id=self.worker.engine_id), metadata=self._metadata())
         try:
             for r in stream:
                 yield _finished(r)

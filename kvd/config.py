@@ -36,6 +36,10 @@ _RULES: dict[str, tuple[Any, str]] = {
     "pull_retries": (lambda v: v >= 0, ">= 0"),
     "same_host": (lambda v: v in ("auto", "off"), "auto or off"),
     "log_format": (lambda v: v in ("text", "json"), "text or json"),
+    "auth": (lambda v: v in ("none", "token", "mtls"), "none, token or mtls"),
+    "worker_api": (lambda v: v in ("local", "any"), "local or any"),
+    "max_segments_per_read": (lambda v: 1 <= v <= 1 << 20, "in [1, 1048576]"),
+    "max_pending_handshakes": (lambda v: v >= 1, ">= 1"),
     "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
 }
 
@@ -112,7 +116,16 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: M
         rule = _RULES.get(key)
         if rule is not None and not rule[0](value):
             raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be {rule[1]}")
-    return DaemonConfig(**values)
+    config = DaemonConfig(**values)
+    from kvd.auth import AuthConfig
+
+    try:  # secrets are read now, so a bad file stops startup with one line
+        AuthConfig.load(config.auth, config.token_file, config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+    except InvalidArgument as e:
+        raise ConfigError(f"{e.field}={e.value!r} (from {sources.get(e.field, 'config')}) {e.message.split(' ', 1)[1]}") from None
+    except OSError as e:
+        raise ConfigError(f"TLS file: {e.filename}: {e.strerror}") from None
+    return config
 
 
 def describe(config: DaemonConfig) -> str:

@@ -114,14 +114,14 @@ class TestWorker:
 
 
 def make_worker(address: str, engine_id: str, *, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, layers=4, heads=4, head_size=16,
-                block_size=16, num_blocks=64, dtype="bfloat16", layout="NHD", register=True, local_heads=0) -> TestWorker:
+                block_size=16, num_blocks=64, dtype="bfloat16", layout="NHD", register=True, local_heads=0, auth=None) -> TestWorker:
     model = ModelInfo(layers, heads)
     h = local_heads or heads_of_rank(tp_rank, tp_size, heads, False).count
     spec = KVCacheSpec(block_size, h, head_size, dtype, parse_layout(layout), num_blocks)
     per = -(-layers // pp_size)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(pp_rank * per, min(layers, (pp_rank + 1) * per))]
     caches = allocate_kv_caches(spec, names)
-    w = TestWorker(WorkerId(engine_id, tp_rank, tp_size, pp_rank, pp_size), spec, caches, KvdClient(address, WorkerId(engine_id, tp_rank, tp_size, pp_rank, pp_size)), model)
+    w = TestWorker(WorkerId(engine_id, tp_rank, tp_size, pp_rank, pp_size), spec, caches, KvdClient(address, WorkerId(engine_id, tp_rank, tp_size, pp_rank, pp_size), auth=auth), model)
     w.client.wait_ready()
     if register:
         w.register()

@@ -25,9 +25,9 @@ def fake_engine(engine_id: str = "intruder", *, layers: int = 4, heads: int = 4,
     return info
 
 
-def handshake(grpc_address: str, info: pb.EngineInfo) -> pb.EngineInfo:
+def handshake(grpc_address: str, info: pb.EngineInfo, metadata: tuple = ()) -> pb.HandshakeResponse:
     with grpc.insecure_channel(grpc_address) as ch:
-        return pbg.PeerStub(ch).Handshake(pb.HandshakeRequest(caller=info), timeout=10).callee
+        return pbg.PeerStub(ch).Handshake(pb.HandshakeRequest(caller=info), timeout=10, metadata=metadata)
 
 
 class RawPeer:
@@ -56,8 +56,8 @@ class RawPeer:
             buf += chunk
         return bytes(buf)
 
-    def hello(self, engine_id: str, epoch: str) -> tuple[FrameType, bytes]:
-        self.send(FrameType.HELLO, pb.DataHello(engine_id=engine_id, epoch=epoch).SerializeToString())
+    def hello(self, engine_id: str, epoch: str, data_token: bytes = b"", shared_token: bytes = b"") -> tuple[FrameType, bytes]:
+        self.send(FrameType.HELLO, pb.DataHello(engine_id=engine_id, epoch=epoch, data_token=data_token, shared_token=shared_token).SerializeToString())
         t, _, body = self.recv_frame()
         return t, body
 

@@ -24,12 +24,12 @@ def rss(pid: int) -> int:
 def test_stalled_reader_keeps_the_senders_memory_bounded(daemons):
     p = daemons.start("prefill")
     pw = make_worker(p.grpc, "prefill", **BIG)
-    handshake(p.grpc, fake_engine("reader", layers=8, heads=4, head_size=128))
+    token = handshake(p.grpc, fake_engine("reader", layers=8, heads=4, head_size=128)).data_token
     ids = list(range(1, 1001))
     params = pw.client.publish("r", [ids], len(ids) * 16)
     before = rss(p.proc.pid)
     raw = RawPeer(p.info["data"])
-    assert raw.hello("reader", "e1")[0] is FrameType.HELLO_OK
+    assert raw.hello("reader", "e1", token)[0] is FrameType.HELLO_OK
     read = pb.DataRead(owner_engine_id="prefill", request_id="r", generation=params.generation, capability=params.capability,
                        head_start=0, head_count=4)
     for b in range(1, 1001, 10):  # 100 gathered segments of 10 blocks x 8 layers x K+V: 250 MiB asked for
@@ -46,14 +46,14 @@ def test_stalled_reader_keeps_the_senders_memory_bounded(daemons):
 def test_connections_per_reader_are_capped(daemons):
     p = daemons.start("prefill")
     make_worker(p.grpc, "prefill")
-    handshake(p.grpc, fake_engine("reader"))
+    token = handshake(p.grpc, fake_engine("reader")).data_token
     peers = []
     for _ in range(16):
         raw = RawPeer(p.info["data"])
-        assert raw.hello("reader", "e1")[0] is FrameType.HELLO_OK
+        assert raw.hello("reader", "e1", token)[0] is FrameType.HELLO_OK
         peers.append(raw)
     extra = RawPeer(p.info["data"])
-    ftype, body = extra.hello("reader", "e1")
+    ftype, body = extra.hello("reader", "e1", token)
     assert ftype is FrameType.ERROR and b"RESOURCE_EXHAUSTED" in body
     for raw in peers:
         raw.close()

@@ -120,6 +120,7 @@ def _register_raw(address, req):
         (lambda r: r.groups[0].layers[0].tensors[0].stride.__setitem__(0, 1), "stride"),
     ],
 )
+@pytest.mark.security
 def test_bad_registrations_are_refused_naming_the_field(daemons, mutate, field):
     from kvd.caches import describe
 
@@ -136,6 +137,7 @@ def test_bad_registrations_are_refused_naming_the_field(daemons, mutate, field):
     assert w.register().registered_bytes > 0
 
 
+@pytest.mark.security
 def test_symlinked_shm_name_is_refused(daemons, tmp_path):
     from kvd.caches import describe
 
@@ -196,6 +198,7 @@ def test_handshake_rpc_refuses_with_failed_precondition(daemons):
     assert "local=4" in e.value.details() and "remote=2" in e.value.details()
 
 
+@pytest.mark.security
 def test_unpublished_blocks_are_never_served(daemons):
     p, d = daemons.start("prefill"), daemons.start("decode")
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")

@@ -15,6 +15,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -27,6 +28,7 @@ import torch
 
 from kvd import errors
 from kvd.aggregate import EngineFinishedHub, Outcome, WorkerFinished
+from kvd.auth import AuthConfig
 from kvd.convert import (
     engine_from_pb,
     engine_to_pb,
@@ -44,6 +46,7 @@ from kvd.errors import (
     KvdError,
     NotFound,
     PermissionDenied,
+    Unauthenticated,
     Unavailable,
 )
 from kvd.leases import Ended, PublicationTable, RankKey
@@ -99,6 +102,16 @@ class DaemonConfig:
     same_host: str = "auto"  # auto: copy directly between mapped regions when peers share a host; off: always TCP
     log_format: str = "text"  # text: key=value lines; json: one JSON object a line
     log_level: str = "INFO"
+    # Security (docs/security.md)
+    auth: str = "none"  # none | token | mtls
+    token_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
+    worker_api: str = "local"  # local: Worker RPCs only from loopback or the Unix socket; any: from anywhere
+    worker_socket: str = ""  # also serve the Worker API on this Unix socket path
+    max_segments_per_read: int = 65536
+    max_pending_handshakes: int = 64
 
 
 @dataclass
@@ -110,6 +123,7 @@ class Registration:
     tensors: list[GroupTensors]
     generation: int
     region_pbs: list[pb.Region]
+    worker_token: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +144,7 @@ class Peer:
     # Same host: the owner's ranks, mapped here, so reads are plain copies.
     local_sources: dict[RankKey, LocalSource] = field(default_factory=dict)
     mapped: list[MappedRegion] = field(default_factory=list)
+    data_token: bytes = b""  # owner side: what this reader's HELLO must carry
 
     def close(self) -> None:
         self.local_sources.clear()
@@ -178,6 +193,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         WorkerId(config.engine_id)  # validates the id
         self.config = config
+        self.auth = AuthConfig.load(config.auth, config.token_file, config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+        self._handshake_slots = asyncio.Semaphore(config.max_pending_handshakes)
         self.epoch = uuid.uuid4().hex
         self.host_id = host_id()
         self.metrics = Metrics()
@@ -204,7 +221,8 @@ class Daemon:
         self._replica_done: dict[tuple[str, int, RankKey], asyncio.Future[list[list[int]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.data_server = TcpDataServer(self, config.host, config.data_port)
-        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch), connections_per_peer=config.connections_per_peer,
+        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
+                                         connections_per_peer=config.connections_per_peer,
                                          stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc)
 
     # ------------------------------------------------------------ lifecycle
@@ -304,16 +322,17 @@ class Daemon:
             old.close()
         self._generation += 1
         self._registration_version += 1
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions))
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32))
         self.registrations[key] = reg
         self.finished.setdefault(key, WorkerFinished())
         self.engine_hub.set_expected(self._expected_override or worker.tp_size * worker.pp_size)
         self._update_region_metrics()
         log.info("registered worker=%s regions=%d bytes=%d groups=%d layers=%d", worker, len(mapped), reg.nbytes, len(groups), sum(len(g.layers) for g in groups))
-        return pb.RegisterResponse(registration_generation=reg.generation, registered_bytes=reg.nbytes, daemon_epoch=self.epoch)
+        return pb.RegisterResponse(registration_generation=reg.generation, registered_bytes=reg.nbytes, daemon_epoch=self.epoch,
+                                   worker_token=reg.worker_token)
 
-    def unregister(self, worker: WorkerId) -> None:
-        key = self._registered(worker).worker
+    def unregister(self, worker: WorkerId, token: bytes | None = None) -> None:
+        key = self._registered(worker, token).worker
         k = (key.tp_rank, key.pp_rank)
         for p in [p for (r, _), p in self.pulls.items() if r == k]:
             if p.task is not None:
@@ -324,13 +343,22 @@ class Daemon:
         self._registration_version += 1
         self._update_region_metrics()
 
-    def _registered(self, worker: WorkerId) -> Registration:
+    def _registered(self, worker: WorkerId, token: bytes | None = None) -> Registration:
+        """The worker's registration; with ``token``, only for the worker itself."""
         if worker.engine_id != self.config.engine_id:
             raise InvalidArgument("worker.engine_id", worker.engine_id, f"does not match this daemon's engine {self.config.engine_id!r}")
         reg = self.registrations.get((worker.tp_rank, worker.pp_rank))
         if reg is None:
             raise NotFound(f"worker {worker} is not registered with this daemon")
+        if token is not None and not hmac.compare_digest(token, reg.worker_token):
+            raise PermissionDenied(f"only the registered worker {worker} may act for its engine and rank (kvd-worker-token missing or wrong)")
         return reg
+
+    def check_engine_token(self, engine_id: str, token: bytes) -> None:
+        """Engine-level calls need the token of some worker of this engine."""
+        self._check_engine(engine_id)
+        if not any(hmac.compare_digest(token, r.worker_token) for r in self.registrations.values()):
+            raise PermissionDenied(f"engine-level calls for {engine_id!r} need a registered worker's kvd-worker-token")
 
     def _update_region_metrics(self) -> None:
         self.metrics.regions.set(sum(len(r.regions) for r in self.registrations.values()))
@@ -385,13 +413,14 @@ class Daemon:
         # A restarted daemon of the same engine replaces its old epoch's entry.
         for key in [k for k, r in self.readers.items() if k[0] == theirs.engine_id and r.meta.host_id == theirs.host_id and r.meta.data_address == theirs.data_address]:
             del self.readers[key]
-        self.readers[(theirs.engine_id, theirs.epoch)] = Peer(theirs, "", self._registration_version)
+        data_token = secrets.token_bytes(32)
+        self.readers[(theirs.engine_id, theirs.epoch)] = Peer(theirs, "", self._registration_version, data_token=data_token)
         self._expected = {k: v for k, v in self._expected.items() if k[0] != theirs.engine_id}
         self.metrics.handshakes.labels("callee", "ok").inc()
         same_host = self.config.same_host != "off" and theirs.host_id == self.host_id
         log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
         regions = {k: r.region_pbs for k, r in self.registrations.items()} if same_host else None
-        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions))
+        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
 
     async def _peer_for(self, params: pb.TransferParams) -> Peer:
         """The remote engine's metadata, handshaking once and again only after a
@@ -408,10 +437,11 @@ class Daemon:
             last: Exception | None = None
             for attempt in range(self.config.handshake_retries):
                 try:
-                    resp = await stub.Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine, self._fingerprint(mine))), timeout=10)
+                    resp = await stub.Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine, self._fingerprint(mine))), timeout=10,
+                                                metadata=self.auth.call_metadata())
                     break
                 except grpc.aio.AioRpcError as e:
-                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
                         self.metrics.handshakes.labels("caller", "refused").inc()
                         raise errors.from_code(e.code().name, f"handshake with {eid!r} at {params.remote_address}: {e.details()}") from None
                     last = e
@@ -431,6 +461,7 @@ class Daemon:
             old = self.peers.pop(eid, None)
             if old is not None:
                 old.close()
+            self.data_client.set_token(theirs.data_address, resp.data_token)
             self.peers[eid] = peer
             return peer
 
@@ -452,9 +483,9 @@ class Daemon:
 
     # ------------------------------------------------------------ publish (P side)
 
-    def publish(self, req: pb.PublishRequest) -> pb.PublishResponse:
+    def publish(self, req: pb.PublishRequest, token: bytes | None = None) -> pb.PublishResponse:
         worker = worker_from_pb(req.worker)
-        reg = self._registered(worker)
+        reg = self._registered(worker, token)
         if self._draining:
             raise Unavailable("daemon is draining")
         if req.num_tokens <= 0:
@@ -479,9 +510,15 @@ class Daemon:
     # ------------------------------------------------------------ data plane, owner side
 
     def check_hello(self, hello: pb.DataHello) -> None:
-        if (hello.engine_id, hello.epoch) not in self.readers:
+        """Before a single byte of KV: the shared token (auth=token), then the
+        per-reader secret issued by this daemon's handshake."""
+        reader = self.readers.get((hello.engine_id, hello.epoch))
+        if reader is None:
             self.metrics.refused_reads.labels("no_handshake").inc()
-            raise FailedPrecondition(f"engine {hello.engine_id!r} epoch {hello.epoch[:8]} has not handshaken with this daemon")
+            raise Unauthenticated(f"engine {hello.engine_id!r} epoch {hello.epoch[:8]} has not handshaken with this daemon")
+        if not self.auth.check_hello_token(hello.shared_token) or not hmac.compare_digest(hello.data_token, reader.data_token):
+            self.metrics.refused_reads.labels("unauthenticated").inc()
+            raise Unauthenticated("data-plane HELLO without valid credentials")
 
     def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False) -> _OpenRead:
         try:
@@ -489,6 +526,8 @@ class Daemon:
                 reader = self.readers.get((hello.engine_id, hello.epoch))
                 if reader is None or reader.meta.host_id != self.host_id or self.config.same_host == "off":
                     raise PermissionDenied("a same-host read from a reader on another host (or with same_host=off)")
+            if len(read.segments) > self.config.max_segments_per_read:
+                raise InvalidArgument("read.segments", f"<{len(read.segments)} segments>", f"exceeds the limit of {self.config.max_segments_per_read}")
             if read.owner_engine_id != self.config.engine_id:
                 raise InvalidArgument("read.owner_engine_id", read.owner_engine_id, f"is not this daemon's engine {self.config.engine_id!r}")
             rank = (read.tp_rank, read.pp_rank)
@@ -559,9 +598,9 @@ class Daemon:
 
     # ------------------------------------------------------------ pull (D side)
 
-    def pull(self, req: pb.PullRequest) -> pb.PullResponse:
+    def pull(self, req: pb.PullRequest, token: bytes | None = None) -> pb.PullResponse:
         worker = worker_from_pb(req.worker)
-        reg = self._registered(worker)
+        reg = self._registered(worker, token)
         if self._draining:
             raise Unavailable("daemon is draining")
         p = req.params
@@ -717,10 +756,10 @@ class Daemon:
 
     # ------------------------------------------------------------ abort, finished sets
 
-    def abort(self, req: pb.AbortRequest) -> bool:
+    def abort(self, req: pb.AbortRequest, token: bytes | None = None) -> bool:
         """Either side: D cancels its pull (and tells P), P ends its publication."""
         worker = worker_from_pb(req.worker)
-        self._registered(worker)
+        self._registered(worker, token)
         rank = (worker.tp_rank, worker.pp_rank)
         found = False
         active = self.pulls.get((rank, req.request_id))
@@ -739,7 +778,7 @@ class Daemon:
         try:
             await pbg.PeerStub(self._channel(params.remote_address)).Abort(
                 pb.PeerAbortRequest(engine_id=params.remote_engine_id, request_id=params.request_id, generation=params.generation,
-                                    capability=params.capability, reason=reason), timeout=5)
+                                    capability=params.capability, reason=reason), timeout=5, metadata=self.auth.call_metadata())
         except grpc.aio.AioRpcError as e:
             log.info("peer abort of request_id=%s not delivered: %s", params.request_id, e.code().name)
 
@@ -778,7 +817,7 @@ class Daemon:
         req = pb.RenewLeasesRequest(engine_id=pulls[0].params.remote_engine_id, reader_engine_id=self.config.engine_id,
                                     leases=[pb.LeaseRef(request_id=p.params.request_id, generation=p.params.generation, capability=p.params.capability) for p in pulls])
         try:
-            resp = await pbg.PeerStub(self._channel(address)).RenewLeases(req, timeout=5)
+            resp = await pbg.PeerStub(self._channel(address)).RenewLeases(req, timeout=5, metadata=self.auth.call_metadata())
         except grpc.aio.AioRpcError as e:
             log.info("lease heartbeat to %s failed: %s", address, e.code().name)
             return  # the pull itself will find out
@@ -791,7 +830,7 @@ class Daemon:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = self.auth.aio_channel(address)
         return ch
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
@@ -801,8 +840,8 @@ class Daemon:
 
     # ------------------------------------------------------------ finished sets
 
-    def get_finished(self, worker: WorkerId) -> WorkerFinished:
-        self._registered(worker)
+    def get_finished(self, worker: WorkerId, token: bytes | None = None) -> WorkerFinished:
+        self._registered(worker, token)
         return self.finished[(worker.tp_rank, worker.pp_rank)].drain()
 
     def _emit(self, rank: RankKey, outcome: Outcome, invalid: Sequence[int] = ()) -> None:
@@ -835,7 +874,7 @@ class Daemon:
             while self._to_aggregator:
                 item = self._to_aggregator[0]
                 try:
-                    await pbg.PeerStub(self._channel(self.config.aggregator_address)).ReportFinished(item, timeout=5)
+                    await pbg.PeerStub(self._channel(self.config.aggregator_address)).ReportFinished(item, timeout=5, metadata=self.auth.call_metadata())
                     self._to_aggregator.pop(0)
                 except grpc.aio.AioRpcError as e:
                     log.warning("aggregator %s unreachable (%s); %d reports queued", self.config.aggregator_address, e.code().name, len(self._to_aggregator))

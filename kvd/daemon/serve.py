@@ -25,7 +25,12 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
     daemon = Daemon(config)
     await daemon.start()
     server, health = build_server(daemon)
-    grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    creds = daemon.auth.server_credentials()
+    address = f"{config.host}:{config.grpc_port}"
+    grpc_port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+    if config.worker_socket:
+        # Workers on this host may also come over a Unix socket (file permissions apply).
+        server.add_insecure_port(f"unix:{config.worker_socket}")
     if grpc_port == 0:
         raise SystemExit(f"kvd: cannot bind gRPC on {config.host}:{config.grpc_port}")
     config.grpc_port = grpc_port

@@ -12,9 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvd.aggregate import WorkerFinished
+from kvd.auth import WORKER_TOKEN_HEADER, TokenInterceptor, is_local_peer
 from kvd.convert import worker_from_pb
 from kvd.daemon.daemon import Daemon
-from kvd.errors import KvdError
+from kvd.errors import KvdError, PermissionDenied, ResourceExhausted
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
@@ -23,6 +24,37 @@ T = TypeVar("T")
 
 # Control messages are small; a registration of thousands of layers is < 1 MiB.
 MAX_MESSAGE_BYTES = 16 << 20
+# Per client connection (HTTP/2), so per peer: bounds what one peer can hold open.
+MAX_CONCURRENT_STREAMS = 256
+
+
+class BadRequest:
+    """A request body that did not decode as its message type."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = f"request: not a valid {type_name} ({error})"
+
+
+def _deserializer(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # DecodeError, or worse: answered as INVALID_ARGUMENT
+            return BadRequest(cls.DESCRIPTOR.full_name, e)
+
+    return parse
+
+
+def register_service(server: grpc.aio.Server, servicer: Any, name: str) -> None:
+    """Register a servicer from the proto descriptor, so an undecodable request
+    gets INVALID_ARGUMENT from our handler instead of UNKNOWN from grpc."""
+    desc = pb.DESCRIPTOR.services_by_name[name]
+    handlers = {}
+    for m in desc.methods:
+        kind = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = kind(getattr(servicer, m.name), request_deserializer=_deserializer(getattr(pb, m.input_type.name)),
+                                response_serializer=lambda msg: msg.SerializeToString())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
 def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
@@ -30,6 +62,8 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             result = fn(self, request, context)
             if hasattr(result, "__await__"):
@@ -56,43 +90,61 @@ def finished_to_pb(f: WorkerFinished) -> pb.GetFinishedResponse:
     )
 
 
+def worker_token(context: grpc.aio.ServicerContext) -> bytes:
+    for key, value in context.invocation_metadata() or ():
+        if key == WORKER_TOKEN_HEADER:
+            return bytes.fromhex(value) if isinstance(value, str) else bytes(value)
+    return b""
+
+
 class WorkerService(pbg.WorkerServicer):
+    """The local API: only for workers on this host, each only for itself."""
+
     def __init__(self, daemon: Daemon) -> None:
         self.d = daemon
 
+    def _local(self, context: grpc.aio.ServicerContext) -> bytes:
+        if self.d.config.worker_api == "local" and not is_local_peer(context.peer()):
+            raise PermissionDenied(f"the worker API only serves this host (peer {context.peer()}); set worker_api=any to open it")
+        return worker_token(context)
+
     @rpc
     def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        self._local(context)
         return self.d.register(request)
 
     @rpc
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
-        self.d.unregister(worker_from_pb(request.worker))
+        self.d.unregister(worker_from_pb(request.worker), self._local(context))
         return pb.UnregisterResponse()
 
     @rpc
     def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
-        return self.d.publish(request)
+        return self.d.publish(request, self._local(context))
 
     @rpc
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
-        return self.d.pull(request)
+        return self.d.pull(request, self._local(context))
 
     @rpc
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.d.abort(request))
+        return pb.AbortResponse(found=self.d.abort(request, self._local(context)))
 
     @rpc
     def GetFinished(self, request: pb.GetFinishedRequest, context: Any) -> pb.GetFinishedResponse:
-        return finished_to_pb(self.d.get_finished(worker_from_pb(request.worker)))
+        return finished_to_pb(self.d.get_finished(worker_from_pb(request.worker), self._local(context)))
 
     @rpc
     def GetEngineFinished(self, request: pb.EngineFinishedRequest, context: Any) -> pb.GetFinishedResponse:
+        self.d.check_engine_token(request.engine_id, self._local(context))
         return finished_to_pb(self.d.engine_finished(request.engine_id))
 
     async def WatchEngineFinished(self, request: pb.EngineFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
         """Push the engine's merged sets as requests complete; nobody polls."""
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            self.d._check_engine(request.engine_id)
+            self.d.check_engine_token(request.engine_id, self._local(context))
         except KvdError as e:
             await context.abort(e.code, e.message)
         queue: asyncio.Queue[WorkerFinished] = asyncio.Queue()
@@ -108,6 +160,7 @@ class WorkerService(pbg.WorkerServicer):
 
     @rpc
     def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:
+        self.d.check_engine_token(request.engine_id, self._local(context))
         return pb.SetExpectedFinishedCountResponse(expected_finished_count=self.d.set_expected_finished_count(request.engine_id, request.expected_finished_count))
 
 
@@ -116,8 +169,11 @@ class PeerService(pbg.PeerServicer):
         self.d = daemon
 
     @rpc
-    def Handshake(self, request: pb.HandshakeRequest, context: Any) -> pb.HandshakeResponse:
-        return self.d.handshake(request)
+    async def Handshake(self, request: pb.HandshakeRequest, context: Any) -> pb.HandshakeResponse:
+        if self.d._handshake_slots.locked():
+            raise ResourceExhausted(f"more than {self.d.config.max_pending_handshakes} handshakes pending")
+        async with self.d._handshake_slots:
+            return self.d.handshake(request)
 
     @rpc
     def Abort(self, request: pb.PeerAbortRequest, context: Any) -> pb.AbortResponse:
@@ -143,14 +199,16 @@ class AdminService(pbg.AdminServicer):
 
 
 def build_server(daemon: Daemon) -> tuple[grpc.aio.Server, health.HealthServicer]:
-    server = grpc.aio.server(options=[
+    interceptors = [TokenInterceptor(daemon.auth.token)] if daemon.auth.mode == "token" else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ("grpc.so_reuseport", 0),
     ])
-    pbg.add_WorkerServicer_to_server(WorkerService(daemon), server)
-    pbg.add_PeerServicer_to_server(PeerService(daemon), server)
-    pbg.add_AdminServicer_to_server(AdminService(daemon), server)
+    register_service(server, WorkerService(daemon), "Worker")
+    register_service(server, PeerService(daemon), "Peer")
+    register_service(server, AdminService(daemon), "Admin")
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, health_servicer

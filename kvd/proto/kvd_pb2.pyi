@@ -135,14 +135,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("registration_generation", "registered_bytes", "daemon_epoch")
+    __slots__ = ("registration_generation", "registered_bytes", "daemon_epoch", "worker_token")
     REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WORKER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     registration_generation: int
     registered_bytes: int
     daemon_epoch: str
-    def __init__(self, registration_generation: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., daemon_epoch: _Optional[str] = ...) -> None: ...
+    worker_token: bytes
+    def __init__(self, registration_generation: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., daemon_epoch: _Optional[str] = ..., worker_token: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("worker",)
@@ -335,10 +337,12 @@ class HandshakeRequest(_message.Message):
     def __init__(self, caller: _Optional[_Union[EngineInfo, _Mapping]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("callee",)
+    __slots__ = ("callee", "data_token")
     CALLEE_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     callee: EngineInfo
-    def __init__(self, callee: _Optional[_Union[EngineInfo, _Mapping]] = ...) -> None: ...
+    data_token: bytes
+    def __init__(self, callee: _Optional[_Union[EngineInfo, _Mapping]] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class PeerAbortRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "generation", "capability", "reason")
@@ -481,12 +485,16 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., regions: _Optional[int] = ..., bytes: _Optional[int] = ..., layers: _Optional[int] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("engine_id", "epoch")
+    __slots__ = ("engine_id", "epoch", "data_token", "shared_token")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ...) -> None: ...
+    data_token: bytes
+    shared_token: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DataRead(_message.Message):
     __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank")

@@ -304,6 +304,7 @@ class TcpDataClient:
         self.stall_timeout_s = stall_timeout_s
         self._idle: dict[str, list[_Conn]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._tokens: dict[str, bytes] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
 
     async def _connect(self, address: str) -> _Conn:
@@ -317,12 +318,16 @@ class TcpDataClient:
         try:
             await asyncio.wait_for(loop.sock_connect(sock, addr), self.stall_timeout_s)
             conn = _Conn(sock)
-            await loop.sock_sendall(sock, encode(FrameType.HELLO, self.hello.SerializeToString()))
+            hello = pb.DataHello()
+            hello.CopyFrom(self.hello)
+            hello.data_token = self._tokens.get(address, b"")
+            await loop.sock_sendall(sock, encode(FrameType.HELLO, hello.SerializeToString()))
             conn.proto.sent(FrameType.HELLO)
             ftype, _, length = await asyncio.wait_for(_recv_frame(loop, sock, conn.proto), self.stall_timeout_s)
             if ftype is FrameType.ERROR:
                 err = pb.DataError.FromString(await _recv_body(loop, sock, length))
-                raise errors.from_code(err.code, err.message)
+                # The owner may have restarted and forgotten us: worth a fresh handshake.
+                raise errors.Unavailable(f"data-plane HELLO refused by {address}: {err.code}: {err.message}")
         except BaseException:
             sock.close()
             raise
@@ -383,6 +388,10 @@ class TcpDataClient:
 
     def staging_bytes(self) -> int:
         return sum(c.staging.nbytes for conns in self._idle.values() for c in conns)
+
+    def set_token(self, address: str, data_token: bytes) -> None:
+        """The secret ``address``'s owner issued us in its handshake."""
+        self._tokens[address] = data_token
 
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""

@@ -1,0 +1,294 @@
+"""Only the right peers, only the published blocks, every bad input refused."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import struct
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvd.auth import AuthConfig, is_local_peer
+from kvd.client import KvdClient
+from kvd.errors import PermissionDenied
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from kvd.spec import WorkerId
+from kvd.wire import HEADER, MAGIC, VERSION, FrameType
+from tests.conftest import make_worker
+from tests.rawpeer import RawPeer, fake_engine, handshake
+
+pytestmark = pytest.mark.security
+
+
+def write_secret(path, data: bytes, mode: int = 0o600) -> str:
+    path.write_bytes(data)
+    os.chmod(path, mode)
+    return str(path)
+
+
+def check_transfer(pw, dw, rid: str, seed: int) -> None:
+    pw.fill(seed, [1, 2])
+    params = pw.client.publish(rid, [[1, 2]], 32)
+    dw.client.pull(rid, params, [[3, 4]])
+    f = dw.client.wait_finished(recving={rid}, timeout=30)
+    assert f.details[("recving", rid)].outcome == "done", f.details[("recving", rid)].reason
+    assert dw.mismatch(seed, [3, 4], 32) is None
+
+
+# ---------------------------------------------------------------- token mode
+
+
+@pytest.fixture
+def token_daemons(daemons, tmp_path):
+    token = secrets.token_hex(32).encode()
+    path = write_secret(tmp_path / "token", token)
+    p = daemons.start("prefill", "--auth", "token", "--token-file", path)
+    d = daemons.start("decode", "--auth", "token", "--token-file", path)
+    auth = AuthConfig("token", token=token)
+    pw, dw = make_worker(p.grpc, "prefill", auth=auth), make_worker(d.grpc, "decode", auth=auth)
+    return p, d, pw, dw, token
+
+
+def test_token_mode_serves_the_right_peers_and_refuses_the_rest(token_daemons):
+    p, _d, pw, dw, _token = token_daemons
+    check_transfer(pw, dw, "ok", 1)
+    for metadata in ((), (("authorization", "Bearer wrong-token-0123456789"),)):
+        with grpc.insecure_channel(p.grpc) as ch, pytest.raises(grpc.RpcError) as e:
+            pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(p.grpc) as ch, pytest.raises(grpc.RpcError) as e:
+            pbg.PeerStub(ch).Handshake(pb.HandshakeRequest(caller=fake_engine()), timeout=5, metadata=metadata)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # kubelet probes carry no token: health stays open
+    with grpc.insecure_channel(p.grpc) as ch:
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_mode_data_plane_closes_without_the_token_before_any_kv(token_daemons):
+    p, _d, pw, _dw, token = token_daemons
+    data_token = handshake(p.grpc, fake_engine("reader"), (("authorization", "Bearer " + token.decode()),)).data_token
+    pw.fill(3, [1, 2])
+    params = pw.client.publish("r", [[1, 2]], 32)
+    for shared in (b"", b"not-the-token-at-all"):
+        raw = RawPeer(p.info["data"])
+        ftype, body = raw.hello("reader", "e1", data_token, shared)
+        assert ftype is FrameType.ERROR and b"UNAUTHENTICATED" in body
+        read = pb.DataRead(owner_engine_id="prefill", request_id="r", generation=params.generation, capability=params.capability, head_count=4)
+        read.segments.add(group_id=0, layers=[0], block_start=1, block_count=2, token_count=16)
+        with pytest.raises((ConnectionError, OSError)):
+            raw.send(FrameType.READ, read.SerializeToString())
+            raw.recv_frame()  # the daemon closed the connection: no DATA ever comes
+        raw.close()
+
+
+def test_a_readable_token_file_is_refused(tmp_path, daemons):
+    path = write_secret(tmp_path / "token", secrets.token_hex(32).encode(), mode=0o644)
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "p", "--auth", "token", "--token-file", path],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 2 and "token_file" in r.stderr and "0o644" in r.stderr
+    with open(path) as f:
+        assert f.read() not in r.stderr  # never echo a secret
+
+
+# ---------------------------------------------------------------- mutual TLS
+
+
+@pytest.fixture
+def pki(tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca, other = trustme.CA(), trustme.CA()
+    files = {}
+    for name, authority in (("good", ca), ("rogue", other)):
+        cert = authority.issue_cert("127.0.0.1", "localhost")
+        files[name] = (
+            str(tmp_path / f"{name}.pem"),
+            write_secret(tmp_path / f"{name}.key", cert.private_key_pem.bytes()),
+        )
+        (tmp_path / f"{name}.pem").write_bytes(b"".join(b.bytes() for b in cert.cert_chain_pems))
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    return files, str(tmp_path / "ca.pem")
+
+
+def test_mtls_serves_certified_peers_only_on_both_planes(daemons, pki):
+    files, ca = pki
+    cert, key = files["good"]
+    flags = ("--auth", "mtls", "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-file", ca)
+    p, d = daemons.start("prefill", *flags), daemons.start("decode", *flags)
+    auth = AuthConfig.load("mtls", cert_file=cert, key_file=key, ca_file=ca)
+    pw, dw = make_worker(p.grpc, "prefill", auth=auth), make_worker(d.grpc, "decode", auth=auth)
+    check_transfer(pw, dw, "ok", 7)
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    root = read(ca)
+    rogue_cert, rogue_key = files["rogue"]
+    attempts = {
+        "no certificate": grpc.ssl_channel_credentials(root_certificates=root),
+        "wrong certificate": grpc.ssl_channel_credentials(root_certificates=root, private_key=read(rogue_key), certificate_chain=read(rogue_cert)),
+    }
+    for what, creds in attempts.items():
+        with grpc.secure_channel(p.grpc, creds) as ch, pytest.raises(grpc.RpcError) as e:
+            pbg.PeerStub(ch).Handshake(pb.HandshakeRequest(caller=fake_engine()), timeout=5)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED), what
+    with grpc.insecure_channel(p.grpc) as ch, pytest.raises(grpc.RpcError):
+        pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)  # plaintext gets nowhere
+    # A peer that could not handshake holds no data-plane secret: closed before any KV.
+    raw = RawPeer(p.info["data"])
+    ftype, body = raw.hello("decode", "guessed-epoch", secrets.token_bytes(32))
+    assert ftype is FrameType.ERROR and b"UNAUTHENTICATED" in body
+    raw.close()
+
+
+# ---------------------------------------------------------------- least privilege
+
+
+def test_only_the_registered_worker_acts_for_its_rank(daemons):
+    p = daemons.start("prefill")
+    owner = make_worker(p.grpc, "prefill", tp_rank=0, tp_size=2)
+    other = make_worker(p.grpc, "prefill", tp_rank=1, tp_size=2)
+    impostor = KvdClient(p.grpc, WorkerId("prefill", 0, 2))  # never registered: no token
+    with pytest.raises(PermissionDenied, match="only the registered worker"):
+        impostor.publish("r", [[1]], 16)
+    # rank 1's token does not open rank 0
+    impostor.worker_token = other.client.worker_token
+    for call in (lambda: impostor.publish("r", [[1]], 16), lambda: impostor.abort("r"), impostor.get_finished):
+        with pytest.raises(PermissionDenied):
+            call()
+    assert owner.client.publish("r", [[1]], 16).generation > 0
+
+
+def test_local_peer_detection():
+    assert is_local_peer("ipv4:127.0.0.1:5555") and is_local_peer("unix:/tmp/kvd.sock") and is_local_peer("ipv6:[::1]:80")
+    assert not is_local_peer("ipv4:10.1.2.3:5555") and not is_local_peer("ipv6:[fe80::1]:80")
+
+
+# ---------------------------------------------------------------- capability-scoped reads
+
+
+def test_reads_need_the_capability_for_exactly_those_blocks_and_that_reader(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    dw.fill(99, [3, 4])  # sentinel: nothing refused may overwrite it
+
+    def refused(params, why: str) -> None:
+        rid = params.request_id
+        dw.client.pull(rid, params, [[3, 4]])
+        f = dw.client.wait_finished(recving={rid}, timeout=30)
+        assert f.details[("recving", rid)].outcome == "failed", why
+        assert dw.mismatch(99, [3, 4], 32) is None, why
+
+    pw.fill(1, [1, 2])
+    params = pw.client.publish("a", [[1, 2]], 32)
+    no_cap = pb.TransferParams()
+    no_cap.CopyFrom(params)
+    no_cap.capability = b""
+    refused(no_cap, "no capability")
+    other_blocks = pb.TransferParams()
+    other_blocks.CopyFrom(params)
+    other_blocks.block_ids[0].ids[:] = [5, 6]
+    refused(other_blocks, "a capability for other blocks")
+    assert pw.client.abort("a")
+    refused(params, "replayed after abort")
+    bound = pw.client.publish("b", [[1, 2]], 32, reader_engine_id="somebody-else")
+    refused(bound, "a capability for another engine")
+    short = pw.client.publish("c", [[1, 2]], 32, lease_seconds=0.2)
+    pw.client.wait_finished(sending={"c"}, timeout=10)
+    refused(short, "replayed after expiry")
+
+
+# ---------------------------------------------------------------- fuzzing
+
+
+METHODS = [
+    "/kvd.v1.Worker/Register", "/kvd.v1.Worker/Publish", "/kvd.v1.Worker/Pull", "/kvd.v1.Worker/Abort",
+    "/kvd.v1.Worker/GetFinished", "/kvd.v1.Peer/Handshake", "/kvd.v1.Peer/Abort", "/kvd.v1.Peer/RenewLeases",
+    "/kvd.v1.Peer/ReportFinished", "/kvd.v1.Admin/Status",
+]
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(tmp_path_factory):
+    from tests.conftest import Daemons
+
+    ds = Daemons(tmp_path_factory.mktemp("fuzz"))
+    p, d = ds.start("prefill"), ds.start("decode")
+    make_worker(p.grpc, "prefill", tp_rank=1, tp_size=2, heads=4)  # something to handshake with
+    yield ds, p, d
+    for x in ds.started:
+        x.stop()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(method=st.sampled_from(METHODS), body=st.binary(max_size=512))
+def test_fuzzed_grpc_messages_never_break_the_daemon(fuzz_target, method, body):
+    _, p, _ = fuzz_target
+    with grpc.insecure_channel(p.grpc) as ch:
+        call = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+        try:
+            call(body, timeout=5)
+        except grpc.RpcError as e:
+            assert e.code() != grpc.StatusCode.INTERNAL or "Exception" not in (e.details() or ""), e.details()
+            assert e.code() != grpc.StatusCode.UNKNOWN, e.details()
+
+
+def _header(type_: int, tag: int, length: int, magic: bytes = MAGIC, version: int = VERSION) -> bytes:
+    return HEADER.pack(magic, version, type_, 0, tag, length)
+
+
+frames = st.one_of(
+    st.builds(_header, st.integers(0, 255), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)),  # any header
+    st.builds(_header, st.just(int(FrameType.READ)), st.integers(0, 10), st.integers(1 << 21, 2**64 - 1)),  # oversized
+    st.binary(max_size=40),  # truncated / garbage
+    st.builds(lambda body: _header(int(FrameType.READ), 0, len(body)) + body, st.binary(max_size=200)),  # garbage READ bodies
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.lists(frames, min_size=1, max_size=4))
+def test_fuzzed_data_plane_frames_never_leak_or_crash(fuzz_target, data):
+    _, p, _ = fuzz_target
+    token = handshake(p.grpc, fake_engine("fuzzer", heads=4)).data_token
+    raw = RawPeer(p.info["data"], timeout=5)
+    try:
+        if raw.hello("fuzzer", "e1", token)[0] is not FrameType.HELLO_OK:
+            return
+        for chunk in data:
+            raw.send_raw(chunk)
+        raw.sock.shutdown(socket.SHUT_WR)
+        while True:  # whatever comes back is control frames, never DATA
+            ftype, _, _ = raw.recv_frame()
+            assert ftype is not FrameType.DATA
+    except (ConnectionError, OSError, struct.error):
+        pass
+    except Exception as e:  # a ProtocolError decoding the daemon's reply would be a bug
+        raise AssertionError(f"unexpected reply: {e}") from e
+    finally:
+        raw.close()
+
+
+def test_after_fuzzing_the_daemon_still_serves_a_correct_transfer(fuzz_target):
+    _, p, d = fuzz_target
+    pw = make_worker(p.grpc, "prefill", tp_rank=0, tp_size=2, heads=4)
+    dw = make_worker(d.grpc, "decode", heads=4)
+    pw2 = make_worker(p.grpc, "prefill", tp_rank=1, tp_size=2, heads=4)
+    for w in (pw, pw2):
+        w.fill(5, [1, 2])
+    cap = secrets.token_bytes(32)
+    published = [w.client.publish("after-fuzz", [[1, 2]], 32, capability=cap) for w in (pw, pw2)]  # both ranks
+    params = published[0]
+    dw.client.pull("after-fuzz", params, [[3, 4]])
+    f = dw.client.wait_finished(recving={"after-fuzz"}, timeout=30)
+    assert f.details[("recving", "after-fuzz")].outcome == "done"
+    assert dw.mismatch(5, [3, 4], 32) is None
