@@ -79,3 +79,11 @@ class FaultProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.close()
+
+
+def prefill_behind_proxy(daemons, *extra: str):  # type: ignore[no-untyped-def]
+    """A prefill daemon whose data plane peers reach only through a FaultProxy."""
+    proxy = FaultProxy()
+    p = daemons.start("prefill", "--data-advertise-address", proxy.address, *extra)
+    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    return p, proxy

@@ -15,7 +15,7 @@ import pytest
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from tests.conftest import REPO, make_worker
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import prefill_behind_proxy
 
 pytestmark = pytest.mark.faults
 
@@ -99,9 +99,7 @@ time.sleep(600)
 
 
 def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
-    proxy = FaultProxy()
-    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
-    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--stall-timeout-seconds", "1.5")
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 1 << 20
@@ -121,9 +119,7 @@ def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
 
 
 def test_reset_connection_mid_stream_is_retried_and_lands_exactly(daemons):
-    proxy = FaultProxy()
-    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
-    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode")
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.reset_after = 2 << 20
@@ -139,9 +135,7 @@ def test_reset_connection_mid_stream_is_retried_and_lands_exactly(daemons):
 
 
 def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
-    proxy = FaultProxy()
-    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
-    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 1 << 20
@@ -195,9 +189,7 @@ def test_a_reused_block_id_never_serves_the_old_request(daemons):
 
 
 def test_abort_mid_read_stops_the_stream_and_releases_both_sides(daemons):
-    proxy = FaultProxy()
-    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
-    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--stall-timeout-seconds", "30")
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 1 << 20
@@ -216,9 +208,7 @@ def test_abort_mid_read_stops_the_stream_and_releases_both_sides(daemons):
 
 
 def test_prefill_abort_while_serving_sends_an_error_not_bytes(daemons):
-    proxy = FaultProxy()
-    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
-    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--stall-timeout-seconds", "30")
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 1 << 20

@@ -92,11 +92,9 @@ def test_ranks_on_two_daemons_aggregate_on_the_engines_aggregator(daemons):
 
 
 def test_sigterm_drains_and_reports_in_flight_work(daemons):
-    from tests.faultproxy import FaultProxy
+    from tests.faultproxy import prefill_behind_proxy
 
-    proxy = FaultProxy()
-    p = daemons.start("prefill", "--data-advertise-address", proxy.address)
-    proxy.target = ("127.0.0.1", int(p.info["data_bind"].rsplit(":", 1)[1]))
+    p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--drain-seconds", "1", "--stall-timeout-seconds", "30")
     big = dict(layers=8, heads=4, head_size=128, num_blocks=512)
     pw, dw = make_worker(p.grpc, "prefill", **big), make_worker(d.grpc, "decode", **big)
