@@ -1,4 +1,5 @@
-# kvd sidecar image. One file, two variants:
+# kvd sidecar image. One file, two variants; every runtime dependency pinned
+# by constraints.txt (the versions the test suite ran with):
 #   docker build -t kvd:cpu .                                  (CPU torch wheel)
 #   docker build -t kvd:cuda --build-arg VARIANT=cuda .        (CUDA torch, for CUDA IPC regions)
 ARG PYTHON_VERSION=3.11.7
@@ -9,7 +10,7 @@ ARG VARIANT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN python -m venv /opt/kvd
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY kvd ./kvd
 COPY protos ./protos
 RUN if [ "$VARIANT" = "cuda" ]; then \
@@ -17,7 +18,7 @@ RUN if [ "$VARIANT" = "cuda" ]; then \
     else \
         /opt/kvd/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu ; \
     fi \
- && /opt/kvd/bin/pip install . \
+ && /opt/kvd/bin/pip install -c constraints.txt . \
  && find /opt/kvd -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM python:${PYTHON_VERSION}-slim-bookworm

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import ssl
 import stat
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class AuthConfig:
     cert_chain: bytes = b""
     private_key: bytes = b""
     root_certs: bytes = b""
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
 
     def __repr__(self) -> str:  # never print secrets
         return f"AuthConfig(mode={self.mode!r})"
@@ -88,7 +92,8 @@ class AuthConfig:
                 cert = f.read()
             with open(ca_file, "rb") as f:
                 ca = f.read()
-            return cls(mode, cert_chain=cert, private_key=read_secret(key_file, "tls_key_file"), root_certs=ca)
+            return cls(mode, cert_chain=cert, private_key=read_secret(key_file, "tls_key_file"), root_certs=ca,
+                       cert_file=cert_file, key_file=key_file, ca_file=ca_file)
         raise InvalidArgument("auth", mode, "must be none, token or mtls")
 
     # ---------------------------------------------------------------- gRPC
@@ -113,6 +118,21 @@ class AuthConfig:
         if creds is not None:
             return grpc.aio.secure_channel(address, creds)
         return grpc.aio.insecure_channel(address)
+
+    def data_plane_context(self, server: bool) -> ssl.SSLContext | None:
+        """mTLS on the data plane: both sides present a certificate from the CA.
+
+        Peers are identified by the CA, not by hostname (pod IPs change), so
+        hostname checking is off and a certificate is always required.
+        """
+        if self.mode != "mtls":
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH, cafile=self.ca_file)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
 
     def check_hello_token(self, presented: bytes) -> bool:
         """Data plane, token mode: the HELLO's token."""

@@ -121,3 +121,6 @@ def test_dockerfile_is_multistage_nonroot_with_a_grpc_healthcheck():
     assert re.search(r"^USER 10001", text, re.M)
     assert "HEALTHCHECK" in text and "kvd.healthcheck" in text
     assert "ARG VARIANT" in text and "torch==2.13.0" in text
+    assert "-c constraints.txt" in text  # every runtime dependency pinned
+    pins = (REPO / "constraints.txt").read_text().split()
+    assert all("==" in line for line in pins) and any(line.startswith("grpcio==") for line in pins)

@@ -144,10 +144,10 @@ def test_mtls_serves_certified_peers_only_on_both_planes(daemons, pki):
         assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED), what
     with grpc.insecure_channel(p.grpc) as ch, pytest.raises(grpc.RpcError):
         pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)  # plaintext gets nowhere
-    # A peer that could not handshake holds no data-plane secret: closed before any KV.
+    # The data plane speaks TLS too: a plaintext peer is cut off before any frame.
     raw = RawPeer(p.info["data"])
-    ftype, body = raw.hello("decode", "guessed-epoch", secrets.token_bytes(32))
-    assert ftype is FrameType.ERROR and b"UNAUTHENTICATED" in body
+    with pytest.raises((ConnectionError, OSError)):
+        raw.hello("decode", "guessed-epoch", secrets.token_bytes(32))
     raw.close()
 
 
@@ -292,3 +292,32 @@ def test_after_fuzzing_the_daemon_still_serves_a_correct_transfer(fuzz_target):
     f = dw.client.wait_finished(recving={"after-fuzz"}, timeout=30)
     assert f.details[("recving", "after-fuzz")].outcome == "done"
     assert dw.mismatch(5, [3, 4], 32) is None
+
+
+def test_mtls_data_plane_is_tls_and_refuses_plaintext_or_foreign_certificates(daemons, pki):
+    import ssl
+
+    files, ca = pki
+    cert, key = files["good"]
+    flags = ("--auth", "mtls", "--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-file", ca)
+    p = daemons.start("prefill", *flags)
+    auth = AuthConfig.load("mtls", cert_file=cert, key_file=key, ca_file=ca)
+    pw = make_worker(p.grpc, "prefill", auth=auth)
+    pw.fill(1, [1, 2])
+    pw.client.publish("r", [[1, 2]], 32)
+    host, port = p.info["data"].rsplit(":", 1)
+    # Plaintext: the TLS handshake fails, the connection closes, and not one frame comes back.
+    raw = RawPeer(p.info["data"])
+    raw.send(FrameType.HELLO, pb.DataHello(engine_id="x", epoch="e").SerializeToString())
+    with pytest.raises((ConnectionError, OSError, ValueError)):
+        raw.recv_frame()
+    raw.close()
+    # A certificate from another CA: refused in the handshake.
+    rogue_cert, rogue_key = files["rogue"]
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.check_hostname = False
+    ctx.load_cert_chain(rogue_cert, rogue_key)
+    with socket.create_connection((host, int(port)), timeout=5) as s, pytest.raises((ssl.SSLError, ConnectionError, OSError)), \
+            ctx.wrap_socket(s) as tls:
+        tls.sendall(b"x")
+        tls.recv(1)  # TLS 1.3 reports the server's refusal on first read

@@ -220,10 +220,11 @@ class Daemon:
         self._sweeper: asyncio.Task[None] | None = None
         self._replica_done: dict[tuple[str, int, RankKey], asyncio.Future[list[list[int]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.data_server = TcpDataServer(self, config.host, config.data_port)
+        self.data_server = TcpDataServer(self, config.host, config.data_port, tls=self.auth.data_plane_context(server=True))
         self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer,
-                                         stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc)
+                                         stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
+                                         tls=self.auth.data_plane_context(server=False))
 
     # ------------------------------------------------------------ lifecycle
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -91,8 +93,9 @@ class TcpDataServer:
     """Serves reads of this daemon's registered memory."""
 
     def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
-                 max_connections_per_peer: int = 16, max_connections: int = 256) -> None:
+                 max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None) -> None:
         self.server = server
+        self.tls = tls  # mTLS: every connection is served in a thread over TLS
         self.host, self.port = host, port
         self.hello_timeout_s = hello_timeout_s
         # Each connection holds at most one segment of staging, and a slow
@@ -136,6 +139,9 @@ class TcpDataServer:
 
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        if self.tls is not None:
+            await loop.run_in_executor(self._pool, self._serve_tls, sock, loop)
+            return
         conn = Connection(server=True)
         peer_key = ""
         staging = Staging()
@@ -189,6 +195,62 @@ class TcpDataServer:
                 self._per_peer[peer_key] -= 1
             sock.close()
 
+    def _serve_tls(self, raw: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """One TLS connection, in a worker thread; daemon calls hop to the loop."""
+        raw.setblocking(True)
+        raw.settimeout(self.hello_timeout_s)
+        assert self.tls is not None
+        try:
+            sock = self.tls.wrap_socket(raw, server_side=True)  # no or wrong certificate: fails here
+        except (ssl.SSLError, OSError) as e:
+            log.info("data-plane TLS handshake refused: %s", e)
+            raw.close()
+            return
+        conn = Connection(server=True)
+        peer_key = ""
+        staging, host_staging = Staging(), Staging(pinned=True)
+        try:
+            header, body = _read_frame_blocking(sock, conn)
+            hello = pb.DataHello.FromString(body)
+            try:
+                _on_loop(loop, self.server.check_hello, hello)
+                if self._per_peer.get(hello.engine_id, 0) >= self.max_connections_per_peer:
+                    raise errors.ResourceExhausted(f"engine {hello.engine_id!r} already has {self.max_connections_per_peer} data connections")
+                peer_key = hello.engine_id
+                self._per_peer[peer_key] = self._per_peer.get(peer_key, 0) + 1
+            except errors.KvdError as e:
+                sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
+                return
+            sock.sendall(encode(FrameType.HELLO_OK))
+            conn.sent(FrameType.HELLO_OK)
+            while True:
+                sock.settimeout(None)  # idle between reads
+                header, body = _read_frame_blocking(sock, conn)
+                read = pb.DataRead.FromString(body)
+                local = bool(header.flags & FLAG_LOCAL)
+                try:
+                    opened = _on_loop(loop, functools.partial(self.server.open_read, hello, read, local=local))
+                except errors.KvdError as e:
+                    sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
+                    conn.sent(FrameType.ERROR)
+                    continue
+                failed, total = (None, 0) if local else _send_segments(sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3)
+                if failed is not None:
+                    sock.sendall(encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
+                    conn.sent(FrameType.ERROR)
+                    continue
+                sock.sendall(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
+                conn.sent(FrameType.END)
+                _read_frame_blocking(sock, conn)
+                _on_loop(loop, opened.acknowledged)
+        except (ConnectionError, OSError, ProtocolError) as e:
+            if not isinstance(e, ConnectionError):
+                log.info("data-plane TLS connection closed: %s", e)
+        finally:
+            if peer_key and peer_key in self._per_peer:
+                self._per_peer[peer_key] -= 1
+            sock.close()
+
     async def close(self) -> None:
         if self._accept is not None:
             self._accept.cancel()
@@ -213,7 +275,35 @@ def _blocking(sock: socket.socket, timeout: float) -> Iterator[socket.socket]:
         sock.setblocking(False)
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a daemon method on its event loop from a worker thread (daemon state
+    is only ever touched there) and return its result or raise its error."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+
+    loop.call_soon_threadsafe(run)
+    return done.result()
+
+
+def _read_frame_blocking(sock: socket.socket, conn: Connection) -> tuple[Header, bytes]:
+    raw = bytearray(HEADER_SIZE)
+    _recv_into_all(sock, memoryview(raw))
+    header = conn.receive(decode_header(raw))
+    body = bytearray(header.length)
+    _recv_into_all(sock, memoryview(body))
+    return header, bytes(body)
+
+
 def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
+        for b in buffers:
+            sock.sendall(b)
+        return
     while buffers:
         sent = sock.sendmsg(buffers)
         while buffers and sent >= len(buffers[0]):
@@ -287,6 +377,7 @@ def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[Segme
 class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.tls = False
         self.proto = Connection(server=False)
         self.staging = Staging()
 
@@ -297,8 +388,9 @@ class TcpDataClient:
     name = "tcp"
 
     def __init__(self, hello: pb.DataHello, *, connections_per_peer: int = 4, stall_timeout_s: float = 30.0,
-                 on_relayout: Callable[[float], None] = lambda seconds: None) -> None:
+                 on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None) -> None:
         self.on_relayout = on_relayout
+        self.tls = tls  # mTLS: connections are TLS and driven from worker threads
         self.hello = hello
         self.connections_per_peer = connections_per_peer
         self.stall_timeout_s = stall_timeout_s
@@ -307,8 +399,37 @@ class TcpDataClient:
         self._tokens: dict[str, bytes] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
 
+    def _connect_tls(self, address: str, hello: pb.DataHello) -> _Conn:
+        assert self.tls is not None
+        host, port = _split(address)
+        raw = socket.create_connection((host, port), timeout=self.stall_timeout_s)
+        _tune(raw)
+        try:
+            sock = self.tls.wrap_socket(raw, server_hostname=host)
+        except BaseException:
+            raw.close()
+            raise
+        conn = _Conn(sock)
+        conn.tls = True
+        try:
+            sock.sendall(encode(FrameType.HELLO, hello.SerializeToString()))
+            conn.proto.sent(FrameType.HELLO)
+            header, body = _read_frame_blocking(sock, conn.proto)
+            if header.type is FrameType.ERROR:
+                err = pb.DataError.FromString(body)
+                raise errors.Unavailable(f"data-plane HELLO refused by {address}: {err.code}: {err.message}")
+        except BaseException:
+            sock.close()
+            raise
+        return conn
+
     async def _connect(self, address: str) -> _Conn:
         loop = asyncio.get_running_loop()
+        if self.tls is not None:
+            hello = pb.DataHello()
+            hello.CopyFrom(self.hello)
+            hello.data_token = self._tokens.get(address, b"")
+            return await loop.run_in_executor(self._pool, self._connect_tls, address, hello)
         host, port = _split(address)
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, stype, proto, _, addr = infos[0]
@@ -342,7 +463,10 @@ class TcpDataClient:
             idle = self._idle.setdefault(address, [])
             conn = idle.pop() if idle else await self._connect(address)
             try:
-                if local_source is not None:
+                if conn.tls:
+                    moved = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, self._read_tls, conn, read, sinks, landed, local_source)
+                elif local_source is not None:
                     moved = await self._read_local(conn, read, sinks, landed, local_source)
                 else:
                     moved = await self._read_on(conn, read, sinks, landed)
@@ -354,6 +478,28 @@ class TcpDataClient:
                 raise
             idle.append(conn)
             return moved
+
+    def _read_tls(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+                  local_source: LocalSource | None) -> int:
+        """A whole read over a TLS connection, in a worker thread."""
+        sock = conn.sock
+        sock.settimeout(self.stall_timeout_s)
+        if local_source is not None:
+            sock.sendall(_frame(FrameType.READ, read.SerializeToString(), FLAG_LOCAL))
+            conn.proto.sent(FrameType.READ, segments=0)
+            header, body = _read_frame_blocking(sock, conn.proto)
+            if header.type is FrameType.ERROR:
+                err = pb.DataError.FromString(body)
+                raise errors.from_code(err.code, err.message)
+            moved = copy_local(read, sinks, landed, local_source)
+        else:
+            sock.sendall(encode(FrameType.READ, read.SerializeToString()))
+            conn.proto.sent(FrameType.READ, segments=len(sinks))
+            moved = _recv_segments(sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout)
+        sock.settimeout(self.stall_timeout_s)
+        sock.sendall(encode(FrameType.ACK))
+        conn.proto.sent(FrameType.ACK)
+        return moved
 
     async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
         loop = asyncio.get_running_loop()
