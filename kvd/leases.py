@@ -36,6 +36,7 @@ class Publication:
     block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
     expected_readers: dict[RankKey, int] = field(default_factory=dict)
     acked: dict[RankKey, set[tuple[str, int, int]]] = field(default_factory=dict)
+    lease_s: float = 0.0  # what one renewal extends by
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class PublicationTable:
                 reader_engine_id=reader_engine_id,
                 num_tokens=num_tokens,
                 expires_at=now + lease,
+                lease_s=lease,
             )
             self._next_generation += 1
             self.by_request[request_id] = pub
@@ -166,7 +168,7 @@ class PublicationTable:
         pub = self.by_request.get(request_id)
         if pub is None or pub.generation != generation or now >= pub.expires_at:
             return False
-        pub.expires_at = max(pub.expires_at, now + (lease_s or self.default_lease_s))
+        pub.expires_at = max(pub.expires_at, now + (lease_s or pub.lease_s or self.default_lease_s))
         return True
 
     def expire(self, now: float) -> list[Ended]:

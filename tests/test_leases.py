@@ -75,3 +75,10 @@ def test_ack_needs_every_expected_reader():
     assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []
     assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []  # a repeat does not count twice
     assert len(t.ack("r", pub.generation, (0, 0), ("D", 1, 0), expected=2)) == 1
+
+
+def test_renewal_extends_by_the_publications_own_lease():
+    t = table()  # default 10 s
+    pub = t.publish((0, 0), "r", [[1]], [4], 1, now=0, lease_s=600)
+    assert t.renew("r", pub.generation, now=500)
+    assert pub.expires_at == 1100  # 500 + 600, not 500 + the 10 s default

@@ -317,7 +317,11 @@ class Daemon:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.registrations.pop(key, None)
         if old is not None:
-            # The worker restarted: its old memory is gone, so is anything published from it.
+            # The worker restarted: its old memory is gone, so is anything published from it,
+            # and its pulls (they would land in memory it no longer owns).
+            for (rank_key, _), active in list(self.pulls.items()):
+                if rank_key == key and active.task is not None:
+                    active.task.cancel()
             for ended in self._abort_rank_publications(key, "worker re-registered"):
                 self._report_sending(ended)
             old.close()
@@ -718,10 +722,17 @@ class Daemon:
         sources = [peer.local_sources.get((rr.read.tp_rank, rr.read.pp_rank)) for rr in reads]
         self.active_clock.start()
         try:
-            moved = await asyncio.gather(
-                *(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed, src)
-                  for rr, landed, src in zip(reads, landed_all, sources, strict=True))
-            )
+            tasks = [asyncio.ensure_future(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed, src))
+                     for rr, landed, src in zip(reads, landed_all, sources, strict=True)]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                # One read failed (or we were cancelled): stop the others and wait
+                # until they have, so nothing lands after the failure is reported.
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            moved = [t.result() for t in tasks]  # raises the first failure
         finally:
             self.active_clock.stop()
             self.metrics.bytes_in_flight.dec(planned)
@@ -752,8 +763,13 @@ class Daemon:
         src_reg = self.registrations.get(source)
         if src_reg is None:
             raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} is no longer registered")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, req.params.num_tokens)
+        work = asyncio.get_running_loop().run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, req.params.num_tokens)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await work  # the copy is short; let it end before the failure is reported
+            raise
 
     # ------------------------------------------------------------ abort, finished sets
 

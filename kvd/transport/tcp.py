@@ -16,6 +16,7 @@ import functools
 import logging
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -127,7 +128,12 @@ class TcpDataServer:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # EMFILE, ECONNABORTED...: keep serving the others
+                log.warning("data-plane accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
             conn.setblocking(False)
             _tune(conn)
             if len(self._conns) >= self.max_connections:
@@ -140,22 +146,31 @@ class TcpDataServer:
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         if self.tls is not None:
-            await loop.run_in_executor(self._pool, self._serve_tls, sock, loop)
+            # A TLS connection lives in its own thread for its whole life (pooled
+            # threads would run out with idle reader connections).
+            done = loop.create_future()
+
+            def run() -> None:
+                try:
+                    self._serve_tls(sock, loop)
+                finally:
+                    loop.call_soon_threadsafe(_resolve, done)
+
+            threading.Thread(target=run, name="kvd-tls", daemon=True).start()
+            await done
             return
         conn = Connection(server=True)
         peer_key = ""
         staging = Staging()
         host_staging = Staging(pinned=True)
         try:
-            _hello, _, length = await asyncio.wait_for(_recv_frame(loop, sock, conn), self.hello_timeout_s)
-            hello = pb.DataHello.FromString(await _recv_body(loop, sock, length))
-            peer_key = hello.engine_id
+            async with asyncio.timeout(self.hello_timeout_s):  # the whole HELLO, body included
+                _hello, _, length = await _recv_frame(loop, sock, conn)
+                hello = pb.DataHello.FromString(await _recv_body(loop, sock, length))
             try:
                 self.server.check_hello(hello)
-                if self._per_peer.get(peer_key, 0) >= self.max_connections_per_peer:
-                    peer_key = ""
-                    raise errors.ResourceExhausted(f"engine {hello.engine_id!r} already has {self.max_connections_per_peer} data connections")
-                self._per_peer[peer_key] = self._per_peer.get(peer_key, 0) + 1
+                self._take_slot(hello.engine_id)
+                peer_key = hello.engine_id
             except errors.KvdError as e:
                 peer_key = ""
                 await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
@@ -191,8 +206,8 @@ class TcpDataServer:
         except Exception:
             log.exception("data-plane connection failed")
         finally:
-            if peer_key and peer_key in self._per_peer:
-                self._per_peer[peer_key] -= 1
+            if peer_key:
+                self._release_slot(peer_key)
             sock.close()
 
     def _serve_tls(self, raw: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
@@ -214,10 +229,8 @@ class TcpDataServer:
             hello = pb.DataHello.FromString(body)
             try:
                 _on_loop(loop, self.server.check_hello, hello)
-                if self._per_peer.get(hello.engine_id, 0) >= self.max_connections_per_peer:
-                    raise errors.ResourceExhausted(f"engine {hello.engine_id!r} already has {self.max_connections_per_peer} data connections")
+                _on_loop(loop, self._take_slot, hello.engine_id)
                 peer_key = hello.engine_id
-                self._per_peer[peer_key] = self._per_peer.get(peer_key, 0) + 1
             except errors.KvdError as e:
                 sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                 return
@@ -246,10 +259,22 @@ class TcpDataServer:
         except (ConnectionError, OSError, ProtocolError) as e:
             if not isinstance(e, ConnectionError):
                 log.info("data-plane TLS connection closed: %s", e)
+        except Exception:
+            log.exception("data-plane TLS connection failed")
         finally:
-            if peer_key and peer_key in self._per_peer:
-                self._per_peer[peer_key] -= 1
+            if peer_key:
+                loop.call_soon_threadsafe(self._release_slot, peer_key)
             sock.close()
+
+    def _take_slot(self, engine_id: str) -> None:
+        """Per-reader connection accounting, always on the loop."""
+        if self._per_peer.get(engine_id, 0) >= self.max_connections_per_peer:
+            raise errors.ResourceExhausted(f"engine {engine_id!r} already has {self.max_connections_per_peer} data connections")
+        self._per_peer[engine_id] = self._per_peer.get(engine_id, 0) + 1
+
+    def _release_slot(self, engine_id: str) -> None:
+        if self._per_peer.get(engine_id, 0) > 0:
+            self._per_peer[engine_id] -= 1
 
     async def close(self) -> None:
         if self._accept is not None:
@@ -273,6 +298,11 @@ def _blocking(sock: socket.socket, timeout: float) -> Iterator[socket.socket]:
         yield sock
     finally:
         sock.setblocking(False)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> Any:
@@ -342,13 +372,15 @@ def _recv_into_all(sock: socket.socket, view: memoryview) -> None:
 
 
 def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[SegmentSink], landed: list[bool],
-                   staging: Staging, stall_s: float, on_relayout: Callable[[float], None]) -> int:
+                   staging: Staging, stall_s: float, on_relayout: Callable[[float], None], cancel: threading.Event) -> int:
     """Reader side, in a worker thread: DATA frames straight into place (or
     into staging, relaid out at once) until END or ERROR."""
     moved = 0
     raw = bytearray(HEADER_SIZE)
     with _blocking(sock, stall_s):
         while True:
+            if cancel.is_set():
+                raise ConnectionAbortedError("read abandoned")
             _recv_into_all(sock, memoryview(raw))
             header = proto.receive(decode_header(raw))
             if header.type is not FrameType.DATA:
@@ -367,6 +399,8 @@ def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[Segme
             else:
                 buf = staging(header.length)
                 _recv_into_all(sock, _as_bytes(buf))
+                if cancel.is_set():
+                    raise ConnectionAbortedError("read abandoned")
                 t0 = time.perf_counter()
                 sink.land(buf)
                 on_relayout(time.perf_counter() - t0)
@@ -378,6 +412,10 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.tls = False
+        # Set when the read is abandoned; worker threads check it before every
+        # frame and every landing, so nothing lands after a failure is reported.
+        self.cancel = threading.Event()
+        self.work: asyncio.Future[Any] | None = None
         self.proto = Connection(server=False)
         self.staging = Staging()
 
@@ -462,22 +500,40 @@ class TcpDataClient:
         async with slots:
             idle = self._idle.setdefault(address, [])
             conn = idle.pop() if idle else await self._connect(address)
+            conn.cancel.clear()
             try:
                 if conn.tls:
-                    moved = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, self._read_tls, conn, read, sinks, landed, local_source)
+                    moved = await self._in_thread(conn, self._read_tls, conn, read, sinks, landed, local_source)
                 elif local_source is not None:
                     moved = await self._read_local(conn, read, sinks, landed, local_source)
                 else:
                     moved = await self._read_on(conn, read, sinks, landed)
             except BaseException:
-                # Shutting the socket down also stops a worker thread still receiving on it.
-                with contextlib.suppress(OSError):
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-                conn.sock.close()
+                await self._abandon(conn)
                 raise
             idle.append(conn)
             return moved
+
+    async def _in_thread(self, conn: _Conn, fn: Callable[..., Any], *args: Any) -> Any:
+        conn.work = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await conn.work
+        finally:
+            if conn.work.done():
+                conn.work = None
+
+    async def _abandon(self, conn: _Conn) -> None:
+        """Stop a read for good before its failure is reported: flag it, shut the
+        socket so a blocked recv returns, and wait for the thread to finish."""
+        conn.cancel.set()
+        if not conn.tls:  # a TLS socket is shut by its own thread (shutdown races SSL state)
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        work = conn.work
+        if work is not None and not work.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(work), self.stall_timeout_s + 5)
+        conn.sock.close()
 
     def _read_tls(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                   local_source: LocalSource | None) -> int:
@@ -491,11 +547,11 @@ class TcpDataClient:
             if header.type is FrameType.ERROR:
                 err = pb.DataError.FromString(body)
                 raise errors.from_code(err.code, err.message)
-            moved = copy_local(read, sinks, landed, local_source)
+            moved = copy_local(read, sinks, landed, local_source, conn.cancel)
         else:
             sock.sendall(encode(FrameType.READ, read.SerializeToString()))
             conn.proto.sent(FrameType.READ, segments=len(sinks))
-            moved = _recv_segments(sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout)
+            moved = _recv_segments(sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout, conn.cancel)
         sock.settimeout(self.stall_timeout_s)
         sock.sendall(encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
@@ -513,7 +569,7 @@ class TcpDataClient:
             err = pb.DataError.FromString(body)
             raise errors.from_code(err.code, err.message)
         t0 = time.perf_counter()
-        moved = await loop.run_in_executor(self._pool, copy_local, read, sinks, landed, source)
+        moved = await self._in_thread(conn, copy_local, read, sinks, landed, source, conn.cancel)
         self.on_relayout(time.perf_counter() - t0)
         await loop.sock_sendall(sock, encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
@@ -524,7 +580,8 @@ class TcpDataClient:
         sock = conn.sock
         await loop.sock_sendall(sock, encode(FrameType.READ, read.SerializeToString()))
         conn.proto.sent(FrameType.READ, segments=len(sinks))
-        moved = await loop.run_in_executor(self._pool, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout)
+        moved = await self._in_thread(conn, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s,
+                                      self.on_relayout, conn.cancel)
         await loop.sock_sendall(sock, encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
         return moved
@@ -563,11 +620,14 @@ class LocalSource:
         self.staging = Staging()
 
 
-def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
+               cancel: threading.Event | None = None) -> int:
     """Same-host segments: one copy from the owner's memory when it already has
     the wire layout (zero-copy view), else a gather then the usual landing."""
     moved = 0
     for i, (seg, sink) in enumerate(zip(read.segments, sinks, strict=True)):
+        if cancel is not None and cancel.is_set():
+            raise ConnectionAbortedError("read abandoned")
         payload = serve_segment(source.groups[seg.group_id], seg, read.head_start, read.head_count, source.staging)
         direct = sink.direct()
         if direct is not None:
