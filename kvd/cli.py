@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="show a daemon's workers, peers and work")
     st.add_argument("address")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--auth", default="none", choices=["none", "token", "mtls"], help="as the daemon's")
+    st.add_argument("--token-file", default="")
+    st.add_argument("--tls-cert-file", default="")
+    st.add_argument("--tls-key-file", default="")
+    st.add_argument("--tls-ca-file", default="")
 
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -46,7 +52,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     if args.command == "status":
-        return _status(args.address, args.json)
+        from kvd.auth import AuthConfig
+        from kvd.errors import InvalidArgument
+
+        try:
+            auth = AuthConfig.load(args.auth, args.token_file, args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
+        except (InvalidArgument, OSError) as e:
+            print(f"kvd: {getattr(e, 'message', e)}", file=sys.stderr)
+            return 2
+        return _status(args.address, args.json, auth)
     return 2
 
 
@@ -109,16 +123,17 @@ def _table(title: str, header: list[str], rows: list[tuple[object, ...]]) -> Non
     print()
 
 
-def _status(address: str, as_json: bool) -> int:
+def _status(address: str, as_json: bool, auth: Any) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
     from kvd.proto import kvd_pb2 as pb
     from kvd.proto import kvd_pb2_grpc as pbg
 
-    with grpc.insecure_channel(address) as ch:
+    creds = auth.channel_credentials()
+    with grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address) as ch:
         try:
-            r = pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+            r = pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5, metadata=auth.call_metadata())
         except grpc.RpcError as e:
             print(f"kvd: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -321,3 +321,18 @@ def test_mtls_data_plane_is_tls_and_refuses_plaintext_or_foreign_certificates(da
             ctx.wrap_socket(s) as tls:
         tls.sendall(b"x")
         tls.recv(1)  # TLS 1.3 reports the server's refusal on first read
+
+
+def test_status_reaches_a_token_daemon_only_with_the_token(token_daemons, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    p, _d, _pw, _dw, token = token_daemons
+    path = write_secret(tmp_path / "status-token", token)
+    base = [sys.executable, "-m", "kvd", "status", p.grpc]
+    denied = subprocess.run(base, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr
+    ok = subprocess.run([*base, "--auth", "token", "--token-file", path], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert ok.returncode == 0 and "engine prefill" in ok.stdout

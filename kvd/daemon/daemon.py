@@ -661,8 +661,9 @@ class Daemon:
                 outcome, message = active.cancel_outcome, active.cancel_reason
                 reason = "aborted" if outcome == "aborted" else "lease_lost"
             invalid = _unlanded_blocks(sinks_all, landed_all, all_local)
-            fut = self._replica_done.get((req.params.request_id, req.params.generation, rank))
-            if fut is not None and not fut.done():
+            # Replicas copying from us fail now, even those that ask later.
+            fut = self._replica_future(req.params, rank)
+            if not fut.done():
                 fut.set_exception(FailedPrecondition(message))
                 fut.exception()  # nobody may be waiting; don't warn about it
             self.metrics.failures.labels(reason).inc()
