@@ -14,6 +14,7 @@ from kvd.spec import (
     TensorRef,
     WorkerId,
     parse_layout,
+    physical_order,
 )
 
 
@@ -76,7 +77,7 @@ def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
                 raise InvalidArgument(f"{tf}.kv_index", kv, f"must be {ti}: separate K and V tensors come in order K, V")
             if spec.parts_per_layer == 1 and kv != -1:
                 raise InvalidArgument(f"{tf}.kv_index", kv, "must be -1 for a tensor holding the whole layer")
-            physical = _physical(dims, tuple(t.shape), tuple(t.stride))
+            physical = physical_order(dims, tuple(t.shape), tuple(t.stride))
             if physical != spec.layout:
                 raise InvalidArgument(f"{tf}.stride", list(t.stride), f"gives physical order {list(physical)}, not the spec's layout {list(spec.layout)}")
             tensors.append(TensorRef(t.region_id, t.offset_bytes, tuple(t.shape), tuple(t.stride), dims, kv))
@@ -85,12 +86,6 @@ def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
     if len(set(idx)) != len(idx):
         raise InvalidArgument(f"{field}.layers.layer_index", idx, "repeats a layer")
     return GroupSpec(g.group_id, spec, tuple(layers))
-
-
-def _physical(dims: tuple[str, ...], shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[str, ...]:
-    from kvd.spec import physical_order
-
-    return physical_order(dims, shape, stride)
 
 
 def group_to_pb(g: GroupSpec, *, with_tensors: bool = True) -> pb.KVCacheGroup:

@@ -34,7 +34,6 @@ class Publication:
     # per rank: per group, a bool mask over block ids
     masks: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
     block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
-    expected_readers: dict[RankKey, int] = field(default_factory=dict)
     acked: dict[RankKey, set[tuple[str, int, int]]] = field(default_factory=dict)
     lease_s: float = 0.0  # what one renewal extends by
 
@@ -158,7 +157,6 @@ class PublicationTable:
         pub = self.by_request.get(request_id)
         if pub is None or pub.generation != generation or rank not in pub.acked:
             return []
-        pub.expected_readers[rank] = expected
         pub.acked[rank].add(reader)
         if len(pub.acked[rank]) < expected:
             return []

@@ -67,7 +67,7 @@ def tensor_view(region: torch.Tensor, ref: TensorRef, spec: KVCacheSpec) -> torc
     return typed.as_strided(ref.shape, ref.stride, ref.offset_bytes // itemsize)
 
 
-def layer_canonical(region_views: Sequence[tuple[torch.Tensor, TensorRef]], spec: KVCacheSpec) -> list[torch.Tensor]:
+def layer_canonical(region_views: Sequence[tuple[torch.Tensor, TensorRef]]) -> list[torch.Tensor]:
     """One layer's parts as canonical views (each with a layer dim of 1).
 
     A part holding only K (or only V) gets a kv dim of 1; which plane it is
@@ -125,7 +125,7 @@ class GroupTensors:
                 if region is None:
                     raise InvalidArgument("tensor.region_id", ref.region_id, "names no region of this registration")
                 views.append((tensor_view(region, ref, spec), ref))
-            per_layer.append(layer_canonical(views, spec))
+            per_layer.append(layer_canonical(views))
             kvs = [None if ref.kv_index < 0 else ref.kv_index for ref in layer.tensors]
             if li == 0:
                 kv_of_part = kvs

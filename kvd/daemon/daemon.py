@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import hmac
 import logging
-import os
 import secrets
 import socket
 import time
@@ -140,7 +139,6 @@ class Peer:
     meta: EngineMeta
     address: str
     local_version: int  # our registration version when we handshook
-    expected_readers: dict[RankKey, int] = field(default_factory=dict)
     # Same host: the owner's ranks, mapped here, so reads are plain copies.
     local_sources: dict[RankKey, LocalSource] = field(default_factory=dict)
     mapped: list[MappedRegion] = field(default_factory=list)
@@ -161,7 +159,6 @@ class ActivePull:
     request: pb.PullRequest
     started: float
     task: asyncio.Task[None] | None = None
-    queued: bool = True
     next_renew: float = 0.0
     cancel_reason: str = ""  # why we cancelled it ourselves
     cancel_outcome: str = "failed"  # "aborted" when the local worker asked
@@ -645,7 +642,6 @@ class Daemon:
         landed_all: list[list[bool]] = []
         try:
             async with self._pull_slots:
-                active.queued = False
                 t0 = time.perf_counter()
                 moved = await asyncio.wait_for(self._pull_with_retries(reg, req, rank, local_ids, sinks_all, landed_all), self.config.pull_timeout_seconds)
             total = moved
@@ -1004,7 +1000,3 @@ def _unlanded_blocks(sinks: Sequence[Sequence[object]], landed: Sequence[Sequenc
             if not ok:
                 bad.update(int(b) for b in np.asarray(sink.local_block_ids))  # type: ignore[attr-defined]
     return sorted(bad)
-
-
-def default_host() -> str:
-    return os.environ.get("KVD_HOST", "127.0.0.1")

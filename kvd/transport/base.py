@@ -10,7 +10,7 @@ transport (same-host copy, NIXL) plugs in by implementing these two halves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -57,8 +57,10 @@ class ReadServer(Protocol):
 class TransportClient(Protocol):
     name: str
 
-    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
-        """Move every segment of ``read``; mark ``landed[i]`` as each lands. Returns bytes moved."""
+    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+                   local_source: Any = None) -> int:
+        """Move every segment of ``read``; mark ``landed[i]`` as each lands. Returns bytes moved.
+        ``local_source`` is the owner's memory mapped here (same host), if any."""
         ...
 
     async def close(self) -> None: ...
