@@ -31,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_arguments(b)
 
+    px = sub.add_parser("proxy", help="route OpenAI completions to a prefill server, then a decode server (P/D)")
+    from kvd.integrations.pd_proxy import add_arguments as proxy_arguments
+
+    proxy_arguments(px)
+
     st = sub.add_parser("status", help="show a daemon's workers, peers and work")
     st.add_argument("address")
     st.add_argument("--json", action="store_true")
@@ -51,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvd.bench import run_bench
 
         return run_bench(args)
+    if args.command == "proxy":
+        from kvd.integrations.pd_proxy import serve
+
+        return serve(args)
     if args.command == "status":
         from kvd.auth import AuthConfig
         from kvd.errors import InvalidArgument
@@ -73,6 +82,7 @@ SERVE_FLAGS = {
     "metrics-port": "Prometheus port (default 9400; -1 disables)",
     "data-advertise-address": "host:port peers dial for the data plane",
     "lease-seconds": "how long published blocks are held without a heartbeat (default 120)",
+    "publish-wait-seconds": "how long a read of params made before publishing (vLLM) waits for the publication (default 10)",
     "connections-per-peer": "data connections to each peer (default 4)",
     "pull-timeout-seconds": "bound on one pull (default 60)",
     "stall-timeout-seconds": "a peer silent this long fails the read (default 10)",

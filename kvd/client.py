@@ -62,6 +62,23 @@ def _finished(r: pb.GetFinishedResponse) -> Finished:
     return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
 
 
+def daemon_status(address: str, auth: AuthConfig | None = None, timeout: float = 30.0) -> pb.StatusResponse:
+    """The daemon's Admin.Status (its engine id, epoch, workers, leases, ...),
+    waiting up to ``timeout`` for it to come up."""
+    auth = auth or AuthConfig()
+    creds = auth.channel_credentials()
+    channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return pbg.AdminStub(channel).Status(pb.StatusRequest(), timeout=timeout, metadata=auth.call_metadata())
+    except grpc.FutureTimeoutError:
+        raise DeadlineExceeded(f"kvd daemon at {address} not reachable after {timeout}s") from None
+    except grpc.RpcError as e:
+        raise from_code(e.code().name, e.details() or "") from None
+    finally:
+        channel.close()
+
+
 class KvdClient:
     """A worker's connection to its local daemon (blocking calls)."""
 

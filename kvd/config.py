@@ -40,6 +40,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "worker_api": (lambda v: v in ("local", "any"), "local or any"),
     "max_segments_per_read": (lambda v: 1 <= v <= 1 << 20, "in [1, 1048576]"),
     "max_pending_handshakes": (lambda v: v >= 1, ">= 1"),
+    "publish_wait_seconds": (lambda v: v >= 0, ">= 0"),
+    "max_pending_resolves": (lambda v: v >= 1, ">= 1"),
     "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
 }
 

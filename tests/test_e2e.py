@@ -302,3 +302,45 @@ def test_every_transport_is_byte_exact_with_several_connections(daemons, same_ho
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
     label = "tcp" if same_host == "off" else "samehost"
     assert f'kvd_received_bytes_total{{transport="{label}"}}' in text
+
+
+def scheduler_params(p_addr: str, engine_id: str, rid: str, cap: bytes, ids: list[int], ntok: int) -> pb.TransferParams:
+    """Params as vLLM's scheduler makes them: before any worker published, so
+    without generation or epoch (the connector's request_finished)."""
+    return pb.TransferParams(remote_engine_id=engine_id, remote_address=p_addr, request_id=rid, capability=cap,
+                             block_ids=[pb.BlockIds(ids=ids)], num_tokens=ntok, remote_tp_size=2, remote_pp_size=1)
+
+
+def test_params_made_before_publish_are_resolved_once_every_rank_published(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2) for r in range(2)]
+    dw = make_worker(d.grpc, "decode")
+    cap = secrets.token_bytes(32)
+    for w in pw:
+        w.fill(4, [2, 3])
+    # D pulls first; P's ranks publish later, one after the other.
+    dw.client.pull("d-req", scheduler_params(p.grpc, "prefill", "p-req", cap, [2, 3], 32), [[6, 7]])
+    time.sleep(0.3)
+    pw[0].client.publish("p-req", [[2, 3]], 32, capability=cap)
+    time.sleep(0.3)
+    assert dw.client.get_finished().finished_recving == set()  # still waiting for rank 1
+    pw[1].client.publish("p-req", [[2, 3]], 32, capability=cap)
+    f = dw.client.wait_finished(recving={"d-req"}, timeout=20)
+    assert f.details[("recving", "d-req")].outcome == "done", f.details[("recving", "d-req")]
+    assert dw.mismatch(4, [6, 7], 32) is None
+    for w in pw:
+        assert "p-req" in w.client.wait_finished(sending={"p-req"}, timeout=10).finished_sending
+
+
+def test_unresolvable_params_fail_after_the_publish_wait_with_every_block_invalid(daemons):
+    p, d = daemons.start("prefill", "--publish-wait-seconds", "0.5"), daemons.start("decode", "--publish-wait-seconds", "0.5")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [1])
+    pw.client.publish("p-req", [[1]], 16, capability=secrets.token_bytes(32))
+    # A capability nobody published: refused after the wait, never read.
+    dw.client.pull("d-req", scheduler_params(p.grpc, "prefill", "p-req", secrets.token_bytes(32), [1], 16), [[5]])
+    f = dw.client.wait_finished(recving={"d-req"}, timeout=20)
+    detail = f.details[("recving", "d-req")]
+    assert detail.outcome == "failed"
+    assert "matches this capability" in detail.reason + " " + str(detail)
+    assert f.invalid_block_ids == {5}

@@ -45,6 +45,7 @@ from kvd.errors import (
     KvdError,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
@@ -111,6 +112,10 @@ class DaemonConfig:
     worker_socket: str = ""  # also serve the Worker API on this Unix socket path
     max_segments_per_read: int = 65536
     max_pending_handshakes: int = 64
+    # Params made before P's worker published (vLLM's scheduler hands them out
+    # first): how long P waits for the publication when D resolves them.
+    publish_wait_seconds: float = 10.0
+    max_pending_resolves: int = 1024
 
 
 @dataclass
@@ -215,7 +220,9 @@ class Daemon:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._handshake_locks: dict[str, asyncio.Lock] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._replica_done: dict[tuple[str, int, RankKey], asyncio.Future[list[list[int]]]] = {}
+        self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[list[int]]]] = {}
+        self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
+        self._resolves = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.data_server = TcpDataServer(self, config.host, config.data_port, tls=self.auth.data_plane_context(server=True))
         self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
@@ -499,6 +506,9 @@ class Daemon:
             lease_s=req.lease_seconds,
         )
         self.metrics.leases_held.set(len(self.publications))
+        event = self._published.pop(req.request_id, None)
+        if event is not None:
+            event.set()
         return pb.PublishResponse(params=pb.TransferParams(
             remote_engine_id=self.config.engine_id, remote_address=self.grpc_address, remote_epoch=self.epoch,
             request_id=req.request_id, generation=pub.generation, capability=pub.capability,
@@ -508,6 +518,39 @@ class Daemon:
         ))
 
     grpc_address = ""  # set by the server shell once it is bound
+
+    async def resolve(self, req: pb.ResolveRequest) -> pb.ResolveResponse:
+        """The generation of ``request_id`` published under ``capability``,
+        once every rank registered here has published it (or the wait ends
+        with at least one). Refused like a read if nothing matches."""
+        if req.engine_id != self.config.engine_id:
+            raise InvalidArgument("engine_id", req.engine_id, f"is not this daemon's engine {self.config.engine_id!r}")
+        if self._resolves >= self.config.max_pending_resolves:
+            raise ResourceExhausted(f"more than {self.config.max_pending_resolves} resolves pending")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(req.wait_seconds, self.config.publish_wait_seconds))
+        self._resolves += 1
+        try:
+            while True:
+                pub = self.publications.by_request.get(req.request_id)
+                matches = pub is not None and hmac.compare_digest(pub.capability, req.capability)
+                if matches and pub is not None and set(self.registrations) <= set(pub.masks):
+                    break
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    if matches:
+                        break  # some ranks published: reads of the others are refused one by one
+                    raise PermissionDenied(f"no publication of request_id={req.request_id!r} matches this capability "
+                                           f"(waited {min(req.wait_seconds, self.config.publish_wait_seconds):g}s)")
+                event = self._published.setdefault(req.request_id, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+        finally:
+            self._resolves -= 1
+            if not self._resolves:
+                self._published.clear()
+        assert pub is not None
+        return pb.ResolveResponse(generation=pub.generation, epoch=self.epoch, ranks_published=len(pub.masks))
 
     # ------------------------------------------------------------ data plane, owner side
 
@@ -699,6 +742,8 @@ class Daemon:
         source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
         if source is not None:
             return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
+        if not req.params.generation:
+            await self._resolve(req.params)  # before the handshake: it fills in the epoch the handshake is cached by
         peer = await self._peer_for(req.params)
         if peer.meta.epoch != req.params.remote_epoch:
             raise FailedPrecondition(
@@ -739,9 +784,25 @@ class Daemon:
             self.metrics.blocks_received.labels(transport).inc(len({int(b) for s in rr.sinks for b in s.local_block_ids}))
         return sum(moved)
 
+    async def _resolve(self, params: pb.TransferParams) -> None:
+        """Fill in the generation (and epoch) of params made before P published."""
+        wait = self.config.publish_wait_seconds
+        try:
+            resp = await pbg.PeerStub(self._channel(params.remote_address)).Resolve(
+                pb.ResolveRequest(engine_id=params.remote_engine_id, request_id=params.request_id, capability=params.capability, wait_seconds=wait),
+                timeout=wait + 10, metadata=self.auth.call_metadata())
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address}: {e.details()}") from None
+        params.generation = resp.generation
+        if not params.remote_epoch:
+            params.remote_epoch = resp.epoch
+
     def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[list[int]]]:
-        """Resolves with a rank's local block ids once its pull of ``params`` landed."""
-        key = (params.request_id, params.generation, rank)
+        """Resolves with a rank's local block ids once its pull of ``params`` landed.
+
+        Keyed by the capability, which names one publication, so it holds
+        before the generation is resolved too."""
+        key = (params.request_id, params.capability, rank)
         fut = self._replica_done.get(key)
         if fut is None:
             fut = self._replica_done[key] = asyncio.get_running_loop().create_future()
@@ -798,7 +859,8 @@ class Daemon:
 
     def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
         pub = self.publications.by_request.get(req.request_id)
-        if pub is None or pub.generation != req.generation or not hmac.compare_digest(pub.capability, req.capability):
+        # Generation 0: a reader that had not resolved it yet; the capability names the publication.
+        if pub is None or req.generation not in (0, pub.generation) or not hmac.compare_digest(pub.capability, req.capability):
             return False
         for e in self.publications.abort(req.request_id, None, req.reason or "aborted by the reader"):
             self._report_sending(e)
@@ -821,7 +883,8 @@ class Daemon:
             now = time.monotonic()
             due: dict[str, list[ActivePull]] = {}
             for p in self.pulls.values():
-                if now >= p.next_renew:
+                # Unresolved params have no lease yet (P is still to publish).
+                if now >= p.next_renew and p.params.generation:
                     p.next_renew = now + _renew_interval(p.params)
                     due.setdefault(p.params.remote_address, []).append(p)
             for address, pulls in due.items():
@@ -936,7 +999,7 @@ class Daemon:
         now = time.monotonic()
         return pb.StatusResponse(
             engine_id=self.config.engine_id, epoch=self.epoch, version=__version__, draining=self._draining,
-            workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups)) for r in self.registrations.values()],
+            workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups), region_ids=sorted(r.regions)) for r in self.registrations.values()],
             peers=sorted(self.peers), publications=len(self.publications), pulls_in_flight=len(self.pulls),
             leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
                     for p in list(self.publications.by_request.values())[:200]],

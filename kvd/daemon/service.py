@@ -184,6 +184,10 @@ class PeerService(pbg.PeerServicer):
         return self.d.renew_leases(request)
 
     @rpc
+    async def Resolve(self, request: pb.ResolveRequest, context: Any) -> pb.ResolveResponse:
+        return await self.d.resolve(request)
+
+    @rpc
     def ReportFinished(self, request: pb.ReportFinishedRequest, context: Any) -> pb.ReportFinishedResponse:
         self.d.report_finished(request)
         return pb.ReportFinishedResponse()

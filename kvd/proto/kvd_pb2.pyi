@@ -400,6 +400,28 @@ class ReportFinishedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResolveRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "capability", "wait_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    capability: bytes
+    wait_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., capability: _Optional[bytes] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ResolveResponse(_message.Message):
+    __slots__ = ("generation", "epoch", "ranks_published")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANKS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    epoch: str
+    ranks_published: int
+    def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[str] = ..., ranks_published: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -473,16 +495,18 @@ class FailureStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker", "regions", "bytes", "layers")
+    __slots__ = ("worker", "regions", "bytes", "layers", "region_ids")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REGION_IDS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     regions: int
     bytes: int
     layers: int
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., regions: _Optional[int] = ..., bytes: _Optional[int] = ..., layers: _Optional[int] = ...) -> None: ...
+    region_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., regions: _Optional[int] = ..., bytes: _Optional[int] = ..., layers: _Optional[int] = ..., region_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DataHello(_message.Message):
     __slots__ = ("engine_id", "epoch", "data_token", "shared_token")

@@ -471,6 +471,11 @@ class PeerStub:
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedRequest.SerializeToString,
                 response_deserializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedResponse.FromString,
                 _registered_method=True)
+        self.Resolve = channel.unary_unary(
+                '/kvd.v1.Peer/Resolve',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.ResolveRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.ResolveResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -500,6 +505,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resolve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -522,6 +533,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.ReportFinished,
                     request_deserializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedRequest.FromString,
                     response_serializer=kvd_dot_proto_dot_kvd__pb2.ReportFinishedResponse.SerializeToString,
+            ),
+            'Resolve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resolve,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.ResolveRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.ResolveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -632,6 +648,33 @@ class Peer:
             '/kvd.v1.Peer/ReportFinished',
             kvd_dot_proto_dot_kvd__pb2.ReportFinishedRequest.SerializeToString,
             kvd_dot_proto_dot_kvd__pb2.ReportFinishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resolve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/Resolve',
+            kvd_dot_proto_dot_kvd__pb2.ResolveRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.ResolveResponse.FromString,
             options,
             channel_credentials,
             insecure,

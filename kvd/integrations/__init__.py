@@ -1,0 +1,2 @@
+"""Engine integrations. Each imports its engine only when it is used, so
+``import kvd`` never needs one installed."""

@@ -1,0 +1,187 @@
+"""A small P/D proxy for OpenAI-compatible servers (vLLM's toy proxy, in the standard library).
+
+For each completion request it asks a prefill server for one token with
+``kv_transfer_params={"do_remote_decode": True}``, then sends the original
+request to a decode server with the ``kv_transfer_params`` the prefill
+returned, and relays the decode's answer (streamed if the client asked).
+
+    kvd proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Several ``--prefill``/``--decode`` servers are used round-robin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import logging
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+log = logging.getLogger("kvd.proxy")
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class Upstream:
+    """One OpenAI-compatible server."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        u = urlsplit(url if "://" in url else f"http://{url}")
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"upstream url {url!r} must be http://host:port")
+        self.url, self.host, self.port, self.timeout = url, u.hostname, u.port or 80, timeout
+
+    def post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        conn.request("POST", path, json.dumps(body).encode(), {**headers, "Content-Type": "application/json"})
+        return conn.getresponse()
+
+    def get(self, path: str) -> http.client.HTTPResponse:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        conn.request("GET", path)
+        return conn.getresponse()
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill half: one token, no streaming, asking P to keep the KV for D."""
+    req = dict(body)
+    req["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    req["stream"] = False
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+        req.pop(key, None)
+    return req
+
+
+def decode_request(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
+    req = dict(body)
+    params = prefill_response.get("kv_transfer_params")
+    if params:
+        req["kv_transfer_params"] = params
+    return req
+
+
+class Proxy:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout: float = 600.0) -> None:
+        if not prefill or not decode:
+            raise ValueError("need at least one --prefill and one --decode server")
+        self.prefill = [Upstream(u, timeout) for u in prefill]
+        self.decode = [Upstream(u, timeout) for u in decode]
+        self._p = itertools.cycle(self.prefill)
+        self._d = itertools.cycle(self.decode)
+        self._lock = threading.Lock()
+
+    def pick(self) -> tuple[Upstream, Upstream]:
+        with self._lock:
+            return next(self._p), next(self._d)
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.info("%s %s", self.address_string(), fmt % args)
+
+            def _reply(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _error(self, status: int, message: str) -> None:
+                self._reply(status, json.dumps({"error": {"message": message, "code": status}}).encode())
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._reply(200, b'{"status": "ok"}')
+                    return
+                try:
+                    resp = proxy.decode[0].get(self.path)
+                    self._reply(resp.status, resp.read(), resp.getheader("Content-Type", "application/json"))
+                except OSError as e:
+                    self._error(502, f"decode server {proxy.decode[0].url}: {e}")
+
+            def do_POST(self) -> None:
+                if self.path not in COMPLETION_PATHS:
+                    self._error(404, f"no route for POST {self.path}; use one of {list(COMPLETION_PATHS)}")
+                    return
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError("the body must be a JSON object")
+                except ValueError as e:
+                    self._error(400, f"request body: {e}")
+                    return
+                p, d = proxy.pick()
+                headers = {"X-Request-Id": self.headers.get("X-Request-Id") or str(uuid.uuid4())}
+                if self.headers.get("Authorization"):
+                    headers["Authorization"] = self.headers["Authorization"]
+                try:
+                    presp = p.post(self.path, prefill_request(body), headers)
+                    pbody = presp.read()
+                except OSError as e:
+                    self._error(502, f"prefill server {p.url}: {e}")
+                    return
+                if presp.status != 200:
+                    self._reply(presp.status, pbody, presp.getheader("Content-Type", "application/json"))
+                    return
+                try:
+                    dresp = d.post(self.path, decode_request(body, json.loads(pbody)), headers)
+                except OSError as e:
+                    self._error(502, f"decode server {d.url}: {e}")
+                    return
+                if not body.get("stream"):
+                    self._reply(dresp.status, dresp.read(), dresp.getheader("Content-Type", "application/json"))
+                    return
+                self.send_response(dresp.status)
+                self.send_header("Content-Type", dresp.getheader("Content-Type", "text/event-stream"))
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for chunk in _chunks(dresp):
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+        return Handler
+
+
+def _chunks(resp: http.client.HTTPResponse) -> Iterator[bytes]:
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            return
+        yield chunk
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", action="append", required=True, help="prefill server base URL, e.g. http://127.0.0.1:8100 (repeatable)")
+    p.add_argument("--decode", action="append", required=True, help="decode server base URL (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+
+
+def serve(args: argparse.Namespace) -> int:
+    proxy = Proxy(args.prefill, args.decode)
+    server = ThreadingHTTPServer((args.host, args.port), proxy.handler())
+    server.daemon_threads = True
+    print(f"kvd proxy on http://{args.host}:{server.server_address[1]}: prefill {', '.join(args.prefill)} -> decode {', '.join(args.decode)}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0

@@ -1,0 +1,366 @@
+"""A vLLM ``KVConnectorBase_V1`` that hands every transfer to the local kvd daemon.
+
+Load it with::
+
+    kv_transfer_config={
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd.integrations.vllm",
+        "kv_role": "kv_producer",            # P; "kv_consumer" on D, or "kv_both"
+        "kv_connector_extra_config": {"kvd_address": "127.0.0.1:50051"},
+    }
+
+Extra config keys (all optional):
+
+* ``kvd_address``: the local daemon's gRPC address (``host:port`` or
+  ``unix:/path``; default ``127.0.0.1:50051``);
+* ``kvd_advertise_address``: the ``host:port`` D's daemon dials to reach P's
+  (default: ``kvd_address``);
+* ``kvd_lease_seconds``: how long P holds a request's blocks for D without a
+  heartbeat (default: the daemon's ``lease_seconds``);
+* ``kvd_auth``, ``kvd_token_file``, ``kvd_tls_cert_file``, ``kvd_tls_key_file``,
+  ``kvd_tls_ca_file``: as the daemon's ``auth`` settings.
+
+How a request flows (the P/D split of vLLM's NixlConnector):
+
+1. P runs the prefill with ``kv_transfer_params={"do_remote_decode": True}``.
+   Its scheduler's ``request_finished`` keeps the blocks (delay free), picks a
+   capability and returns params naming P's daemon, the blocks and the
+   capability. On the next step P's worker publishes the blocks to its daemon
+   under that capability and lease.
+2. D gets those params with the same prompt. ``get_num_new_matched_tokens``
+   claims the prompt as an asynchronous load; once blocks are allocated,
+   D's worker asks its daemon to pull; the daemon reads P's blocks straight
+   into D's registered cache (relayout and re-blocking on receipt).
+3. D's daemon reports the request in ``finished_recving`` (failed blocks in
+   ``get_block_ids_with_load_errors``); P's reports it in ``finished_sending``
+   once every reader acknowledged, or when the lease expires. vLLM then frees
+   P's blocks.
+
+CPU caches are moved into POSIX shared memory once, at registration (the same
+tensor objects, re-pointed), so the daemon maps them; GPU caches are shared by
+CUDA IPC. Nothing is copied per request by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.request import RequestStatus
+
+from kvd.auth import AuthConfig
+from kvd.caches import adopt_into_shm, layer_index_of, release_all
+from kvd.client import VLLM_NHD_DIMS, KvdClient, daemon_status, infer_spec_from_tensors
+from kvd.errors import KvdError
+from kvd.integrations.kv_params import (
+    LoadRequest,
+    Publication,
+    is_kvd_load,
+    load_request,
+    make_params,
+)
+from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo, WorkerId
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvd")  # under vLLM's logger, so it prints with the engine's logs
+
+_PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    """One step's instructions from the scheduler to every worker."""
+
+    to_publish: dict[str, Publication] = field(default_factory=dict)
+    to_load: dict[str, LoadRequest] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    address: str
+    advertise_address: str
+    lease_seconds: float
+    auth: AuthConfig
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> _Settings:
+        kvt = vllm_config.kv_transfer_config
+        extra: Mapping[str, Any] = dict(kvt.kv_connector_extra_config or {}) if kvt else {}
+        address = str(extra.get("kvd_address", "127.0.0.1:50051"))
+        auth = AuthConfig.load(str(extra.get("kvd_auth", "none")), str(extra.get("kvd_token_file", "")),
+                               str(extra.get("kvd_tls_cert_file", "")), str(extra.get("kvd_tls_key_file", "")),
+                               str(extra.get("kvd_tls_ca_file", "")))
+        return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth)
+
+
+class KvdConnector(KVConnectorBase_V1):
+    """vLLM's connector API on top of a kvd daemon; one object per role."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = _Settings.from_vllm(vllm_config)
+        self._scheduler = _SchedulerSide(vllm_config, settings) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(vllm_config, settings) if role == KVConnectorRole.WORKER else None
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """kvd reads any layout from the registered strides and turns it into
+        the reader's on receipt, so it asks for none unless configured to."""
+        kvt = vllm_config.kv_transfer_config
+        extra = dict(kvt.kv_connector_extra_config or {}) if kvt else {}
+        layout = extra.get("kvd_kv_cache_layout")
+        return str(layout) if layout else None
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvdConnectorMetadata)
+        self._worker.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are whole-request and asynchronous: vLLM schedules a request
+        # only after finished_recving named it, so there is nothing to wait for.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # The daemon reads the registered cache in place; nothing is saved.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        r = self._worker.poll()
+        return (r.finished_sending or None), (r.finished_recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.poll()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_invalid()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+class _SchedulerSide:
+    def __init__(self, vllm_config: VllmConfig, settings: _Settings) -> None:
+        self.settings = settings
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+        self._engine_id = ""
+        self._to_publish: dict[str, Publication] = {}
+        self._to_load: dict[str, LoadRequest] = {}
+
+    @property
+    def engine_id(self) -> str:
+        """The daemon's engine id (vLLM's own engine_id is a different name space)."""
+        if not self._engine_id:
+            self._engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
+        return self._engine_id
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not is_kvd_load(request.kv_transfer_params):
+            return 0, False
+        # D loads the whole prompt (less its own prefix-cache hits); vLLM then
+        # recomputes the last prompt token for the logits.
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not is_kvd_load(params):
+            return
+        assert params is not None
+        if num_external_tokens > 0:
+            local = blocks.get_unhashed_block_ids()
+            try:
+                self._to_load[request.request_id] = load_request(request.request_id, params, [local], self.block_size)
+            except KvdError as e:
+                log.error("request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
+        # One load per request, even if vLLM calls this again after the load.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self) -> KvdConnectorMetadata:
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load)
+        self._to_publish, self._to_load = {}, {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not block_ids:
+            return False, None
+        num_tokens = min(int(request.num_computed_tokens), len(block_ids) * self.block_size)
+        # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
+        lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
+        pub = Publication(request.request_id, (tuple(block_ids),), num_tokens, secrets.token_bytes(32), lease)
+        self._to_publish[request.request_id] = pub
+        out = make_params(pub, engine_id=self.engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size)
+        # Keep P's blocks until its daemon reports the request in finished_sending.
+        return True, out
+
+
+def _request_amx_permission() -> None:
+    """Ask Linux for AMX tile state now, before kvd's gRPC client starts threads.
+
+    vLLM's CPU attention uses AMX for bfloat16 and asks for the permission
+    lazily (arch_prctl ARCH_REQ_XCOMP_PERM). The kernel refuses it once the
+    process has a thread whose signal stack is too small for AMX state, and
+    the first AMX instruction then dies with SIGILL. Asking first is harmless
+    where there is no AMX (the call just fails).
+    """
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        return
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    try:
+        ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata)
+    except (OSError, AttributeError):
+        pass
+
+
+class _WorkerSide:
+    def __init__(self, vllm_config: VllmConfig, settings: _Settings) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.tp_rank = int(get_tensor_model_parallel_rank())
+        self.pp_rank = int(get_pp_group().rank_in_group)
+        self.client: KvdClient | None = None
+        self._done_sending: set[str] = set()  # failed publishes: free the blocks at once
+        self._done_recving: set[str] = set()  # failed pulls
+        self._failed_recving: set[str] = set()
+        self._invalid: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        _request_amx_permission()
+        vc = self.vllm_config
+        engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
+        worker = WorkerId(engine_id, self.tp_rank, vc.parallel_config.tensor_parallel_size, self.pp_rank, vc.parallel_config.pipeline_parallel_size)
+        # Layers that share one cache (KV sharing) are moved once.
+        unique: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name, t in kv_caches.items():
+            key = (t.data_ptr(), tuple(t.shape))
+            if key not in seen:
+                seen.add(key)
+                unique[name] = t
+        first = next(iter(unique.values()))
+        model = ModelInfo(vc.model_config.get_total_num_hidden_layers(), vc.model_config.get_total_num_kv_heads())
+        client = KvdClient(self.settings.address, worker, auth=self.settings.auth)
+        client.wait_ready()
+        if first.is_cuda:
+            # FlashAttention [2, blocks, tokens, heads, dim]; FlashInfer puts blocks first.
+            dims: tuple[str, ...] = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
+            spec = infer_spec_from_tensors(unique, dims=dims)
+            groups: Mapping[str, torch.Tensor] = unique
+        else:
+            # The CPU backend's [blocks, heads, tokens, K|V dims]: the order inside
+            # a (block, head) span belongs to its kernels, so kvd moves it whole.
+            adopt_into_shm(unique)
+            blocks, heads, tokens, width = first.shape
+            dims = NAMED_LAYOUTS["OPAQUE"]
+            spec = KVCacheSpec(block_size=tokens, num_kv_heads=heads, head_size=width // 2, dtype=str(first.dtype).removeprefix("torch."),
+                               layout=dims, num_blocks=blocks, span_size=tokens * width)
+            groups = {name: t.view(blocks, heads, tokens * width) for name, t in unique.items()}
+        resp = client.register(groups, model, spec, dims=dims)
+        self.client = client
+        log.info("kvd: registered %s with %s: %d layers, %d blocks of %d tokens, %.1f MiB (layer order %s)", worker, self.settings.address,
+                 len(groups), spec.num_blocks, spec.block_size, resp.registered_bytes / 2**20,
+                 [layer_index_of(n, i) for i, n in enumerate(groups)][:4])
+
+    def start(self, meta: KvdConnectorMetadata) -> None:
+        client = self.client
+        if client is None:
+            return
+        for rid, pub in meta.to_publish.items():
+            try:
+                client.publish(rid, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds)
+            except KvdError as e:
+                log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
+                self._done_sending.add(rid)
+        for rid, load in meta.to_load.items():
+            try:
+                client.pull(rid, load.params, load.local_block_ids)
+            except KvdError as e:
+                log.error("kvd: pull of request %s refused: %s", rid, e.message)
+                self._done_recving.add(rid)
+                self._failed_recving.add(rid)
+                self._invalid.update(i for g in load.local_block_ids for i in g)
+
+    def poll(self) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults(set(self._done_sending), set(self._done_recving), set(self._failed_recving))
+        self._done_sending.clear()
+        self._done_recving.clear()
+        self._failed_recving.clear()
+        if self.client is not None:
+            f = self.client.get_finished()
+            out.finished_sending |= f.finished_sending
+            out.finished_recving |= f.finished_recving
+            out.failed_recving |= {rid for (direction, rid), d in f.details.items() if direction == "recving" and d.outcome != "done"}
+            self._invalid |= f.invalid_block_ids
+            for (direction, rid), d in f.details.items():
+                if d.outcome != "done":
+                    log.warning("kvd: %s of request %s ended %s: %s", direction, rid, d.outcome, d.reason)
+        return out
+
+    def take_invalid(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.unregister()
+            except KvdError as e:
+                log.info("kvd: unregister failed: %s", e.message)
+            self.client.close()
+            self.client = None
+            release_all()  # unlinks the names; the mappings live until the process ends

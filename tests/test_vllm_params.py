@@ -1,0 +1,67 @@
+"""The vLLM connector's pure parts, without vLLM: params in and out, and the proxy's requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.errors import InvalidArgument
+from kvd.integrations.kv_params import Publication, is_kvd_load, load_request, make_params
+from kvd.integrations.pd_proxy import decode_request, prefill_request
+
+
+def _params(block_ids=(3, 4, 5), num_tokens=300) -> dict:
+    pub = Publication("cmpl-1-abcd", (tuple(block_ids),), num_tokens, bytes(range(32)), 30.0)
+    return make_params(pub, engine_id="prefill", address="10.0.0.7:50051", tp_size=2, pp_size=1)
+
+
+def test_params_round_trip_into_a_pull():
+    params = _params()
+    assert is_kvd_load(params)
+    load = load_request("d-req", params, [[7, 8, 9]], block_size=128)
+    p = load.params
+    assert (p.remote_engine_id, p.remote_address, p.request_id) == ("prefill", "10.0.0.7:50051", "cmpl-1-abcd")
+    assert list(p.block_ids[0].ids) == [3, 4, 5] and p.num_tokens == 300
+    assert p.capability == bytes(range(32)) and p.generation == 0 and p.remote_epoch == ""
+    assert (p.remote_tp_size, p.lease_seconds) == (2, 30.0)
+    assert load.local_block_ids == ((7, 8, 9),)
+
+
+def test_a_local_prefix_hit_reads_only_the_tail_of_p_blocks():
+    load = load_request("d", _params(), [[9]], block_size=128)
+    assert list(load.params.block_ids[0].ids) == [5]
+    assert load.params.num_tokens == 300 - 2 * 128
+
+
+def test_blocks_allocated_past_the_prompt_are_not_written():
+    load = load_request("d", _params(), [[1, 2, 3, 4]], block_size=128)
+    assert load.local_block_ids == ((1, 2, 3),)
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    (lambda p: p.pop("kvd_capability"), "kvd_capability"),
+    (lambda p: p.__setitem__("kvd_capability", "zz"), "malformed"),
+    (lambda p: p.__setitem__("remote_block_ids", [[1], [2]]), "remote_block_ids"),
+])
+def test_bad_params_name_the_field(mutate, field):
+    params = _params()
+    mutate(params)
+    with pytest.raises(InvalidArgument) as e:
+        load_request("d", params, [[1, 2, 3]], block_size=128)
+    assert field in str(e.value)
+
+
+def test_params_without_kvd_fields_are_not_ours():
+    assert not is_kvd_load({"do_remote_prefill": True, "remote_block_ids": [[1]]})  # a NIXL request
+    assert not is_kvd_load(None)
+    assert not is_kvd_load({**_params(), "do_remote_prefill": False})  # already loaded
+
+
+def test_proxy_asks_prefill_for_one_token_and_hands_its_params_to_decode():
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 4}
+    pre = prefill_request(body)
+    assert pre["max_tokens"] == 1 and pre["stream"] is False and pre["kv_transfer_params"]["do_remote_decode"] is True
+    assert "stream_options" not in pre and "min_tokens" not in pre
+    assert body["max_tokens"] == 16  # the client's request is left alone
+    dec = decode_request(body, {"kv_transfer_params": _params()})
+    assert dec["kv_transfer_params"]["kvd_capability"] == bytes(range(32)).hex()
+    assert dec["max_tokens"] == 16 and dec["stream"] is True and dec["min_tokens"] == 4

@@ -1,0 +1,143 @@
+"""Runs real vLLM engines for tests/test_vllm.py (under the vLLM environment's Python).
+
+Modes:
+
+* ``baseline``: one ordinary engine, no connector: the tokens to match.
+* ``pd``: a prefill engine and a decode engine in this process, each wired to
+  its own kvd daemon through ``kvd.integrations.vllm``. Every prompt is
+  prefilled on P (one token), then decoded on D with P's kv_transfer_params.
+  Along the way it records what the daemons say, for the test to assert on.
+
+Writes one JSON object to ``--out``. vLLM spawns workers, hence the guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def engine(model: str, kvd_address: str | None, role: str | None, **extra: Any) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if kvd_address:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KvdConnector",
+            "kv_connector_module_path": "kvd.integrations.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {"kvd_address": kvd_address, **extra},
+        }
+    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, dtype=os.environ.get("KVD_TEST_DTYPE", "auto"), **kw)
+
+
+def sampling(max_tokens: int, params: dict[str, Any] | None = None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, extra_args=extra)
+
+
+def generate(llm: Any, prompt: list[int], sp: Any) -> Any:
+    return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+
+
+def status(address: str) -> Any:
+    from kvd.client import daemon_status
+
+    return daemon_status(address)
+
+
+def leases(address: str) -> set[str]:
+    return {x.request_id for x in status(address).leases}
+
+
+def wait_until(cond: Any, timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what} not within {timeout}s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def corrupt_prefill_cache(p_address: str) -> int:
+    """Overwrite every shm region P's workers registered with noise."""
+    import numpy as np
+
+    n = 0
+    rng = np.random.default_rng(1)
+    for w in status(p_address).workers:
+        for name in w.region_ids:
+            mm = np.memmap(f"/dev/shm/{name}", dtype=np.uint8, mode="r+")
+            mm[:] = rng.integers(0, 256, size=mm.shape, dtype=np.uint8)
+            mm.flush()
+            n += mm.size
+    return n
+
+
+def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    p = engine(args.model, args.p_kvd, "kv_producer")
+    d = engine(args.model, args.d_kvd, "kv_consumer")
+    out: dict[str, Any] = {"tokens": [], "checks": []}
+    *pd_prompts, control = prompts  # the last one is kept fresh for the negative control
+    for i, prompt in enumerate(pd_prompts):
+        pre = generate(p, prompt, sampling(1, {"do_remote_decode": True}))
+        params = pre.kv_transfer_params
+        rid = params["remote_request_id"]
+        # P published and still holds the blocks: nobody has read them yet.
+        published_after = wait_until(lambda rid=rid: rid in leases(args.p_kvd), 10, f"publication of {rid}")
+        time.sleep(0.5)
+        held = rid in leases(args.p_kvd)
+        dec = generate(d, prompt, sampling(args.max_tokens, params))
+        released_after = wait_until(lambda rid=rid: rid not in leases(args.p_kvd), 10, f"release of {rid}")
+        out["tokens"].append(list(dec.outputs[0].token_ids))
+        out["checks"].append({"prompt": i, "params": params, "published_after_s": published_after, "held_before_read": held,
+                              "released_after_read_s": released_after, "prefill_token": list(pre.outputs[0].token_ids)})
+    # A prefill whose decode never comes: the lease ends it and vLLM frees the blocks.
+    pre = generate(p, pd_prompts[0], sampling(1, {"do_remote_decode": True, "kvd_lease_seconds": 2}))
+    rid = pre.kv_transfer_params["remote_request_id"]
+    wait_until(lambda: rid in leases(args.p_kvd), 10, "publication")
+    out["abandoned"] = {"request_id": rid, "released_after_s": wait_until(lambda: rid not in leases(args.p_kvd), 30, "lease expiry")}
+    # Afterwards P still serves, reusing the freed blocks.
+    out["after_expiry_tokens"] = list(generate(p, pd_prompts[0], sampling(args.max_tokens)).outputs[0].token_ids)
+    # Negative control, last (it spoils P's cache): a fresh prompt, with P's
+    # cache overwritten between its prefill and the decode.
+    pre = generate(p, control, sampling(1, {"do_remote_decode": True}))
+    wait_until(lambda: pre.kv_transfer_params["remote_request_id"] in leases(args.p_kvd), 10, "publication")
+    out["corrupted_bytes"] = corrupt_prefill_cache(args.p_kvd)
+    dec = generate(d, control, sampling(args.max_tokens, pre.kv_transfer_params))
+    out["corrupted_tokens"] = list(dec.outputs[0].token_ids)
+    time.sleep(1.0)  # let P's worker log what the daemon reported
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["baseline", "pd"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--p-kvd", default="")
+    ap.add_argument("--d-kvd", default="")
+    args = ap.parse_args()
+    prompts = json.loads(Path(args.prompts).read_text())
+    t0 = time.monotonic()
+    if args.mode == "baseline":
+        llm = engine(args.model, None, None)
+        result: dict[str, Any] = {"tokens": [list(generate(llm, pr, sampling(args.max_tokens)).outputs[0].token_ids) for pr in prompts]}
+    else:
+        result = run_pd(args, prompts)
+    result["seconds"] = time.monotonic() - t0
+    Path(args.out).write_text(json.dumps(result))
+    os._exit(0)  # vLLM's engine processes are torn down with us; skip slow interpreter teardown
+
+
+if __name__ == "__main__":
+    main()
