@@ -42,6 +42,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_pending_handshakes": (lambda v: v >= 1, ">= 1"),
     "publish_wait_seconds": (lambda v: v >= 0, ">= 0"),
     "max_pending_resolves": (lambda v: v >= 1, ">= 1"),
+    "transport": (lambda v: v in ("tcp", "nixl"), "tcp or nixl"),
+    "nixl_staging_bytes": (lambda v: v >= 1 << 20, ">= 1 MiB"),
     "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
 }
 

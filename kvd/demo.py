@@ -206,6 +206,8 @@ def run_demo(args: argparse.Namespace) -> int:
     procs: list[Any] = []
     try:
         same_host = ["--same-host", "auto" if args.transport == "samehost" else "off"]
+        if args.transport == "nixl":
+            same_host += ["--transport", "nixl"]
         # Existing daemons (docker-compose, a cluster) or our own.
         p_info = {"grpc": args.prefill_address, "data": "(theirs)"} if args.prefill_address else daemons.start("prefill", same_host)
         d_info = {"grpc": args.decode_address, "data": "(theirs)"} if args.decode_address else daemons.start("decode", same_host)
@@ -347,5 +349,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-address", default="", help="use this running prefill daemon (engine id 'prefill') instead of starting one")
     p.add_argument("--decode-address", default="", help="use this running decode daemon (engine id 'decode') instead of starting one")
-    p.add_argument("--transport", choices=["tcp", "samehost"], default="tcp",
-                   help="tcp: the cross-host data plane over loopback; samehost: direct copies between mapped regions")
+    p.add_argument("--transport", choices=["tcp", "samehost", "nixl"], default="tcp",
+                   help="tcp: the cross-host data plane over loopback; samehost: direct copies between mapped regions; "
+                        "nixl: NIXL/UCX moves the bytes (pip install 'kvd[nixl]')")

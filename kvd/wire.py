@@ -28,6 +28,9 @@ MAX_DATA_BYTES = 1 << 31
 # READ flag: a same-host read. The owner authorises it and answers END with no
 # DATA; the reader copies straight from the owner's memory, which it has mapped.
 FLAG_LOCAL = 1
+# READ flag for transport nixl: answer with one DESCS frame (then END) instead
+# of DATA frames.
+FLAG_NIXL = 2
 
 
 class FrameType(enum.IntEnum):
@@ -38,6 +41,7 @@ class FrameType(enum.IntEnum):
     END = 5  # server -> client: the read is complete
     ERROR = 6  # server -> client: the read is refused or failed (DataError)
     ACK = 7  # client -> server: every byte of the read has landed
+    DESCS = 8  # server -> client: where every segment lies, for a NIXL READ (DataDescriptors)
 
 
 CONTROL = frozenset(FrameType) - {FrameType.DATA}
@@ -97,6 +101,7 @@ _SERVER_RX: dict[tuple[State, FrameType], State] = {
 _CLIENT_RX: dict[tuple[State, FrameType], State] = {
     (State.AWAIT_HELLO, FrameType.HELLO_OK): State.IDLE,
     (State.READING, FrameType.DATA): State.READING,
+    (State.READING, FrameType.DESCS): State.READING,
     (State.READING, FrameType.END): State.AWAIT_ACK,
     (State.READING, FrameType.ERROR): State.IDLE,
     (State.AWAIT_HELLO, FrameType.ERROR): State.CLOSED,
@@ -127,6 +132,11 @@ class Connection:
                 self.state = State.CLOSED
                 raise ProtocolError(f"DATA tag {header.tag} out of order (expected {self.segments_seen} of {self.segments_expected})")
             self.segments_seen += 1
+        if header.type is FrameType.DESCS:
+            if self.segments_seen:
+                self.state = State.CLOSED
+                raise ProtocolError("DESCS after DATA")
+            self.segments_seen = self.segments_expected  # one frame describes them all
         if header.type is FrameType.END and self.segments_seen != self.segments_expected:
             self.state = State.CLOSED
             raise ProtocolError(f"END after {self.segments_seen} of {self.segments_expected} segments")
@@ -141,7 +151,7 @@ class Connection:
                 self.state = State.AWAIT_ACK
             elif type_ is FrameType.ERROR:
                 self.state = State.IDLE if self.state is State.READING else State.CLOSED
-            elif type_ is FrameType.DATA and self.state is State.READING:
+            elif type_ in (FrameType.DATA, FrameType.DESCS) and self.state is State.READING:
                 return
             else:
                 raise ProtocolError(f"server cannot send {type_.name} in state {self.state.value}")

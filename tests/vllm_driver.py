@@ -2,6 +2,9 @@
 
 Modes:
 
+* ``make-model``: a tiny Llama (config and seeded random weights). vLLM's
+  dummy weights are so small that attention barely moves the logits, so the
+  tokens would not show whether the KV cache was right; these do.
 * ``baseline``: one ordinary engine, no connector: the tokens to match.
 * ``pd``: a prefill engine and a decode engine in this process, each wired to
   its own kvd daemon through ``kvd.integrations.vllm``. Every prompt is
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,8 @@ def engine(model: str, kvd_address: str | None, role: str | None, **extra: Any) 
             "kv_role": role,
             "kv_connector_extra_config": {"kvd_address": kvd_address, **extra},
         }
-    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
-               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, dtype=os.environ.get("KVD_TEST_DTYPE", "auto"), **kw)
+    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0,
+               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, **kw)
 
 
 def sampling(max_tokens: int, params: dict[str, Any] | None = None) -> Any:
@@ -67,18 +69,53 @@ def wait_until(cond: Any, timeout: float, what: str) -> float:
 
 
 def corrupt_prefill_cache(p_address: str) -> int:
-    """Overwrite every shm region P's workers registered with noise."""
+    """Zero every shm region P's workers registered (valid numbers, wrong KV)."""
     import numpy as np
 
     n = 0
-    rng = np.random.default_rng(1)
     for w in status(p_address).workers:
         for name in w.region_ids:
             mm = np.memmap(f"/dev/shm/{name}", dtype=np.uint8, mode="r+")
-            mm[:] = rng.integers(0, 256, size=mm.shape, dtype=np.uint8)
+            mm[:] = 0
             mm.flush()
             n += mm.size
     return n
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 1000,
+         "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+         "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+
+
+def make_model(d: Path) -> None:
+    """Config and seeded N(0, sigma) weights, scaled so attention matters."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = LLAMA
+    hidden, inter, vocab, heads, kv_heads, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16).contiguous()
+
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    sd = {"model.embed_tokens.weight": w(vocab, hidden, std=1.0), "model.norm.weight": ones.clone(),
+          "lm_head.weight": w(vocab, hidden, std=4 / hidden**0.5)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd |= {p + "self_attn.q_proj.weight": w(heads * hd, hidden, std=3 / hidden**0.5),
+               p + "self_attn.k_proj.weight": w(kv_heads * hd, hidden, std=3 / hidden**0.5),
+               p + "self_attn.v_proj.weight": w(kv_heads * hd, hidden, std=1 / hidden**0.5),
+               p + "self_attn.o_proj.weight": w(hidden, heads * hd, std=1 / (heads * hd) ** 0.5),
+               p + "mlp.gate_proj.weight": w(inter, hidden, std=1 / hidden**0.5),
+               p + "mlp.up_proj.weight": w(inter, hidden, std=1 / hidden**0.5),
+               p + "mlp.down_proj.weight": w(hidden, inter, std=1 / inter**0.5),
+               p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone()}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(c))
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
 
 
 def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -119,14 +156,17 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["baseline", "pd"])
+    ap.add_argument("mode", choices=["make-model", "baseline", "pd"])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", default="", help="JSON file: a list of token-id lists")
+    ap.add_argument("--out", default="")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--p-kvd", default="")
     ap.add_argument("--d-kvd", default="")
     args = ap.parse_args()
+    if args.mode == "make-model":
+        make_model(Path(args.model))
+        return
     prompts = json.loads(Path(args.prompts).read_text())
     t0 = time.monotonic()
     if args.mode == "baseline":
@@ -136,7 +176,6 @@ def main() -> None:
         result = run_pd(args, prompts)
     result["seconds"] = time.monotonic() - t0
     Path(args.out).write_text(json.dumps(result))
-    os._exit(0)  # vLLM's engine processes are torn down with us; skip slow interpreter teardown
 
 
 if __name__ == "__main__":

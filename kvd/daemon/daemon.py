@@ -18,7 +18,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -74,6 +74,8 @@ from kvd.transfer import (
     validate_segment,
 )
 from kvd.transport.base import Staging
+from kvd.transport.nixl import NixlAgent
+from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp import LocalSource, TcpDataClient, TcpDataServer
 
 log = logging.getLogger("kvd.daemon")
@@ -116,6 +118,10 @@ class DaemonConfig:
     # first): how long P waits for the publication when D resolves them.
     publish_wait_seconds: float = 10.0
     max_pending_resolves: int = 1024
+    # Data plane backend: tcp (kvd's own), or nixl (NIXL/UCX moves the bytes;
+    # control, leases and relayout stay kvd's). nixl needs `pip install 'kvd[nixl]'`.
+    transport: str = "tcp"
+    nixl_staging_bytes: int = 1 << 30  # per connection: gather staging for one NIXL read
 
 
 @dataclass
@@ -128,6 +134,7 @@ class Registration:
     generation: int
     region_pbs: list[pb.Region]
     worker_token: bytes = b""
+    nixl_handles: list[object] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -224,11 +231,23 @@ class Daemon:
         self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
         self._resolves = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self.data_server = TcpDataServer(self, config.host, config.data_port, tls=self.auth.data_plane_context(server=True))
+        self.nixl = self._nixl_agent(config)
+        self.data_server = TcpDataServer(self, config.host, config.data_port, tls=self.auth.data_plane_context(server=True),
+                                         nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
         self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer,
                                          stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
-                                         tls=self.auth.data_plane_context(server=False))
+                                         tls=self.auth.data_plane_context(server=False), nixl=self.nixl)
+
+    def _nixl_agent(self, config: DaemonConfig) -> NixlAgent | None:
+        if config.transport != "nixl":
+            return None
+        if self.auth.mode == "mtls":
+            raise InvalidArgument("transport", "nixl", "cannot be used with auth: mtls (NIXL traffic is not encrypted)")
+        why = nixl_available()
+        if why:
+            raise InvalidArgument("transport", "nixl", why)
+        return NixlAgent(f"kvd-{config.engine_id}-{self.epoch[:8]}")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -269,6 +288,8 @@ class Daemon:
                 await self._sweeper
         await self.data_server.close()
         await self.data_client.close()
+        if self.nixl is not None:
+            self.nixl.close()
         for ch in self._channels.values():
             await ch.close()
         for peer in self.peers.values():
@@ -328,10 +349,13 @@ class Daemon:
                     active.task.cancel()
             for ended in self._abort_rank_publications(key, "worker re-registered"):
                 self._report_sending(ended)
-            old.close()
+            self._release(old)
         self._generation += 1
         self._registration_version += 1
         reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32))
+        if self.nixl is not None:
+            # NIXL reads and writes only registered memory: the worker's regions, as mapped here.
+            reg.nixl_handles = [self.nixl.register(r.tensor.data_ptr(), r.size) for r in mapped.values() if r.tensor.device.type == "cpu"]
         self.registrations[key] = reg
         self.finished.setdefault(key, WorkerFinished())
         self.engine_hub.set_expected(self._expected_override or worker.tp_size * worker.pp_size)
@@ -348,9 +372,15 @@ class Daemon:
                 p.task.cancel()
         for ended in self._abort_rank_publications(k, "worker unregistered"):
             self._report_sending(ended)
-        self.registrations.pop(k).close()
+        self._release(self.registrations.pop(k))
         self._registration_version += 1
         self._update_region_metrics()
+
+    def _release(self, reg: Registration) -> None:
+        if self.nixl is not None:
+            for h in reg.nixl_handles:
+                self.nixl.deregister(h)
+        reg.close()
 
     def _registered(self, worker: WorkerId, token: bytes | None = None) -> Registration:
         """The worker's registration; with ``token``, only for the worker itself."""
@@ -1011,16 +1041,36 @@ class Daemon:
         )
 
 
+class _NeedsGather(Exception):
+    """A segment that is not one contiguous view of registered memory."""
+
+
 class _OpenRead:
     def __init__(self, daemon: Daemon, reg: Registration, read: pb.DataRead, reader: str) -> None:
         self.daemon, self.reg, self.read, self.reader = daemon, reg, read, reader
 
-    def segment(self, index: int, staging: Staging) -> torch.Tensor:
+    def segment(self, index: int, staging: Staging | Callable[[int], torch.Tensor], transport: str = "tcp") -> torch.Tensor:
         seg = self.read.segments[index]
         payload = serve_segment(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count, staging)
-        self.daemon.metrics.bytes_sent.labels("tcp").inc(payload.numel())
-        self.daemon.metrics.blocks_sent.labels("tcp").inc(seg.block_count)
+        self.daemon.metrics.bytes_sent.labels(transport).inc(payload.numel())
+        self.daemon.metrics.blocks_sent.labels(transport).inc(seg.block_count)
         return payload
+
+    def segment_nbytes(self, index: int) -> int:
+        seg = self.read.segments[index]
+        return segment_nbytes(self.reg.tensors[seg.group_id].spec, seg, self.read.head_count)
+
+    def segment_view(self, index: int) -> torch.Tensor | None:
+        """The segment as a zero-copy view of registered memory, or None when it must be gathered."""
+        seg = self.read.segments[index]
+
+        def refuse(nbytes: int) -> torch.Tensor:
+            raise _NeedsGather
+
+        try:
+            return serve_segment(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count, refuse)
+        except _NeedsGather:
+            return None
 
     def acknowledged(self) -> None:
         self.daemon.read_acknowledged(self.read, self.reader)

@@ -14,6 +14,7 @@ from prometheus_client import start_http_server
 from kvd import __version__
 from kvd.daemon.daemon import Daemon, DaemonConfig
 from kvd.daemon.service import NOT_SERVING, SERVING, build_server
+from kvd.errors import KvdError
 
 log = logging.getLogger("kvd.serve")
 
@@ -22,7 +23,10 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
     # Copies here are a few MiB each; torch's intra-op pool only adds
     # spinning threads that compete with the sockets for the node's cores.
     torch.set_num_threads(1)
-    daemon = Daemon(config)
+    try:
+        daemon = Daemon(config)
+    except KvdError as e:
+        raise SystemExit(f"kvd: {e.message}") from None
     await daemon.start()
     server, health = build_server(daemon)
     creds = daemon.auth.server_credentials()

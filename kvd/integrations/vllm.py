@@ -43,6 +43,7 @@ CUDA IPC. Nothing is copied per request by the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections.abc import Mapping
@@ -259,10 +260,8 @@ def _request_amx_permission() -> None:
     if platform.machine() != "x86_64":
         return
     arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata)
-    except (OSError, AttributeError):
-        pass
 
 
 class _WorkerSide:

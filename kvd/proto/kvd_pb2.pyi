@@ -521,7 +521,7 @@ class DataHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DataRead(_message.Message):
-    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank")
+    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version")
     OWNER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -533,6 +533,7 @@ class DataRead(_message.Message):
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     READER_PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    NIXL_METADATA_VERSION_FIELD_NUMBER: _ClassVar[int]
     owner_engine_id: str
     request_id: str
     generation: int
@@ -544,7 +545,8 @@ class DataRead(_message.Message):
     segments: _containers.RepeatedCompositeFieldContainer[DataSegment]
     reader_tp_rank: int
     reader_pp_rank: int
-    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ...) -> None: ...
+    nixl_metadata_version: int
+    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ...) -> None: ...
 
 class DataSegment(_message.Message):
     __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids")
@@ -573,6 +575,20 @@ class DataEnd(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class DataDescriptors(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata", "metadata_version", "addrs", "lengths")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    METADATA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    metadata_version: int
+    addrs: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., metadata_version: _Optional[int] = ..., addrs: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DataError(_message.Message):
     __slots__ = ("code", "message")

@@ -28,8 +28,10 @@ from kvd.proto import kvd_pb2 as pb
 from kvd.relayout import GroupTensors
 from kvd.transfer import SegmentSink, serve_segment
 from kvd.transport.base import ReadServer, Staging
+from kvd.transport.nixl import Arena, NixlAgent, expose, land
 from kvd.wire import (
     FLAG_LOCAL,
+    FLAG_NIXL,
     HEADER_SIZE,
     Connection,
     FrameType,
@@ -94,9 +96,12 @@ class TcpDataServer:
     """Serves reads of this daemon's registered memory."""
 
     def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
-                 max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None) -> None:
+                 max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None,
+                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30) -> None:
         self.server = server
         self.tls = tls  # mTLS: every connection is served in a thread over TLS
+        self.nixl = nixl  # transport nixl: reads may ask for descriptors instead of DATA
+        self.nixl_staging_bytes = nixl_staging_bytes
         self.host, self.port = host, port
         self.hello_timeout_s = hello_timeout_s
         # Each connection holds at most one segment of staging, and a slow
@@ -163,6 +168,7 @@ class TcpDataServer:
         peer_key = ""
         staging = Staging()
         host_staging = Staging(pinned=True)
+        arena = Arena(self.nixl) if self.nixl is not None else None
         try:
             async with asyncio.timeout(self.hello_timeout_s):  # the whole HELLO, body included
                 _hello, _, length = await _recv_frame(loop, sock, conn)
@@ -187,9 +193,15 @@ class TcpDataServer:
                     await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                failed, total = (None, 0) if local else await loop.run_in_executor(
-                    self._pool, _send_segments, sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3
-                )
+                if header.flags & FLAG_NIXL:
+                    failed, total = await loop.run_in_executor(
+                        self._pool, self._send_descriptors, sock, opened, len(read.segments), arena, read.nixl_metadata_version)
+                elif local:
+                    failed, total = None, 0
+                else:
+                    failed, total = await loop.run_in_executor(
+                        self._pool, _send_segments, sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3
+                    )
                 if failed is not None:
                     await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
@@ -209,6 +221,25 @@ class TcpDataServer:
             if peer_key:
                 self._release_slot(peer_key)
             sock.close()
+            if arena is not None:
+                arena.release()
+
+    def _send_descriptors(self, sock: socket.socket, opened: Any, count: int, arena: Arena | None,
+                          reader_version: int) -> tuple[errors.KvdError | None, int]:
+        """Owner side of a NIXL read, in a worker thread: one DESCS frame."""
+        if self.nixl is None or arena is None:
+            return errors.FailedPrecondition("this daemon's data plane has no NIXL agent (set transport: nixl on both sides)"), 0
+        try:
+            msg, total = expose(self.nixl, opened, count, arena, self.nixl_staging_bytes)
+        except errors.KvdError as e:
+            return e, 0
+        metadata, version = self.nixl.metadata()
+        msg.metadata_version = version
+        if reader_version != version:  # the reader's copy lacks some registration (or it has none)
+            msg.agent_metadata = metadata
+        with _blocking(sock, self.hello_timeout_s * 3):
+            sock.sendall(encode(FrameType.DESCS, msg.SerializeToString()))
+        return None, total
 
     def _serve_tls(self, raw: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         """One TLS connection, in a worker thread; daemon calls hop to the loop."""
@@ -247,7 +278,13 @@ class TcpDataServer:
                     sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                failed, total = (None, 0) if local else _send_segments(sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3)
+                failed: errors.KvdError | None
+                if header.flags & FLAG_NIXL:
+                    failed, total = errors.FailedPrecondition("transport nixl is not offered over an mTLS data plane (NIXL traffic is not encrypted)"), 0
+                elif local:
+                    failed, total = None, 0
+                else:
+                    failed, total = _send_segments(sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3)
                 if failed is not None:
                     sock.sendall(encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
@@ -418,6 +455,7 @@ class _Conn:
         self.work: asyncio.Future[Any] | None = None
         self.proto = Connection(server=False)
         self.staging = Staging()
+        self.arena: Arena | None = None  # NIXL landing scratch, registered on first use
 
 
 class TcpDataClient:
@@ -426,8 +464,10 @@ class TcpDataClient:
     name = "tcp"
 
     def __init__(self, hello: pb.DataHello, *, connections_per_peer: int = 4, stall_timeout_s: float = 30.0,
-                 on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None) -> None:
+                 on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None,
+                 nixl: NixlAgent | None = None) -> None:
         self.on_relayout = on_relayout
+        self.nixl = nixl  # transport nixl: bulk bytes by NIXL READ, control on this connection
         self.tls = tls  # mTLS: connections are TLS and driven from worker threads
         self.hello = hello
         self.connections_per_peer = connections_per_peer
@@ -435,6 +475,7 @@ class TcpDataClient:
         self._idle: dict[str, list[_Conn]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._tokens: dict[str, bytes] = {}
+        self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
 
     def _connect_tls(self, address: str, hello: pb.DataHello) -> _Conn:
@@ -506,6 +547,8 @@ class TcpDataClient:
                     moved = await self._in_thread(conn, self._read_tls, conn, read, sinks, landed, local_source)
                 elif local_source is not None:
                     moved = await self._read_local(conn, read, sinks, landed, local_source)
+                elif self.nixl is not None:
+                    moved = await self._read_nixl(conn, address, read, sinks, landed)
                 else:
                     moved = await self._read_on(conn, read, sinks, landed)
             except BaseException:
@@ -586,11 +629,43 @@ class TcpDataClient:
         conn.proto.sent(FrameType.ACK)
         return moved
 
+    async def _read_nixl(self, conn: _Conn, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
+        """The owner exposes every segment; one NIXL READ moves them all."""
+        assert self.nixl is not None
+        loop = asyncio.get_running_loop()
+        sock = conn.sock
+        known = self._nixl_peers.get(address)
+        read.nixl_metadata_version = known[1] if known else 0
+        await loop.sock_sendall(sock, _frame(FrameType.READ, read.SerializeToString(), FLAG_NIXL))
+        conn.proto.sent(FrameType.READ, segments=len(sinks))
+        async with asyncio.timeout(self.stall_timeout_s):
+            ftype, _, length = await _recv_frame(loop, sock, conn.proto)
+            body = await _recv_body(loop, sock, length)
+        if ftype is FrameType.ERROR:
+            err = pb.DataError.FromString(body)
+            raise errors.from_code(err.code, err.message)
+        msg = pb.DataDescriptors.FromString(body)
+        if msg.agent_metadata:
+            name = await loop.run_in_executor(self._pool, self.nixl.add_remote, msg.agent_metadata)
+            if msg.metadata_version >= self._nixl_peers.get(address, ("", 0))[1]:
+                self._nixl_peers[address] = (name, msg.metadata_version)
+        if self._nixl_peers.get(address, ("", 0))[0] != msg.agent_name:
+            raise errors.FailedPrecondition(f"{address} answered for NIXL agent {msg.agent_name!r}, whose metadata we do not hold")
+        if conn.arena is None:
+            conn.arena = Arena(self.nixl)
+        moved = await self._in_thread(conn, land, self.nixl, msg, sinks, landed, conn.arena, conn.cancel, self.stall_timeout_s, self.on_relayout)
+        async with asyncio.timeout(self.stall_timeout_s):
+            ftype, _, length = await _recv_frame(loop, sock, conn.proto)  # END (an ERROR only before DESCS)
+            await _recv_body(loop, sock, length)
+        await loop.sock_sendall(sock, encode(FrameType.ACK))
+        conn.proto.sent(FrameType.ACK)
+        return int(moved)
+
     def staging_buffers(self) -> int:
-        return sum(1 for conns in self._idle.values() for c in conns if c.staging.nbytes)
+        return sum(1 for conns in self._idle.values() for c in conns if c.staging.nbytes or (c.arena and c.arena.buf.numel()))
 
     def staging_bytes(self) -> int:
-        return sum(c.staging.nbytes for conns in self._idle.values() for c in conns)
+        return sum(c.staging.nbytes + (c.arena.buf.numel() if c.arena else 0) for conns in self._idle.values() for c in conns)
 
     def set_token(self, address: str, data_token: bytes) -> None:
         """The secret ``address``'s owner issued us in its handshake."""
@@ -598,8 +673,11 @@ class TcpDataClient:
 
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""
+        self._nixl_peers.pop(address, None)
         for c in self._idle.pop(address, []):
             c.sock.close()
+            if c.arena is not None:
+                c.arena.release()
 
     async def close(self) -> None:
         for conns in self._idle.values():

@@ -1,0 +1,251 @@
+"""NIXL as a kvd data-plane backend (``transport: nixl``).
+
+kvd keeps everything but the bulk bytes: the TCP data connection still
+carries HELLO, the capability-checked READ, END and the ACK that releases the
+lease, so authorisation, leases, planning, relayout and metrics are the same
+as on the TCP path. What changes is how a read's segments cross:
+
+* the owner authorises the read, exposes every segment as one memory
+  descriptor (a zero-copy view into a registered region, or a slice of a
+  registered per-connection arena when the segment must be gathered), and
+  answers a single DESCS frame instead of DATA frames;
+* the reader posts one NIXL READ for all of them at once (one descriptor per
+  segment: the plan already merged block runs), straight into its own
+  registered memory when the segment lands as-is, else into its arena, from
+  which each segment is relaid out;
+* the owner keeps the exposed memory untouched until the reader's ACK.
+
+NIXL (``pip install 'kvd[nixl]'``) picks UCX's transports: shared memory or
+CMA on one host, TCP or RDMA across hosts. Its traffic is not encrypted, so
+``transport: nixl`` is refused with ``auth: mtls``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvd import errors
+from kvd.proto import kvd_pb2 as pb
+from kvd.transfer import SegmentSink
+
+# NIXL's Python logger prints INFO on stdout; keep the daemon's output its own.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def available() -> str:
+    """Empty if NIXL can be used here, else why not."""
+    try:
+        _api()
+    except ImportError as e:
+        return f"NIXL is not installed ({e}); pip install 'kvd[nixl]'"
+    return ""
+
+
+def _api() -> Any:
+    try:
+        from nixl_cu12 import _api  # the wheel that runs on CPU-only machines too
+    except ImportError:
+        from nixl import _api  # type: ignore[no-redef]
+    return _api
+
+
+class Arena:
+    """Registered scratch memory that grows to the largest read and is reused."""
+
+    def __init__(self, agent: NixlAgent) -> None:
+        self.agent = agent
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        self._reg: Any = None
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.release()
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._reg = self.agent.register(self.buf.data_ptr(), nbytes)
+        return self.buf[:nbytes]
+
+    def release(self) -> None:
+        if self._reg is not None:
+            self.agent.deregister(self._reg)
+            self._reg = None
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+class NixlAgent:
+    """One NIXL agent per daemon: registered regions, peers' metadata, READs."""
+
+    def __init__(self, name: str = "") -> None:
+        api = _api()
+        self.name = name or f"kvd-{uuid.uuid4().hex[:12]}"
+        self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self._lock = threading.Lock()  # registration and peer tables; transfers run unlocked
+        self._regions: list[tuple[int, int]] = []  # (base, size) of registered memory
+        # Bumped on every (de)registration: peers hold a copy of our metadata,
+        # which lists registered memory, and must reload it when this moves.
+        self.version = 1
+        self._remotes: dict[str, str] = {}  # peer agent name -> loaded
+
+    # ---------------------------------------------------------------- memory
+
+    def register(self, ptr: int, nbytes: int) -> Any:
+        with self._lock:
+            reg = self._agent.register_memory([(ptr, nbytes, 0, "")], "DRAM")
+            self._regions.append((ptr, nbytes))
+            self.version += 1
+            return (reg, ptr, nbytes)
+
+    def deregister(self, handle: Any) -> None:
+        reg, ptr, nbytes = handle
+        with self._lock:
+            self._agent.deregister_memory(reg)
+            self._regions.remove((ptr, nbytes))
+            self.version += 1
+
+    def covers(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (contiguous, CPU) lies inside registered memory."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        with self._lock:
+            return any(base <= lo and hi <= base + size for base, size in self._regions)
+
+    def metadata(self) -> tuple[bytes, int]:
+        with self._lock:
+            return bytes(self._agent.get_agent_metadata()), self.version
+
+    def knows(self, agent_name: str) -> bool:
+        return agent_name in self._remotes
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh: NIXL replaces an agent's entry) a peer's metadata."""
+        with self._lock:
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes[name] = name
+            return name
+
+    # ---------------------------------------------------------------- transfer
+
+    def read(self, remote: str, local_descs: np.ndarray, remote_descs: np.ndarray, *, cancel: threading.Event, stall_s: float) -> None:
+        """One READ of every descriptor pair ((addr, len, dev) rows), to completion."""
+        local = self._agent.get_xfer_descs(local_descs, "DRAM")
+        far = self._agent.get_xfer_descs(remote_descs, "DRAM")
+        handle = self._agent.initialize_xfer("READ", local, far, remote)
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + stall_s
+            while state == "PROC":
+                if cancel.is_set():
+                    raise ConnectionAbortedError("read abandoned")
+                if time.monotonic() > deadline:
+                    raise errors.DeadlineExceeded(f"NIXL READ from {remote} made no progress for {stall_s}s")
+                time.sleep(0)  # yield the GIL; UCX progresses in its own thread
+                state = self._agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise errors.Unavailable(f"NIXL READ from {remote} ended {state}")
+        finally:
+            self._agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._remotes):
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+            self._remotes.clear()
+
+
+def descs(ptrs: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+    out = np.zeros((len(ptrs), 3), dtype=np.uint64)
+    out[:, 0] = ptrs
+    out[:, 1] = lengths
+    return out
+
+
+def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: int) -> tuple[pb.DataDescriptors, int]:
+    """Owner side: one descriptor per segment of an authorised read.
+
+    A segment that is already a contiguous view of registered memory is
+    exposed in place; the rest are gathered into the arena, which the caller
+    keeps untouched until the reader's ACK.
+    """
+    sizes = [opened.segment_nbytes(i) for i in range(count)]
+    views = [opened.segment_view(i) for i in range(count)]
+    views = [v if v is not None and agent.covers(v) else None for v in views]
+    need = sum(n for n, v in zip(sizes, views, strict=True) if v is None)
+    if need > max_bytes:
+        raise errors.ResourceExhausted(f"a NIXL read needs {need} bytes of gather staging, over the {max_bytes}-byte cap; read fewer blocks at once")
+    scratch = arena.reserve(need) if need else torch.empty(0, dtype=torch.uint8)
+    addrs, offset = [], 0
+    for i, view in enumerate(views):
+        opened.check_alive()
+        if view is None:
+            target = scratch[offset:offset + sizes[i]]
+            payload = opened.segment(i, _Fixed(target), "nixl")
+            if payload.data_ptr() != target.data_ptr():
+                target.copy_(payload.reshape(-1).view(torch.uint8))
+            addrs.append(target.data_ptr())
+            offset += sizes[i]
+        else:
+            opened.segment(i, _Fixed(scratch[:0]), "nixl")  # counts it; a view needs no staging
+            addrs.append(view.data_ptr())
+    return pb.DataDescriptors(agent_name=agent.name, addrs=addrs, lengths=sizes), sum(sizes)
+
+
+class _Fixed:
+    """A Staging that hands out one preallocated slice."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        return self.buf[:nbytes]
+
+
+def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink], landed: list[bool], arena: Arena,
+         cancel: threading.Event, stall_s: float, on_relayout: Any) -> int:
+    """Reader side: READ every segment, straight into place where it lands
+    as-is, else into the arena and relaid out from there."""
+    if len(msg.addrs) != len(sinks) or len(msg.lengths) != len(sinks):
+        raise errors.InvalidArgument("descriptors", f"<{len(msg.addrs)} segments>", f"must describe the read's {len(sinks)} segments")
+    for i, (n, sink) in enumerate(zip(msg.lengths, sinks, strict=True)):
+        if n != sink.nbytes:
+            raise errors.InvalidArgument(f"descriptors.lengths[{i}]", n, f"must be the segment's {sink.nbytes} bytes")
+    directs = []
+    need = 0
+    for sink in sinks:
+        d = sink.direct()
+        d = d.reshape(-1).view(torch.uint8) if d is not None and agent.covers(d) else None
+        directs.append(d)
+        need += 0 if d is not None else sink.nbytes
+    scratch = arena.reserve(need) if need else None
+    local_ptrs, staged = [], []
+    offset = 0
+    for i, (d, sink) in enumerate(zip(directs, sinks, strict=True)):
+        if d is not None:
+            local_ptrs.append(d.data_ptr())
+        else:
+            assert scratch is not None
+            buf = scratch[offset:offset + sink.nbytes]
+            local_ptrs.append(buf.data_ptr())
+            staged.append((i, buf))
+            offset += sink.nbytes
+    agent.read(msg.agent_name, descs(local_ptrs, msg.lengths), descs(msg.addrs, msg.lengths), cancel=cancel, stall_s=stall_s)
+    t0 = time.perf_counter()
+    for i, buf in staged:
+        if cancel.is_set():
+            raise ConnectionAbortedError("read abandoned")
+        sinks[i].land(buf)
+    if staged:
+        on_relayout(time.perf_counter() - t0)
+    for i in range(len(sinks)):
+        landed[i] = True
+    return int(sum(msg.lengths))
