@@ -121,6 +121,9 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: M
         if rule is not None and not rule[0](value):
             raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be {rule[1]}")
     config = DaemonConfig(**values)
+    if config.transport == "nixl" and config.auth == "mtls":
+        raise ConfigError(f"transport=nixl (from {sources.get('transport', 'default')}) cannot be used with auth=mtls "
+                          f"(from {sources.get('auth', 'default')}): NIXL traffic is not encrypted")
     from kvd.auth import AuthConfig
 
     try:  # secrets are read now, so a bad file stops startup with one line

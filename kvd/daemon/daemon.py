@@ -779,11 +779,22 @@ class Daemon:
             raise FailedPrecondition(
                 f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
             )
-        reads = plan_pull(
-            local_meta=self.engine_meta(), local_tp_rank=rank[0], local_pp_rank=rank[1],
-            local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=req.params,
-            local_block_ids=local_ids, segment_bytes=self.config.segment_bytes,
-        )
+        for fresh in (False, True):
+            try:
+                reads = plan_pull(
+                    local_meta=self.engine_meta(), local_tp_rank=rank[0], local_pp_rank=rank[1],
+                    local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=req.params,
+                    local_block_ids=local_ids, segment_bytes=self.config.segment_bytes,
+                )
+                break
+            except Incompatible as e:
+                if fresh or "not registered" not in e.message:
+                    raise
+                # Our view of the remote engine predates a rank it registered since: look again.
+                stale = self.peers.pop(req.params.remote_engine_id, None)
+                if stale is not None:
+                    stale.close()
+                peer = await self._peer_for(req.params)
         for rr in reads:
             rr.read.reader_tp_rank, rr.read.reader_pp_rank = rank
             sinks_all.append(rr.sinks)
@@ -809,7 +820,7 @@ class Daemon:
             self.active_clock.stop()
             self.metrics.bytes_in_flight.dec(planned)
         for n, src, rr in zip(moved, sources, reads, strict=True):
-            transport = "samehost" if src is not None else "tcp"
+            transport = "samehost" if src is not None else self.config.transport
             self.metrics.bytes_received.labels(transport).inc(n)
             self.metrics.blocks_received.labels(transport).inc(len({int(b) for s in rr.sinks for b in s.local_block_ids}))
         return sum(moved)
