@@ -167,11 +167,13 @@ def socket_baseline(nbytes: int, repeat: int) -> float:
 class _Pair:
     """A P and a D daemon, and one worker of each in this process."""
 
-    def __init__(self, same_host: bool) -> None:
+    def __init__(self, mode: str) -> None:
         from kvd.demo import Daemons
 
         self.daemons = Daemons()
-        flag = ["--same-host", "auto" if same_host else "off", "--metrics-port", "-1"]
+        flag = ["--same-host", "auto" if mode == "samehost" else "off", "--metrics-port", "-1"]
+        if mode == "nixl":
+            flag += ["--transport", "nixl"]
         self.p = self.daemons.start("bench-p", flag)
         self.d = self.daemons.start("bench-d", flag)
         self.done: dict[str, float] = {}
@@ -236,10 +238,14 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     out["socket_gbps"] = socket_baseline(nbytes, args.repeat)
     say(f"  {'memcpy (1 thread)':<34} {out['memcpy_gbps']:6.2f} GB/s")
     say(f"  {'plain socket, 1 MiB sendall':<34} {out['socket_gbps']:6.2f} GB/s")
-    for mode in ("tcp", "samehost"):
-        pair = _Pair(same_host=mode == "samehost")
+    from kvd.bench_peers import nixl_installed, nixl_read_gbps
+
+    nixl = nixl_installed()
+    modes = ("tcp", "samehost", "nixl") if nixl else ("tcp", "samehost")
+    for mode in modes:
+        pair = _Pair(mode)
         try:
-            units = UNIT_SIZES if mode == "tcp" else {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]}
+            units = {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]} if mode == "samehost" else UNIT_SIZES
             for label, unit in units.items():
                 # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
                 block_size = unit // 4096
@@ -253,7 +259,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
                     seconds = pair.transfer(f"{mode}-{label}-{r}", p_ids, d_ids, blocks * block_size)
                     best = max(best, blocks * unit * layers / seconds / 1e9)
                 out[f"{mode}_{label}_gbps"] = best
-                say(f"  {f'kvd {mode}, {label} units':<34} {best:6.2f} GB/s")
+                say(f"  {f'kvd {mode}, {label} units':<34} {best:6.2f} GB/s{'  (kvd over NIXL/UCX, default transports)' if mode == 'nixl' else ''}")
             if mode == "tcp":
                 spec = KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
                 pair.register(spec, layers)
@@ -267,8 +273,21 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     out["tcp_vs_socket_1m"] = out["tcp_1m_gbps"] / out["socket_gbps"]
     out["tcp_16k_vs_1m"] = out["tcp_16k_gbps"] / out["tcp_1m_gbps"]
     out["samehost_vs_memcpy"] = out["samehost_1m_gbps"] / out["memcpy_gbps"]
-    out["vs_nixl"] = None  # no NIXL backend to compare yet
-    out["vs_mooncake"] = None
+    out["vs_nixl"] = None
+    if nixl:
+        # Like with like: kvd's TCP path against NIXL with UCX_TLS=tcp, and
+        # kvd's same-host path against NIXL with UCX's own pick (shm/CMA).
+        ratios = []
+        for label, unit in UNIT_SIZES.items():
+            out[f"nixl_tcp_{label}_gbps"] = nixl_read_gbps(nbytes, unit, args.repeat, "tcp")
+            say(f"  {f'NIXL (UCX_TLS=tcp), {label} units':<34} {out[f'nixl_tcp_{label}_gbps']:6.2f} GB/s")
+            ratios.append(out[f"tcp_{label}_gbps"] / out[f"nixl_tcp_{label}_gbps"])
+        for label in ("1m", "16k"):
+            out[f"nixl_default_{label}_gbps"] = nixl_read_gbps(nbytes, UNIT_SIZES[label], args.repeat, "")
+            say(f"  {f'NIXL (UCX default), {label} units':<34} {out[f'nixl_default_{label}_gbps']:6.2f} GB/s")
+            ratios.append(out[f"samehost_{label}_gbps"] / out[f"nixl_default_{label}_gbps"])
+        out["vs_nixl"] = min(ratios)
+    out["vs_mooncake"] = None  # Mooncake Transfer Engine is not installed here
     return out
 
 
@@ -301,7 +320,11 @@ def run_bench(args: argparse.Namespace) -> int:
         say(f"    tcp_16k_vs_1m       {t['tcp_16k_vs_1m']:.2f}  (target >= 0.9)")
         say(f"    samehost_vs_memcpy  {t['samehost_vs_memcpy']:.2f}  (target >= 0.6)")
         say(f"    small_request_p50   {t['small_request_p50_ms']:.2f} ms (target < 2)")
-        say("    vs_nixl, vs_mooncake: not measured (kvd has no NIXL or Mooncake backend yet)")
+        if t["vs_nixl"] is None:
+            say("    vs_nixl             not measured: NIXL is not installed (pip install 'kvd[nixl]')")
+        else:
+            say(f"    vs_nixl             {t['vs_nixl']:.2f}  (kvd / NIXL, worst unit size, TCP vs UCX tcp and same-host vs UCX default; target > 1)")
+        say("    vs_mooncake         not measured: Mooncake Transfer Engine is not installed")
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
