@@ -16,6 +16,7 @@ canonicalised and any 1-byte dtype (fp8 variants) is just bytes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,7 @@ def to_units(view: torch.Tensor, n: int, u: int) -> torch.Tensor:
     raise ValueError(f"extent side of {blocks} blocks fits neither n={n} nor n*u={n * u}")
 
 
+@functools.lru_cache(maxsize=4096)  # planning asks for the same few shapes once per segment
 def wire_shape(spec: KVCacheSpec, layers: int, blocks: int, tokens: int, heads: int, kvs: int = 0) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and dim names of one segment's bytes as the owner sends them:
     layers, then parts, then the owner's physical dims restricted. ``kvs`` is
