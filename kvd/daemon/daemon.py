@@ -247,7 +247,10 @@ class Daemon:
         why = nixl_available()
         if why:
             raise InvalidArgument("transport", "nixl", why)
-        return NixlAgent(f"kvd-{config.engine_id}-{self.epoch[:8]}")
+        try:
+            return NixlAgent(f"kvd-{config.engine_id}-{self.epoch[:8]}")
+        except (ImportError, OSError) as e:
+            raise InvalidArgument("transport", "nixl", f"NIXL failed to load: {e}") from None
 
     # ------------------------------------------------------------ lifecycle
 

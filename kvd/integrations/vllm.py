@@ -235,12 +235,18 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not block_ids:
             return False, None
+        try:
+            engine_id = self.engine_id
+        except KvdError as e:
+            # No daemon, no transfer: free the blocks now; D will find nothing to load.
+            log.error("kvd: daemon at %s unreachable, request %s is not offered to decode: %s", self.settings.address, request.request_id, e.message)
+            return False, None
         num_tokens = min(int(request.num_computed_tokens), len(block_ids) * self.block_size)
         # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
         lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
         pub = Publication(request.request_id, (tuple(block_ids),), num_tokens, secrets.token_bytes(32), lease)
         self._to_publish[request.request_id] = pub
-        out = make_params(pub, engine_id=self.engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size)
+        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size)
         # Keep P's blocks until its daemon reports the request in finished_sending.
         return True, out
 
@@ -277,6 +283,10 @@ class _WorkerSide:
         self._done_recving: set[str] = set()  # failed pulls
         self._failed_recving: set[str] = set()
         self._invalid: set[int] = set()
+        # What the daemon still owes us an outcome for: if it goes away, its
+        # publications and pulls are gone, and vLLM must hear so, not wait.
+        self._sending: set[str] = set()
+        self._loading: dict[str, set[int]] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         _request_amx_permission()
@@ -322,12 +332,14 @@ class _WorkerSide:
         for rid, pub in meta.to_publish.items():
             try:
                 client.publish(rid, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds)
+                self._sending.add(rid)
             except KvdError as e:
                 log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
                 self._done_sending.add(rid)
         for rid, load in meta.to_load.items():
             try:
                 client.pull(rid, load.params, load.local_block_ids)
+                self._loading[rid] = {i for g in load.local_block_ids for i in g}
             except KvdError as e:
                 log.error("kvd: pull of request %s refused: %s", rid, e.message)
                 self._done_recving.add(rid)
@@ -340,7 +352,22 @@ class _WorkerSide:
         self._done_recving.clear()
         self._failed_recving.clear()
         if self.client is not None:
-            f = self.client.get_finished()
+            try:
+                f = self.client.get_finished()
+            except KvdError as e:
+                if self._sending or self._loading:
+                    log.error("kvd: daemon at %s failed (%s): ending %d sends and failing %d loads", self.settings.address, e.message,
+                              len(self._sending), len(self._loading))
+                out.finished_sending |= self._sending
+                out.finished_recving |= set(self._loading)
+                out.failed_recving |= set(self._loading)
+                for ids in self._loading.values():
+                    self._invalid |= ids
+                self._sending, self._loading = set(), {}
+                return out
+            self._sending -= f.finished_sending
+            for rid in f.finished_recving:
+                self._loading.pop(rid, None)
             out.finished_sending |= f.finished_sending
             out.finished_recving |= f.finished_recving
             out.failed_recving |= {rid for (direction, rid), d in f.details.items() if direction == "recving" and d.outcome != "done"}

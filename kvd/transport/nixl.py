@@ -42,11 +42,13 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
 def available() -> str:
-    """Empty if NIXL can be used here, else why not."""
-    try:
-        _api()
-    except ImportError as e:
-        return f"NIXL is not installed ({e}); pip install 'kvd[nixl]'"
+    """Empty if NIXL is installed here, else why not. Looks without importing:
+    NIXL's native libraries clash with some others loaded in one process
+    (grpc_tools' protoc), so only processes that use it load it."""
+    import importlib.util
+
+    if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+        return "NIXL is not installed; pip install 'kvd[nixl]'"
     return ""
 
 
