@@ -1070,6 +1070,14 @@ class _OpenRead:
         self.daemon.metrics.blocks_sent.labels(transport).inc(seg.block_count)
         return payload
 
+    def count_sent(self, nbytes: int, blocks: int, transport: str) -> None:
+        """Metrics for segments that left without ``segment`` (exposed in place)."""
+        self.daemon.metrics.bytes_sent.labels(transport).inc(nbytes)
+        self.daemon.metrics.blocks_sent.labels(transport).inc(blocks)
+
+    def segment_blocks(self, index: int) -> int:
+        return self.read.segments[index].block_count
+
     def segment_nbytes(self, index: int) -> int:
         seg = self.read.segments[index]
         return segment_nbytes(self.reg.tensors[seg.group_id].spec, seg, self.read.head_count)

@@ -179,17 +179,17 @@ def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: i
     exposed in place; the rest are gathered into the arena, which the caller
     keeps untouched until the reader's ACK.
     """
-    sizes = [opened.segment_nbytes(i) for i in range(count)]
-    views = [opened.segment_view(i) for i in range(count)]
+    views = [opened.segment_view(i) for i in range(count)]  # one planning pass; gathers come later
     views = [v if v is not None and agent.covers(v) else None for v in views]
+    sizes = [v.numel() if v is not None else opened.segment_nbytes(i) for i, v in enumerate(views)]
     need = sum(n for n, v in zip(sizes, views, strict=True) if v is None)
     if need > max_bytes:
         raise errors.ResourceExhausted(f"a NIXL read needs {need} bytes of gather staging, over the {max_bytes}-byte cap; read fewer blocks at once")
     scratch = arena.reserve(need) if need else torch.empty(0, dtype=torch.uint8)
-    addrs, offset = [], 0
+    addrs, offset, in_place, in_place_blocks = [], 0, 0, 0
     for i, view in enumerate(views):
-        opened.check_alive()
         if view is None:
+            opened.check_alive()
             target = scratch[offset:offset + sizes[i]]
             payload = opened.segment(i, _Fixed(target), "nixl")
             if payload.data_ptr() != target.data_ptr():
@@ -197,8 +197,11 @@ def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: i
             addrs.append(target.data_ptr())
             offset += sizes[i]
         else:
-            opened.segment(i, _Fixed(scratch[:0]), "nixl")  # counts it; a view needs no staging
             addrs.append(view.data_ptr())
+            in_place += sizes[i]
+            in_place_blocks += opened.segment_blocks(i)
+    opened.check_alive()
+    opened.count_sent(in_place, in_place_blocks, "nixl")
     return pb.DataDescriptors(agent_name=agent.name, addrs=addrs, lengths=sizes), sum(sizes)
 
 

@@ -600,17 +600,24 @@ class TcpDataClient:
         conn.proto.sent(FrameType.ACK)
         return moved
 
-    async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+    async def _request(self, conn: _Conn, read: pb.DataRead, flags: int, segments: int) -> bytes:
+        """Send a flagged READ and return the body of the owner's one control
+        answer (END, or DESCS), raising its ERROR."""
         loop = asyncio.get_running_loop()
-        sock = conn.sock
-        await loop.sock_sendall(sock, _frame(FrameType.READ, read.SerializeToString(), FLAG_LOCAL))
-        conn.proto.sent(FrameType.READ, segments=0)
+        await loop.sock_sendall(conn.sock, _frame(FrameType.READ, read.SerializeToString(), flags))
+        conn.proto.sent(FrameType.READ, segments=segments)
         async with asyncio.timeout(self.stall_timeout_s):
-            ftype, _, length = await _recv_frame(loop, sock, conn.proto)
-            body = await _recv_body(loop, sock, length)
+            ftype, _, length = await _recv_frame(loop, conn.sock, conn.proto)
+            body = await _recv_body(loop, conn.sock, length)
         if ftype is FrameType.ERROR:
             err = pb.DataError.FromString(body)
             raise errors.from_code(err.code, err.message)
+        return body
+
+    async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+        loop = asyncio.get_running_loop()
+        sock = conn.sock
+        await self._request(conn, read, FLAG_LOCAL, 0)
         t0 = time.perf_counter()
         moved = await self._in_thread(conn, copy_local, read, sinks, landed, source, conn.cancel)
         self.on_relayout(time.perf_counter() - t0)
@@ -636,15 +643,7 @@ class TcpDataClient:
         sock = conn.sock
         known = self._nixl_peers.get(address)
         read.nixl_metadata_version = known[1] if known else 0
-        await loop.sock_sendall(sock, _frame(FrameType.READ, read.SerializeToString(), FLAG_NIXL))
-        conn.proto.sent(FrameType.READ, segments=len(sinks))
-        async with asyncio.timeout(self.stall_timeout_s):
-            ftype, _, length = await _recv_frame(loop, sock, conn.proto)
-            body = await _recv_body(loop, sock, length)
-        if ftype is FrameType.ERROR:
-            err = pb.DataError.FromString(body)
-            raise errors.from_code(err.code, err.message)
-        msg = pb.DataDescriptors.FromString(body)
+        msg = pb.DataDescriptors.FromString(await self._request(conn, read, FLAG_NIXL, len(sinks)))
         if msg.agent_metadata:
             name = await loop.run_in_executor(self._pool, self.nixl.add_remote, msg.agent_metadata)
             if msg.metadata_version >= self._nixl_peers.get(address, ("", 0))[1]:
@@ -655,7 +654,7 @@ class TcpDataClient:
             conn.arena = Arena(self.nixl)
         moved = await self._in_thread(conn, land, self.nixl, msg, sinks, landed, conn.arena, conn.cancel, self.stall_timeout_s, self.on_relayout)
         async with asyncio.timeout(self.stall_timeout_s):
-            ftype, _, length = await _recv_frame(loop, sock, conn.proto)  # END (an ERROR only before DESCS)
+            _end, _, length = await _recv_frame(loop, sock, conn.proto)  # END: the owner sends it right after DESCS
             await _recv_body(loop, sock, length)
         await loop.sock_sendall(sock, encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
