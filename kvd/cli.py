@@ -85,6 +85,7 @@ SERVE_FLAGS = {
     "publish-wait-seconds": "how long a read of params made before publishing (vLLM) waits for the publication (default 10)",
     "connections-per-peer": "data connections to each peer (default 4)",
     "transport": "data plane: tcp (default) or nixl (NIXL/UCX moves the bytes; pip install 'kvd[nixl]')",
+    "nixl-staging-bytes": "transport nixl: cap on one read's gather staging per connection (default 1 GiB)",
     "pull-timeout-seconds": "bound on one pull (default 60)",
     "stall-timeout-seconds": "a peer silent this long fails the read (default 10)",
     "max-concurrent-pulls": "more are queued and kept alive by heartbeat (default 64)",

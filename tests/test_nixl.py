@@ -75,3 +75,18 @@ def test_nixl_with_mtls_is_refused_at_startup(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode != 0
     assert "transport" in r.stderr
+
+
+def test_gather_staging_is_capped_and_the_reader_is_told(daemons):
+    # 1 MiB of staging per connection; 300 scattered small blocks need ~4.7 MiB gathered.
+    p = daemons.start("prefill", "--transport", "nixl", "--nixl-staging-bytes", str(1 << 20))
+    d = daemons.start("decode", "--transport", "nixl")
+    pw, dw = make_worker(p.grpc, "prefill", num_blocks=700), make_worker(d.grpc, "decode", num_blocks=700)
+    p_ids, d_ids = list(range(1, 600, 2)), list(range(2, 601, 2))
+    _, (f,) = transfer([pw], [dw], "big", 1, p_ids, d_ids, len(p_ids) * 16)
+    detail = f.details[("recving", "big")]
+    assert detail.outcome == "failed" and "over the 1048576-byte cap" in detail.reason
+    assert f.invalid_block_ids == set(d_ids)
+    # The daemon keeps serving reads within the cap.
+    _, (f,) = transfer([pw], [dw], "small", 2, [1, 3], [2, 4], 32)
+    assert f.details[("recving", "small")].outcome == "done" and dw.mismatch(2, [2, 4], 32) is None
