@@ -65,3 +65,13 @@ def test_proxy_asks_prefill_for_one_token_and_hands_its_params_to_decode():
     dec = decode_request(body, {"kv_transfer_params": _params()})
     assert dec["kv_transfer_params"]["kvd_capability"] == bytes(range(32)).hex()
     assert dec["max_tokens"] == 16 and dec["stream"] is True and dec["min_tokens"] == 4
+
+
+def test_check_params_refuses_what_load_request_would():
+    from kvd.integrations.kv_params import check_params
+
+    check_params(_params())
+    for bad in ({**_params(), "remote_block_ids": []}, {k: v for k, v in _params().items() if k != "remote_host"},
+                {**_params(), "kvd_capability": "not hex"}):
+        with pytest.raises(InvalidArgument):
+            check_params(bad)

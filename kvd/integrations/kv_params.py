@@ -62,6 +62,14 @@ def is_kvd_load(params: Mapping[str, Any] | None) -> bool:
     return params is not None and bool(params.get("do_remote_prefill")) and "kvd_capability" in params
 
 
+def check_params(params: Mapping[str, Any]) -> None:
+    """Raise InvalidArgument naming what makes ``params`` unusable (no side effects)."""
+    groups = params.get("remote_block_ids")
+    if not isinstance(groups, list) or not groups:
+        raise InvalidArgument("remote_block_ids", groups, "must be a non-empty list of per-group block id lists")
+    load_request("check", params, [[0] * max(1, len(g)) for g in groups], 1)
+
+
 def load_request(request_id: str, params: Mapping[str, Any], local_block_ids: Sequence[Sequence[int]], block_size: int) -> LoadRequest:
     """D's pull for ``params``, pairing its newly allocated blocks with the
     tail of P's.

@@ -66,6 +66,7 @@ from kvd.errors import KvdError
 from kvd.integrations.kv_params import (
     LoadRequest,
     Publication,
+    check_params,
     is_kvd_load,
     load_request,
     make_params,
@@ -89,6 +90,8 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 
     to_publish: dict[str, Publication] = field(default_factory=dict)
     to_load: dict[str, LoadRequest] = field(default_factory=dict)
+    # Loads claimed but impossible: the worker reports them failed, with their blocks.
+    failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,7 @@ class _SchedulerSide:
         self._engine_id = ""
         self._to_publish: dict[str, Publication] = {}
         self._to_load: dict[str, LoadRequest] = {}
+        self._failed_loads: dict[str, tuple[int, ...]] = {}
 
     @property
     def engine_id(self) -> str:
@@ -205,7 +209,15 @@ class _SchedulerSide:
         return self._engine_id
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not is_kvd_load(request.kv_transfer_params):
+        params = request.kv_transfer_params
+        if not is_kvd_load(params):
+            return 0, False
+        assert params is not None
+        try:
+            check_params(params)
+        except KvdError as e:
+            # Compute the prompt here instead of waiting for a load that cannot happen.
+            log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
             return 0, False
         # D loads the whole prompt (less its own prefix-cache hits); vLLM then
         # recomputes the last prompt token for the logits.
@@ -222,13 +234,15 @@ class _SchedulerSide:
             try:
                 self._to_load[request.request_id] = load_request(request.request_id, params, [local], self.block_size)
             except KvdError as e:
-                log.error("request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
+                # Already claimed as a load: vLLM must hear it failed, with its blocks.
+                log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
+                self._failed_loads[request.request_id] = tuple(local)
         # One load per request, even if vLLM calls this again after the load.
         params["do_remote_prefill"] = False
 
     def build_connector_meta(self) -> KvdConnectorMetadata:
-        meta = KvdConnectorMetadata(self._to_publish, self._to_load)
-        self._to_publish, self._to_load = {}, {}
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads)
+        self._to_publish, self._to_load, self._failed_loads = {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -336,6 +350,10 @@ class _WorkerSide:
             except KvdError as e:
                 log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
                 self._done_sending.add(rid)
+        for rid, ids in meta.failed_loads.items():
+            self._done_recving.add(rid)
+            self._failed_recving.add(rid)
+            self._invalid.update(ids)
         for rid, load in meta.to_load.items():
             try:
                 client.pull(rid, load.params, load.local_block_ids)
