@@ -153,8 +153,10 @@ class KvdClient:
             worker=self._wid, request_id=request_id, params=params, local_block_ids=[pb.BlockIds(ids=list(b)) for b in local_block_ids],
         ))
 
-    def abort(self, request_id: str) -> bool:
-        return bool(self._call(self._worker.Abort, pb.AbortRequest(worker=self._wid, request_id=request_id)).found)
+    def abort(self, request_id: str, *, release: pb.TransferParams | None = None) -> bool:
+        """Cancel this worker's pull or publication of ``request_id``; with
+        ``release``, also tell that publication's owner it will not be read."""
+        return bool(self._call(self._worker.Abort, pb.AbortRequest(worker=self._wid, request_id=request_id, release=release)).found)
 
     def get_finished(self) -> Finished:
         """This worker's finished_sending / finished_recving / invalid_block_ids since the last call."""

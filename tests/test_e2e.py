@@ -344,3 +344,20 @@ def test_unresolvable_params_fail_after_the_publish_wait_with_every_block_invali
     assert detail.outcome == "failed"
     assert "matches this capability" in detail.reason + " " + str(detail)
     assert f.invalid_block_ids == {5}
+
+
+def test_a_reader_that_needs_nothing_releases_the_publication_at_once(daemons):
+    """D already holds the prompt (a prefix-cache hit): P frees the blocks now, not at lease expiry."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    cap = secrets.token_bytes(32)
+    pw.client.publish("p-req", [[1, 2]], 32, capability=cap, lease_seconds=60)
+    release = scheduler_params(p.grpc, "prefill", "p-req", cap, [1, 2], 32)
+    assert dw.client.abort("d-req", release=release)
+    f = pw.client.wait_finished(sending={"p-req"}, timeout=10)
+    assert f.details[("sending", "p-req")].outcome == "aborted"
+    # A wrong capability releases nothing.
+    pw.client.publish("p-req2", [[3]], 16, capability=cap, lease_seconds=60)
+    assert dw.client.abort("d-req2", release=scheduler_params(p.grpc, "prefill", "p-req2", secrets.token_bytes(32), [3], 16))
+    time.sleep(1.0)
+    assert "p-req2" not in pw.client.get_finished().finished_sending

@@ -75,3 +75,10 @@ def test_check_params_refuses_what_load_request_would():
                 {**_params(), "kvd_capability": "not hex"}):
         with pytest.raises(InvalidArgument):
             check_params(bad)
+
+
+def test_release_params_name_the_publication():
+    from kvd.integrations.kv_params import release_params
+
+    r = release_params(_params())
+    assert (r.remote_engine_id, r.request_id, r.remote_address, r.capability) == ("prefill", "cmpl-1-abcd", "10.0.0.7:50051", bytes(range(32)))

@@ -890,6 +890,9 @@ class Daemon:
         for e in self.publications.abort(req.request_id, rank):
             self._report_sending(e)
             found = True
+        if req.HasField("release") and req.release.remote_address:
+            self._spawn(self._abort_remote(req.release, f"reader {self.config.engine_id} does not need it"))
+            found = True
         return found
 
     async def _abort_remote(self, params: pb.TransferParams, reason: str) -> None:

@@ -62,6 +62,14 @@ def is_kvd_load(params: Mapping[str, Any] | None) -> bool:
     return params is not None and bool(params.get("do_remote_prefill")) and "kvd_capability" in params
 
 
+def release_params(params: Mapping[str, Any]) -> pb.TransferParams:
+    """What D's daemon needs to tell P it will not read a publication."""
+    check_params(params)
+    return pb.TransferParams(remote_engine_id=str(params["remote_engine_id"]), request_id=str(params["remote_request_id"]),
+                             remote_address=f"{params['remote_host']}:{int(params['remote_port'])}",
+                             capability=bytes.fromhex(str(params["kvd_capability"])))
+
+
 def check_params(params: Mapping[str, Any]) -> None:
     """Raise InvalidArgument naming what makes ``params`` unusable (no side effects)."""
     groups = params.get("remote_block_ids")

@@ -70,7 +70,9 @@ from kvd.integrations.kv_params import (
     is_kvd_load,
     load_request,
     make_params,
+    release_params,
 )
+from kvd.proto import kvd_pb2 as pb
 from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo, WorkerId
 
 if TYPE_CHECKING:
@@ -92,6 +94,8 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     to_load: dict[str, LoadRequest] = field(default_factory=dict)
     # Loads claimed but impossible: the worker reports them failed, with their blocks.
     failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Publications D will not read (it holds the whole prompt already): P may free them now.
+    to_release: dict[str, pb.TransferParams] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,7 @@ class _SchedulerSide:
         self._to_publish: dict[str, Publication] = {}
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
+        self._to_release: dict[str, pb.TransferParams] = {}
 
     @property
     def engine_id(self) -> str:
@@ -237,12 +242,16 @@ class _SchedulerSide:
                 # Already claimed as a load: vLLM must hear it failed, with its blocks.
                 log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
                 self._failed_loads[request.request_id] = tuple(local)
+        else:
+            # A full local prefix hit: nothing to load, but P still holds the blocks for us.
+            with contextlib.suppress(KvdError):
+                self._to_release[request.request_id] = release_params(params)
         # One load per request, even if vLLM calls this again after the load.
         params["do_remote_prefill"] = False
 
     def build_connector_meta(self) -> KvdConnectorMetadata:
-        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads)
-        self._to_publish, self._to_load, self._failed_loads = {}, {}, {}
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release)
+        self._to_publish, self._to_load, self._failed_loads, self._to_release = {}, {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -350,6 +359,11 @@ class _WorkerSide:
             except KvdError as e:
                 log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
                 self._done_sending.add(rid)
+        for rid, release in meta.to_release.items():
+            try:
+                client.abort(rid, release=release)
+            except KvdError as e:
+                log.info("kvd: could not release request %s on %s (its lease will): %s", release.request_id, release.remote_address, e.message)
         for rid, ids in meta.failed_loads.items():
             self._done_recving.add(rid)
             self._failed_recving.add(rid)

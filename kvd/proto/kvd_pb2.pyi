@@ -231,12 +231,14 @@ class PullResponse(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("worker", "request_id")
+    __slots__ = ("worker", "request_id", "release")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     request_id: str
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    release: TransferParams
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., release: _Optional[_Union[TransferParams, _Mapping]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
