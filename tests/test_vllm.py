@@ -123,8 +123,13 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
         assert check["held_before_read"], check
         assert check["released_after_read_s"] < 10
 
-    # D really loaded the KV through kvd: its byte counter is exactly the prompts' blocks.
-    loaded_blocks = sum(_blocks(len(pr)) for pr in PROMPTS)  # every pd prompt and the control, each read once
+    # With D's prefix cache holding the first prompt's full blocks, D read only the tail.
+    assert result["prefix_hit_tokens"] == baseline[0]
+    assert result["prefix_hit_released_after_s"] < 10
+
+    # D really loaded the KV through kvd: its byte counter is exactly the prompts' blocks,
+    # each prompt once, plus the one tail block of the prefix-hit repeat.
+    loaded_blocks = sum(_blocks(len(pr)) for pr in PROMPTS) + 1
     assert _received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
     # Negative control: zero P's cache between prefill and decode, and the output changes.

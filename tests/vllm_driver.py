@@ -136,6 +136,12 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
         out["tokens"].append(list(dec.outputs[0].token_ids))
         out["checks"].append({"prompt": i, "params": params, "published_after_s": published_after, "held_before_read": held,
                               "released_after_read_s": released_after, "prefill_token": list(pre.outputs[0].token_ids)})
+    # The first prompt again: D now holds its full blocks in its prefix cache,
+    # so it reads only the tail of P's blocks (and must still match).
+    pre = generate(p, pd_prompts[0], sampling(1, {"do_remote_decode": True}))
+    out["prefix_hit_tokens"] = list(generate(d, pd_prompts[0], sampling(args.max_tokens, pre.kv_transfer_params)).outputs[0].token_ids)
+    rid = pre.kv_transfer_params["remote_request_id"]
+    out["prefix_hit_released_after_s"] = wait_until(lambda: rid not in leases(args.p_kvd), 10, f"release of {rid}")
     # A prefill whose decode never comes: the lease ends it and vLLM frees the blocks.
     pre = generate(p, pd_prompts[0], sampling(1, {"do_remote_decode": True, "kvd_lease_seconds": 2}))
     rid = pre.kv_transfer_params["remote_request_id"]
