@@ -117,6 +117,33 @@ class SegmentSink:
             return None
         return dst
 
+    def batched_pieces(self) -> tuple[np.ndarray, int] | None:
+        """Where a batched segment's wire pieces land, when local memory has the
+        owner's layout and block size: equal dense pieces in wire order (layer,
+        part, outer dims, block), so a memory engine can write them in place."""
+        rs, ls = self.remote_spec, self.local.spec
+        if self.local_index is None or rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
+            return None
+        ids = self.local_index.cpu().numpy()
+        block_dim = ls.layout.index("block")
+        by_layer_part: dict[tuple[int, int], np.ndarray] = {}
+        piece = 0
+        for dst, layers, kv in self._targets():
+            if dst.device.type != "cpu":
+                return None
+            v = physical(dst, ls)
+            part = (kv.start or 0) if ls.parts_per_layer == 2 else 0
+            for layer in range(v.shape[0]):
+                found = block_piece_addresses(v[layer], block_dim, ids)
+                if found is None or (piece and found[1] != piece):
+                    return None
+                by_layer_part[(layers.start + layer, part)], piece = found
+        parts = self.kv[1] if ls.parts_per_layer == 2 else 1
+        keys = [(layer, part) for layer in range(self.wire_dims[0]) for part in range(parts)]
+        if set(keys) != set(by_layer_part):
+            return None
+        return np.concatenate([by_layer_part[k] for k in keys]), piece
+
     def land(self, payload: torch.Tensor) -> None:
         """Relayout ``payload`` (uint8, this segment's bytes) into local memory."""
         src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
@@ -377,6 +404,52 @@ def _serve_batched(
             else:
                 dst.copy_(v.index_select(block_dim, idx.to(v.device)))
     return buf
+
+
+def block_piece_addresses(v: torch.Tensor, block_dim: int, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """Byte addresses of ``v.index_select(block_dim, ids)``'s pieces, in its
+    C order, when every piece (one block, for fixed outer indices) is dense in
+    memory; with its byte length. None when a piece is not contiguous.
+
+    For a memory engine (NIXL) to move scattered blocks without a gather: one
+    descriptor per piece, computed with numpy over all blocks at once."""
+    shape, stride, item = tuple(v.shape), v.stride(), v.element_size()
+    expect = 1
+    for size, st in zip(reversed(shape[block_dim + 1 :]), reversed(stride[block_dim + 1 :]), strict=True):
+        if size != 1 and st != expect:
+            return None
+        expect *= size
+    outer_off = np.zeros(1, dtype=np.int64)
+    if block_dim:
+        outer = np.indices(shape[:block_dim], dtype=np.int64).reshape(block_dim, -1)
+        outer_off = (outer * np.asarray(stride[:block_dim], dtype=np.int64)[:, None]).sum(0)
+    off = outer_off[:, None] + ids.astype(np.int64)[None, :] * stride[block_dim]
+    return (np.uint64(v.data_ptr()) + (off.reshape(-1) * item).astype(np.uint64)), expect * item
+
+
+def batched_pieces(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> tuple[np.ndarray, int] | None:
+    """The owner's memory behind a batched segment, as equal pieces in wire
+    order (layer, part, outer dims, block), or None when it must be gathered."""
+    if not seg.block_ids:
+        return None
+    spec = group.spec
+    positions = tuple(seg.layers)
+    kv0, kvn = _kv_range(spec, seg)
+    joined_kv = (kv0, kvn) if spec.parts_per_layer == 1 and spec.num_kv > 1 else None
+    parts = [0] if spec.parts_per_layer == 1 else list(range(kv0, kv0 + kvn))
+    ids = np.asarray(seg.block_ids, dtype=np.int64)
+    block_dim = 1 + spec.layout.index("block")
+    by_layer_part: dict[tuple[int, int], np.ndarray] = {}
+    piece = 0
+    for j, p in enumerate(parts):
+        for i, c, view in group.layer_runs(p, positions):
+            v = physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), (head_start, head_count), joined_kv), spec)
+            for layer in range(c):
+                found = block_piece_addresses(v[layer], block_dim - 1, ids)
+                if found is None or (piece and found[1] != piece):
+                    return None
+                by_layer_part[(i + layer, j)], piece = found
+    return np.concatenate([by_layer_part[(li, j)] for li in range(len(positions)) for j in range(len(parts))]), piece
 
 
 def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> None:

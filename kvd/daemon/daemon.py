@@ -66,6 +66,7 @@ from kvd.spec import (
 from kvd.topology import fanout_source, heads_of_rank, read_targets
 from kvd.transfer import (
     DEFAULT_SEGMENT_BYTES,
+    batched_pieces,
     copy_blocks,
     engine_shape,
     plan_pull,
@@ -1084,6 +1085,11 @@ class _OpenRead:
     def segment_nbytes(self, index: int) -> int:
         seg = self.read.segments[index]
         return segment_nbytes(self.reg.tensors[seg.group_id].spec, seg, self.read.head_count)
+
+    def segment_pieces(self, index: int) -> tuple[np.ndarray, int] | None:
+        """A batched segment's bytes as equal pieces of registered memory, in wire order."""
+        seg = self.read.segments[index]
+        return batched_pieces(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count)
 
     def segment_view(self, index: int) -> torch.Tensor | None:
         """The segment as a zero-copy view of registered memory, or None when it must be gathered."""

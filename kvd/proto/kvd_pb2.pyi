@@ -579,18 +579,20 @@ class DataEnd(_message.Message):
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class DataDescriptors(_message.Message):
-    __slots__ = ("agent_name", "agent_metadata", "metadata_version", "addrs", "lengths")
+    __slots__ = ("agent_name", "agent_metadata", "metadata_version", "addrs", "lengths", "counts")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     METADATA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDRS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     agent_metadata: bytes
     metadata_version: int
     addrs: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., metadata_version: _Optional[int] = ..., addrs: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., metadata_version: _Optional[int] = ..., addrs: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DataError(_message.Message):
     __slots__ = ("code", "message")

@@ -112,6 +112,10 @@ class NixlAgent:
             self._regions.remove((ptr, nbytes))
             self.version += 1
 
+    def covers_range(self, lo: int, hi: int) -> bool:
+        with self._lock:
+            return any(base <= lo and hi <= base + size for base, size in self._regions)
+
     def covers(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (contiguous, CPU) lies inside registered memory."""
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -165,7 +169,7 @@ class NixlAgent:
             self._remotes.clear()
 
 
-def descs(ptrs: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+def descs(ptrs: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     out = np.zeros((len(ptrs), 3), dtype=np.uint64)
     out[:, 0] = ptrs
     out[:, 1] = lengths
@@ -182,27 +186,50 @@ def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: i
     views = [opened.segment_view(i) for i in range(count)]  # one planning pass; gathers come later
     views = [v if v is not None and agent.covers(v) else None for v in views]
     sizes = [v.numel() if v is not None else opened.segment_nbytes(i) for i, v in enumerate(views)]
-    need = sum(n for n, v in zip(sizes, views, strict=True) if v is None)
+    # Scattered blocks: one descriptor per block piece, in place, when the pieces are dense.
+    pieces: list[tuple[np.ndarray, int] | None] = [None] * count
+    for i, v in enumerate(views):
+        if v is None:
+            found = opened.segment_pieces(i)
+            if found is not None and len(found[0]) * found[1] == sizes[i] and agent.covers_range(int(found[0].min()), int(found[0].max()) + found[1]):
+                pieces[i] = found
+    need = sum(n for n, v, pc in zip(sizes, views, pieces, strict=True) if v is None and pc is None)
     if need > max_bytes:
         raise errors.ResourceExhausted(f"a NIXL read needs {need} bytes of gather staging, over the {max_bytes}-byte cap; read fewer blocks at once")
     scratch = arena.reserve(need) if need else torch.empty(0, dtype=torch.uint8)
-    addrs, offset, in_place, in_place_blocks = [], 0, 0, 0
+    addrs: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    counts: list[int] = []
+    offset, in_place, in_place_blocks = 0, 0, 0
     for i, view in enumerate(views):
+        found = pieces[i]
+        if found is not None:
+            addrs.append(found[0])
+            lengths.append(np.full(len(found[0]), found[1], dtype=np.uint64))
+            counts.append(len(found[0]))
+            in_place += sizes[i]
+            in_place_blocks += opened.segment_blocks(i)
+            continue
+        counts.append(1)
+        lengths.append(np.asarray([sizes[i]], dtype=np.uint64))
         if view is None:
             opened.check_alive()
             target = scratch[offset:offset + sizes[i]]
             payload = opened.segment(i, _Fixed(target), "nixl")
             if payload.data_ptr() != target.data_ptr():
                 target.copy_(payload.reshape(-1).view(torch.uint8))
-            addrs.append(target.data_ptr())
+            addrs.append(np.asarray([target.data_ptr()], dtype=np.uint64))
             offset += sizes[i]
         else:
-            addrs.append(view.data_ptr())
+            addrs.append(np.asarray([view.data_ptr()], dtype=np.uint64))
             in_place += sizes[i]
             in_place_blocks += opened.segment_blocks(i)
     opened.check_alive()
     opened.count_sent(in_place, in_place_blocks, "nixl")
-    return pb.DataDescriptors(agent_name=agent.name, addrs=addrs, lengths=sizes), sum(sizes)
+    msg = pb.DataDescriptors(agent_name=agent.name, addrs=np.concatenate(addrs).tolist(), lengths=np.concatenate(lengths).tolist())
+    if any(c != 1 for c in counts):
+        msg.counts.extend(counts)
+    return msg, sum(sizes)
 
 
 class _Fixed:
@@ -219,11 +246,17 @@ def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink]
          cancel: threading.Event, stall_s: float, on_relayout: Any) -> int:
     """Reader side: READ every segment, straight into place where it lands
     as-is, else into the arena and relaid out from there."""
-    if len(msg.addrs) != len(sinks) or len(msg.lengths) != len(sinks):
-        raise errors.InvalidArgument("descriptors", f"<{len(msg.addrs)} segments>", f"must describe the read's {len(sinks)} segments")
-    for i, (n, sink) in enumerate(zip(msg.lengths, sinks, strict=True)):
-        if n != sink.nbytes:
-            raise errors.InvalidArgument(f"descriptors.lengths[{i}]", n, f"must be the segment's {sink.nbytes} bytes")
+    counts = np.asarray(msg.counts or [1] * len(sinks), dtype=np.int64)
+    lengths = np.asarray(msg.lengths, dtype=np.uint64)
+    if len(counts) != len(sinks) or len(msg.addrs) != len(lengths) or int(counts.sum()) != len(lengths) or (counts < 1).any():
+        raise errors.InvalidArgument("descriptors", f"<{len(counts)} segments, {len(lengths)} descriptors>",
+                                     f"must describe the read's {len(sinks)} segments")
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    seg_bytes = np.add.reduceat(lengths, starts) if len(lengths) else np.zeros(0, dtype=np.uint64)
+    for i, sink in enumerate(sinks):
+        if int(seg_bytes[i]) != sink.nbytes:
+            raise errors.InvalidArgument(f"descriptors[{i}]", int(seg_bytes[i]), f"must cover the segment's {sink.nbytes} bytes")
     directs = []
     need = 0
     for sink in sinks:
@@ -231,19 +264,37 @@ def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink]
         d = d.reshape(-1).view(torch.uint8) if d is not None and agent.covers(d) else None
         directs.append(d)
         need += 0 if d is not None else sink.nbytes
+    # Scattered blocks whose owner sent one descriptor per piece land in place
+    # too, when our pieces pair with the owner's one for one.
+    in_place: dict[int, np.ndarray] = {}
+    for i, (d, sink) in enumerate(zip(directs, sinks, strict=True)):
+        if d is None and counts[i] > 1:
+            found = sink.batched_pieces()
+            seg_lengths = lengths[starts[i]:ends[i]]
+            if (found is not None and len(found[0]) == counts[i] and bool((seg_lengths == found[1]).all())
+                    and agent.covers_range(int(found[0].min()), int(found[0].max()) + found[1])):
+                in_place[i] = found[0]
+                need -= sink.nbytes
     scratch = arena.reserve(need) if need else None
-    local_ptrs, staged = [], []
+    bases, staged = np.zeros(len(sinks), dtype=np.uint64), []
     offset = 0
     for i, (d, sink) in enumerate(zip(directs, sinks, strict=True)):
         if d is not None:
-            local_ptrs.append(d.data_ptr())
+            bases[i] = d.data_ptr()
+        elif i in in_place:
+            pass
         else:
             assert scratch is not None
             buf = scratch[offset:offset + sink.nbytes]
-            local_ptrs.append(buf.data_ptr())
+            bases[i] = buf.data_ptr()
             staged.append((i, buf))
             offset += sink.nbytes
-    agent.read(msg.agent_name, descs(local_ptrs, msg.lengths), descs(msg.addrs, msg.lengths), cancel=cancel, stall_s=stall_s)
+    # Each segment's descriptors land back to back from its base, in wire order.
+    within = np.cumsum(lengths) - lengths - np.repeat(np.cumsum(seg_bytes) - seg_bytes, counts)
+    local = np.repeat(bases, counts) + within
+    for i, addrs in in_place.items():
+        local[starts[i]:ends[i]] = addrs
+    agent.read(msg.agent_name, descs(local, lengths), descs(np.asarray(msg.addrs, dtype=np.uint64), lengths), cancel=cancel, stall_s=stall_s)
     t0 = time.perf_counter()
     for i, buf in staged:
         if cancel.is_set():
@@ -253,4 +304,4 @@ def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink]
         on_relayout(time.perf_counter() - t0)
     for i in range(len(sinks)):
         landed[i] = True
-    return int(sum(msg.lengths))
+    return int(lengths.sum())

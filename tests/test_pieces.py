@@ -1,0 +1,74 @@
+"""Scattered blocks as memory pieces (what the NIXL path posts), without a network.
+
+The owner's pieces (``batched_pieces``) and the reader's (``SegmentSink.batched_pieces``)
+must pair one for one in wire order: copying piece i to piece i must leave the
+reader's cache exactly as the gather-and-land path does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from kvd import pattern
+from kvd.proto import kvd_pb2 as pb
+from kvd.sim import make_engine
+from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+from kvd.topology import heads_of_rank
+from kvd.transfer import batched_pieces, plan_pull, serve_segment
+from kvd.transport.base import Staging
+
+
+def _copy_pieces(src, dst, piece: int) -> None:
+    for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+        ctypes.memmove(d, s, piece)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "NHD_SPLIT", "HND_SPLIT", "NHD_BLOCKS_FIRST", "HND_BLOCKS_FIRST", "OPAQUE"])
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 1), (1, 2)])
+def test_owner_and_reader_pieces_pair_and_land_exactly(layout, stacked, p_tp, d_tp):
+    rng = random.Random(7)
+    heads, head_size, bs, layers = 4, 8, 16, 3
+    opaque = layout == "OPAQUE"
+    model = ModelInfo(layers, heads)
+
+    def spec_of(tp: int):
+        return lambda r: KVCacheSpec(bs, heads_of_rank(r, tp, heads, False).count, head_size, "float16", NAMED_LAYOUTS[layout], 64,
+                                     span_size=2 * bs * head_size if opaque else 0)
+
+    p = make_engine("P", p_tp, 1, model, spec_of(p_tp), rng, stacked=stacked)
+    d = make_engine("D", d_tp, 1, model, spec_of(d_tp), rng, stacked=stacked)
+    p_ids, d_ids = rng.sample(range(1, 64), 20), rng.sample(range(1, 64), 20)
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, 3, p_ids, r.coords)
+    params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=20 * bs, block_ids=[pb.BlockIds(ids=p_ids)])
+    by_pieces = 0
+    for (tp, pp), rank in d.ranks.items():
+        for rr in plan_pull(local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
+                            remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 16):
+            owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
+            for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                src = batched_pieces(owner.tensors, seg, rr.read.head_start, rr.read.head_count)
+                dst = sink.batched_pieces()
+                if src is not None and dst is not None and len(src[0]) == len(dst[0]) and src[1] == dst[1]:
+                    assert len(src[0]) * src[1] == sink.nbytes
+                    _copy_pieces(src[0], dst[0], src[1])
+                    by_pieces += 1
+                    continue
+                payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, Staging())
+                if src is not None:  # the owner's pieces alone must still spell the wire bytes
+                    buf = torch.empty(sink.nbytes, dtype=torch.uint8)
+                    _copy_pieces(src[0], buf.data_ptr() + torch.arange(len(src[0])).numpy().astype("uint64") * src[1], src[1])
+                    assert torch.equal(buf, payload)
+                direct = sink.direct()
+                if direct is not None:
+                    direct.reshape(-1).view(torch.uint8).copy_(payload)
+                else:
+                    sink.land(payload.clone())
+        assert pattern.mismatch(rank.tensors, 3, d_ids, rank.coords, 20 * bs) is None
+    if p_tp == d_tp:  # same layout, same heads: scattered blocks go piece to piece
+        assert by_pieces > 0
