@@ -78,10 +78,11 @@ def test_nixl_with_mtls_is_refused_at_startup(tmp_path):
 
 
 def test_gather_staging_is_capped_and_the_reader_is_told(daemons):
-    # 1 MiB of staging per connection; 300 scattered small blocks need ~4.7 MiB gathered.
+    # 1 MiB of staging per connection. D (TP2) reads half the heads of 300 scattered
+    # blocks: NHD pieces of half the heads are not dense, so ~2.3 MiB must be gathered.
     p = daemons.start("prefill", "--transport", "nixl", "--nixl-staging-bytes", str(1 << 20))
     d = daemons.start("decode", "--transport", "nixl")
-    pw, dw = make_worker(p.grpc, "prefill", num_blocks=700), make_worker(d.grpc, "decode", num_blocks=700)
+    pw, dw = make_worker(p.grpc, "prefill", num_blocks=700), make_worker(d.grpc, "decode", num_blocks=700, tp_rank=0, tp_size=2)
     p_ids, d_ids = list(range(1, 600, 2)), list(range(2, 601, 2))
     _, (f,) = transfer([pw], [dw], "big", 1, p_ids, d_ids, len(p_ids) * 16)
     detail = f.details[("recving", "big")]
