@@ -78,7 +78,13 @@ def _drive(py: Path, tmp: Path, mode: str, model: Path, *extra: str) -> tuple[di
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """vLLM's engine and worker processes share the driver's group."""
+    """Stop a process and the vLLM engine and worker processes in its group:
+    SIGTERM first, so vLLM unlinks its shared-memory queues, then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=20)
+    time.sleep(1)  # the group's other members finish their own shutdown
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
