@@ -136,19 +136,16 @@ def _table(title: str, header: list[str], rows: list[tuple[object, ...]]) -> Non
 
 
 def _status(address: str, as_json: bool, auth: Any) -> int:
-    import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from kvd.proto import kvd_pb2 as pb
-    from kvd.proto import kvd_pb2_grpc as pbg
+    from kvd.client import daemon_status
+    from kvd.errors import KvdError
 
-    creds = auth.channel_credentials()
-    with grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address) as ch:
-        try:
-            r = pbg.AdminStub(ch).Status(pb.StatusRequest(), timeout=5, metadata=auth.call_metadata())
-        except grpc.RpcError as e:
-            print(f"kvd: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+    try:
+        r = daemon_status(address, auth, timeout=5, wait_ready=False)
+    except KvdError as e:
+        print(f"kvd: {address}: {e.code.name}: {e.message}", file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps(MessageToDict(r), indent=2))
         return 0

@@ -62,14 +62,15 @@ def _finished(r: pb.GetFinishedResponse) -> Finished:
     return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
 
 
-def daemon_status(address: str, auth: AuthConfig | None = None, timeout: float = 30.0) -> pb.StatusResponse:
-    """The daemon's Admin.Status (its engine id, epoch, workers, leases, ...),
-    waiting up to ``timeout`` for it to come up."""
+def daemon_status(address: str, auth: AuthConfig | None = None, timeout: float = 30.0, *, wait_ready: bool = True) -> pb.StatusResponse:
+    """The daemon's Admin.Status (its engine id, epoch, workers, leases, ...);
+    with ``wait_ready``, waiting up to ``timeout`` for it to come up."""
     auth = auth or AuthConfig()
     creds = auth.channel_credentials()
     channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
+        if wait_ready:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
         return pbg.AdminStub(channel).Status(pb.StatusRequest(), timeout=timeout, metadata=auth.call_metadata())
     except grpc.FutureTimeoutError:
         raise DeadlineExceeded(f"kvd daemon at {address} not reachable after {timeout}s") from None

@@ -345,6 +345,31 @@ def _kv_range(spec: KVCacheSpec, seg: pb.DataSegment) -> tuple[int, int]:
     return (seg.kv_start, seg.kv_count) if seg.kv_count else (0, spec.num_kv)
 
 
+def _owner_parts(spec: KVCacheSpec, seg: pb.DataSegment) -> tuple[int, tuple[int, int] | None, list[int]]:
+    """A segment's K/V planes on the owner: (planes carried, the kv slice of a
+    joined K/V tensor or None, the registered parts to read)."""
+    kv0, kvn = _kv_range(spec, seg)
+    joined_kv = (kv0, kvn) if spec.parts_per_layer == 1 and spec.num_kv > 1 else None
+    parts = [0] if spec.parts_per_layer == 1 else list(range(kv0, kv0 + kvn))
+    return kvn, joined_kv, parts
+
+
+def segment_view(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> torch.Tensor | None:
+    """The segment's bytes as a zero-copy view of the owner's memory (flat
+    uint8), or None when they are not one contiguous run there."""
+    if seg.block_ids:
+        return None
+    _, joined_kv, parts = _owner_parts(group.spec, seg)
+    if len(parts) != 1:
+        return None
+    runs = list(group.layer_runs(parts[0], tuple(seg.layers)))
+    if len(runs) != 1:
+        return None
+    v = physical(select(runs[0][2], (seg.block_start, seg.block_count), (seg.token_start, seg.token_count), (head_start, head_count), joined_kv),
+                 group.spec)
+    return v.reshape(-1).view(torch.uint8) if v.is_contiguous() else None
+
+
 def segment_nbytes(spec: KVCacheSpec, seg: pb.DataSegment, heads: int) -> int:
     shape, _ = wire_shape(spec, len(seg.layers), seg.block_count, seg.token_count, heads, _kv_range(spec, seg)[1])
     return math.prod(shape) * spec.itemsize
@@ -363,17 +388,12 @@ def serve_segment(
     block = (seg.block_start, seg.block_count)
     token = (seg.token_start, seg.token_count)
     head = (head_start, head_count)
-    kv0, kvn = _kv_range(spec, seg)
-    joined_kv = (kv0, kvn) if spec.parts_per_layer == 1 and spec.num_kv > 1 else None
-    parts = [0] if spec.parts_per_layer == 1 else list(range(kv0, kv0 + kvn))
+    kvn, joined_kv, parts = _owner_parts(spec, seg)
     if seg.block_ids:
         return _serve_batched(group, seg, head, joined_kv, parts, staging)
-    if len(parts) == 1:
-        runs = list(group.layer_runs(parts[0], positions))
-        if len(runs) == 1:
-            v = physical(select(runs[0][2], block, token, head, joined_kv), spec)
-            if v.is_contiguous():
-                return v.reshape(-1).view(torch.uint8)
+    view = segment_view(group, seg, head_start, head_count)
+    if view is not None:
+        return view
     shape, _ = wire_shape(spec, len(positions), seg.block_count, seg.token_count, head_count, kvn)
     buf = staging(math.prod(shape) * spec.itemsize)
     out = buf.view(move_dtype(spec.dtype)).view(shape)
@@ -434,9 +454,7 @@ def batched_pieces(group: GroupTensors, seg: pb.DataSegment, head_start: int, he
         return None
     spec = group.spec
     positions = tuple(seg.layers)
-    kv0, kvn = _kv_range(spec, seg)
-    joined_kv = (kv0, kvn) if spec.parts_per_layer == 1 and spec.num_kv > 1 else None
-    parts = [0] if spec.parts_per_layer == 1 else list(range(kv0, kv0 + kvn))
+    _, joined_kv, parts = _owner_parts(spec, seg)
     ids = np.asarray(seg.block_ids, dtype=np.int64)
     block_dim = 1 + spec.layout.index("block")
     by_layer_part: dict[tuple[int, int], np.ndarray] = {}

@@ -71,6 +71,7 @@ from kvd.transfer import (
     engine_shape,
     plan_pull,
     segment_nbytes,
+    segment_view,
     serve_segment,
     validate_segment,
 )
@@ -465,6 +466,13 @@ class Daemon:
         regions = {k: r.region_pbs for k, r in self.registrations.items()} if same_host else None
         return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
 
+    def _drop_peer(self, engine_id: str) -> Peer | None:
+        """Forget a remote engine's handshake (and unmap its same-host regions)."""
+        peer = self.peers.pop(engine_id, None)
+        if peer is not None:
+            peer.close()
+        return peer
+
     async def _peer_for(self, params: pb.TransferParams) -> Peer:
         """The remote engine's metadata, handshaking once and again only after a
         restart on either side."""
@@ -501,9 +509,7 @@ class Daemon:
             peer = Peer(theirs, params.remote_address, self._registration_version)
             if self.config.same_host != "off" and theirs.host_id == self.host_id:
                 self._map_same_host(peer, resp.callee)
-            old = self.peers.pop(eid, None)
-            if old is not None:
-                old.close()
+            self._drop_peer(eid)
             self.data_client.set_token(theirs.data_address, resp.data_token)
             self.peers[eid] = peer
             return peer
@@ -759,9 +765,8 @@ class Daemon:
             except (ConnectionError, OSError, Unavailable) as e:
                 # Transient: the peer may have restarted. Forget what we knew
                 # (handshake, pooled connections) and try again, boundedly.
-                stale = self.peers.pop(req.params.remote_engine_id, None)
+                stale = self._drop_peer(req.params.remote_engine_id)
                 if stale is not None:
-                    stale.close()
                     await self.data_client.forget(stale.meta.data_address)
                 if attempt == self.config.pull_retries:
                     raise
@@ -795,9 +800,7 @@ class Daemon:
                 if fresh or "not registered" not in e.message:
                     raise
                 # Our view of the remote engine predates a rank it registered since: look again.
-                stale = self.peers.pop(req.params.remote_engine_id, None)
-                if stale is not None:
-                    stale.close()
+                self._drop_peer(req.params.remote_engine_id)
                 peer = await self._peer_for(req.params)
         for rr in reads:
             rr.read.reader_tp_rank, rr.read.reader_pp_rank = rank
@@ -1059,10 +1062,6 @@ class Daemon:
         )
 
 
-class _NeedsGather(Exception):
-    """A segment that is not one contiguous view of registered memory."""
-
-
 class _OpenRead:
     def __init__(self, daemon: Daemon, reg: Registration, read: pb.DataRead, reader: str) -> None:
         self.daemon, self.reg, self.read, self.reader = daemon, reg, read, reader
@@ -1094,14 +1093,7 @@ class _OpenRead:
     def segment_view(self, index: int) -> torch.Tensor | None:
         """The segment as a zero-copy view of registered memory, or None when it must be gathered."""
         seg = self.read.segments[index]
-
-        def refuse(nbytes: int) -> torch.Tensor:
-            raise _NeedsGather
-
-        try:
-            return serve_segment(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count, refuse)
-        except _NeedsGather:
-            return None
+        return segment_view(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count)
 
     def acknowledged(self) -> None:
         self.daemon.read_acknowledged(self.read, self.reader)
