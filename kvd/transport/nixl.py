@@ -94,7 +94,7 @@ class NixlAgent:
         # Bumped on every (de)registration: peers hold a copy of our metadata,
         # which lists registered memory, and must reload it when this moves.
         self.version = 1
-        self._remotes: dict[str, str] = {}  # peer agent name -> loaded
+        self._remotes: set[str] = set()  # peer agents whose metadata is loaded
 
     # ---------------------------------------------------------------- memory
 
@@ -113,6 +113,7 @@ class NixlAgent:
             self.version += 1
 
     def covers_range(self, lo: int, hi: int) -> bool:
+        """Whether bytes [lo, hi) lie inside one registered region."""
         with self._lock:
             return any(base <= lo and hi <= base + size for base, size in self._regions)
 
@@ -120,23 +121,18 @@ class NixlAgent:
         """Whether ``t`` (contiguous, CPU) lies inside registered memory."""
         if t.device.type != "cpu" or not t.is_contiguous():
             return False
-        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        with self._lock:
-            return any(base <= lo and hi <= base + size for base, size in self._regions)
+        return self.covers_range(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
 
     def metadata(self) -> tuple[bytes, int]:
         with self._lock:
             return bytes(self._agent.get_agent_metadata()), self.version
-
-    def knows(self, agent_name: str) -> bool:
-        return agent_name in self._remotes
 
     def add_remote(self, metadata: bytes) -> str:
         """Load (or refresh: NIXL replaces an agent's entry) a peer's metadata."""
         with self._lock:
             name = self._agent.add_remote_agent(metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
-            self._remotes[name] = name
+            self._remotes.add(name)
             return name
 
     # ---------------------------------------------------------------- transfer

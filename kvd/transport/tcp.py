@@ -614,15 +614,17 @@ class TcpDataClient:
             raise errors.from_code(err.code, err.message)
         return body
 
+    async def _ack(self, conn: _Conn) -> None:
+        """Every byte of the read landed: the owner may end the rank's publication."""
+        await asyncio.get_running_loop().sock_sendall(conn.sock, encode(FrameType.ACK))
+        conn.proto.sent(FrameType.ACK)
+
     async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
-        loop = asyncio.get_running_loop()
-        sock = conn.sock
         await self._request(conn, read, FLAG_LOCAL, 0)
         t0 = time.perf_counter()
         moved = await self._in_thread(conn, copy_local, read, sinks, landed, source, conn.cancel)
         self.on_relayout(time.perf_counter() - t0)
-        await loop.sock_sendall(sock, encode(FrameType.ACK))
-        conn.proto.sent(FrameType.ACK)
+        await self._ack(conn)
         return moved
 
     async def _read_on(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
@@ -632,8 +634,7 @@ class TcpDataClient:
         conn.proto.sent(FrameType.READ, segments=len(sinks))
         moved = await self._in_thread(conn, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s,
                                       self.on_relayout, conn.cancel)
-        await loop.sock_sendall(sock, encode(FrameType.ACK))
-        conn.proto.sent(FrameType.ACK)
+        await self._ack(conn)
         return moved
 
     async def _read_nixl(self, conn: _Conn, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
@@ -656,8 +657,7 @@ class TcpDataClient:
         async with asyncio.timeout(self.stall_timeout_s):
             _end, _, length = await _recv_frame(loop, sock, conn.proto)  # END: the owner sends it right after DESCS
             await _recv_body(loop, sock, length)
-        await loop.sock_sendall(sock, encode(FrameType.ACK))
-        conn.proto.sent(FrameType.ACK)
+        await self._ack(conn)
         return int(moved)
 
     def staging_buffers(self) -> int:
