@@ -287,7 +287,18 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
             say(f"  {f'NIXL (UCX default), {label} units':<34} {out[f'nixl_default_{label}_gbps']:6.2f} GB/s")
             ratios.append(out[f"samehost_{label}_gbps"] / out[f"nixl_default_{label}_gbps"])
         out["vs_nixl"] = min(ratios)
-    out["vs_mooncake"] = None  # Mooncake Transfer Engine is not installed here
+    from kvd.bench_peers import mooncake_installed, mooncake_read_gbps
+
+    out["vs_mooncake"] = None
+    out["mooncake_missing"] = mooncake_installed()
+    if not out["mooncake_missing"]:
+        # Like with like: Mooncake's tcp protocol against kvd's TCP path.
+        ratios = []
+        for label, unit in UNIT_SIZES.items():
+            out[f"mooncake_tcp_{label}_gbps"] = mooncake_read_gbps(nbytes, unit, args.repeat)
+            say(f"  {f'Mooncake TE (tcp), {label} units':<34} {out[f'mooncake_tcp_{label}_gbps']:6.2f} GB/s")
+            ratios.append(out[f"tcp_{label}_gbps"] / out[f"mooncake_tcp_{label}_gbps"])
+        out["vs_mooncake"] = min(ratios)
     return out
 
 
@@ -324,7 +335,10 @@ def run_bench(args: argparse.Namespace) -> int:
             say("    vs_nixl             not measured: NIXL is not installed (pip install 'kvd[nixl]')")
         else:
             say(f"    vs_nixl             {t['vs_nixl']:.2f}  (kvd / NIXL, worst unit size, TCP vs UCX tcp and same-host vs UCX default; target > 1)")
-        say("    vs_mooncake         not measured: Mooncake Transfer Engine is not installed")
+        if t["vs_mooncake"] is None:
+            say(f"    vs_mooncake         not measured: {t['mooncake_missing']}")
+        else:
+            say(f"    vs_mooncake         {t['vs_mooncake']:.2f}  (kvd TCP / Mooncake TE tcp, worst unit size; target > 1)")
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

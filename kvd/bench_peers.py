@@ -1,5 +1,9 @@
 """Peer engines measured the way kvd is: one request of scattered blocks.
 
+Mooncake Transfer Engine (when importable) moves the same shape with its
+``tcp`` protocol and P2P handshake: one batch READ of every unit, by the
+decode side from the prefill side's registered memory, in two processes.
+
 NIXL (when installed) moves the same request shape kvd's transport bench
 moves: ``blocks x layers`` units of ``unit`` bytes at shuffled offsets on both
 sides, one descriptor per unit, as vLLM's NixlConnector posts them, READ by
@@ -106,4 +110,88 @@ def nixl_read_gbps(nbytes: int, unit: int, repeat: int, ucx_tls: str = "") -> fl
                 p.kill()
     if not ok:
         raise RuntimeError("NIXL READ moved wrong bytes")
+    return float(gbps)
+
+
+# ------------------------------------------------------------------ Mooncake
+
+def mooncake_installed() -> str:
+    """Empty when Mooncake Transfer Engine can be loaded here, else why not."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("mooncake") is None:
+        return "Mooncake Transfer Engine is not installed (pip install 'kvd[mooncake]')"
+    # Import it in a child: a missing system library must not take the bench down.
+    r = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True, timeout=60)
+    if r.returncode:
+        last = (r.stderr.strip().splitlines() or ["import failed"])[-1]
+        return f"Mooncake Transfer Engine does not load: {last} (it needs libibverbs1 even for TCP)"
+    return ""
+
+
+def _mooncake_engine() -> Any:
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+    return engine
+
+
+def _mooncake_target(conn: Any, nbytes: int) -> None:
+    import torch
+
+    engine = _mooncake_engine()
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    if engine.register_memory(buf.data_ptr(), nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed")
+    conn.send((f"127.0.0.1:{engine.get_rpc_port()}", buf.data_ptr()))
+    conn.recv()  # the initiator is done
+
+
+def _mooncake_initiator(conn: Any, nbytes: int, unit: int, repeat: int, out: Any) -> None:
+    import torch
+
+    engine = _mooncake_engine()
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    if engine.register_memory(buf.data_ptr(), nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed")
+    session, base = conn.recv()
+    n = nbytes // unit
+    best = float("inf")
+    for r in range(repeat + 1):  # the first one connects
+        local = (buf.data_ptr() + _offsets(n, unit, 2 * r)).tolist()
+        far = (base + _offsets(n, unit, 2 * r + 1)).tolist()
+        t0 = time.perf_counter()
+        if engine.batch_transfer_sync_read(session, local, far, [unit] * n) != 0:
+            raise RuntimeError("Mooncake batch_transfer_sync_read failed")
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    ok = bool(buf.eq(1).all())
+    conn.send("done")
+    out.put((nbytes / best / 1e9, ok))
+
+
+def mooncake_read_gbps(nbytes: int, unit: int, repeat: int) -> float:
+    """Best GB/s of Mooncake TE (tcp) batch READs of one scattered request."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    target = ctx.Process(target=_mooncake_target, args=(a, nbytes), daemon=True)
+    initiator = ctx.Process(target=_mooncake_initiator, args=(b, nbytes, unit, repeat, out), daemon=True)
+    target.start()
+    initiator.start()
+    try:
+        gbps, ok = out.get(timeout=300)
+    finally:
+        initiator.join(timeout=30)
+        target.join(timeout=30)
+        for p in (initiator, target):
+            if p.is_alive():
+                p.kill()
+    if not ok:
+        raise RuntimeError("Mooncake READ moved wrong bytes")
     return float(gbps)

@@ -33,6 +33,7 @@ from kvd.relayout import (
 )
 from kvd.spec import EngineMeta, GroupSpec, KVCacheSpec
 from kvd.topology import EngineShape, ReadTarget, block_ratio, layers_by_stage, read_targets
+from kvd.transport import iovec
 
 # A segment is the unit of pipelining: big enough that per-frame cost vanishes
 # (~20 us a frame against ~1 ms for 4 MiB at 4 GB/s), small enough that
@@ -125,24 +126,30 @@ class SegmentSink:
         if self.local_index is None or rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
             return None
         ids = self.local_index.cpu().numpy()
-        block_dim = ls.layout.index("block")
-        by_layer_part: dict[tuple[int, int], np.ndarray] = {}
+        block_dim = 1 + ls.layout.index("block")  # in (layer, *physical)
+        runs: list[tuple[int, int, int, np.ndarray]] = []
         piece = 0
         for dst, layers, kv in self._targets():
             if dst.device.type != "cpu":
                 return None
             v = physical(dst, ls)
-            part = (kv.start or 0) if ls.parts_per_layer == 2 else 0
-            for layer in range(v.shape[0]):
-                found = block_piece_addresses(v[layer], block_dim, ids)
-                if found is None or (piece and found[1] != piece):
-                    return None
-                by_layer_part[(layers.start + layer, part)], piece = found
-        parts = self.kv[1] if ls.parts_per_layer == 2 else 1
-        keys = [(layer, part) for layer in range(self.wire_dims[0]) for part in range(parts)]
-        if set(keys) != set(by_layer_part):
-            return None
-        return np.concatenate([by_layer_part[k] for k in keys]), piece
+            found = block_piece_addresses(v, block_dim, ids)  # every layer of the run at once
+            if found is None or (piece and found[1] != piece):
+                return None
+            piece = found[1]
+            runs.append((layers.start or 0, v.shape[0], (kv.start or 0) if ls.parts_per_layer == 2 else 0, found[0]))
+        grid = _layer_part_grid(runs, self.wire_dims[0], self.kv[1] if ls.parts_per_layer == 2 else 1)
+        return None if grid is None else (grid, piece)
+
+    def iov(self) -> np.ndarray | None:
+        """Where this segment's wire bytes land, as an iovec array of host
+        memory (one row when it lands as-is, one per block piece for batched
+        blocks), or None when they need staging and a relayout."""
+        d = self.direct()
+        if d is not None:
+            return _tensor_iov(d)
+        found = self.batched_pieces()
+        return None if found is None else _pieces_iov(*found)
 
     def land(self, payload: torch.Tensor) -> None:
         """Relayout ``payload`` (uint8, this segment's bytes) into local memory."""
@@ -207,16 +214,17 @@ def plan_pull(
                 continue
             remote_ids = list(params.block_ids[gi].ids)
             _plan_group(rr, lspec, ltensors, rgroup, layers, params.num_tokens, remote_ids, local_block_ids[gi], target,
-                        segment_bytes, zero_copy_min_bytes or ZERO_COPY_MIN_BYTES)
+                        segment_bytes, zero_copy_min_bytes or segment_bytes)
         if rr.sinks:
             reads.append(rr)
     return reads
 
 
-# A contiguous piece at least this big is sent as its own zero-copy segment;
-# smaller pieces are gathered into batched segments, since a frame costs tens of
-# microseconds of Python on each side (~3 GB/s at 64 KiB).
-ZERO_COPY_MIN_BYTES = 64 << 10
+# By default a contiguous extent gets segments of its own only when it fills
+# one (``zero_copy_min_bytes`` = ``segment_bytes``); smaller extents are
+# batched, many blocks to a segment, since a frame costs tens of microseconds
+# of Python on each side. Batched segments still move in place: their pieces
+# go to the kernel as one iovec list (see ``owner_iov`` and ``SegmentSink.iov``).
 
 
 def _plan_group(
@@ -370,6 +378,36 @@ def segment_view(group: GroupTensors, seg: pb.DataSegment, head_start: int, head
     return v.reshape(-1).view(torch.uint8) if v.is_contiguous() else None
 
 
+def owner_iov(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> np.ndarray | None:
+    """The owner's host memory behind a segment, in wire order, as an iovec
+    array (one row for a contiguous run, one per block piece for batched
+    blocks); None when it must be gathered (or lives on a GPU)."""
+    if group.parts and _device(group).type != "cpu":
+        return None
+    view = segment_view(group, seg, head_start, head_count)
+    if view is not None:
+        return _tensor_iov(view)
+    found = batched_pieces(group, seg, head_start, head_count)
+    return None if found is None else _pieces_iov(*found)
+
+
+def _device(group: GroupTensors) -> torch.device:
+    first = group.parts[0]
+    return (first if isinstance(first, torch.Tensor) else first[0]).device
+
+
+def _tensor_iov(t: torch.Tensor) -> np.ndarray | None:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return iovec.make([t.data_ptr()], [t.numel() * t.element_size()])
+
+
+def _pieces_iov(addrs: np.ndarray, piece: int) -> np.ndarray | None:
+    if piece <= 0:
+        return None
+    return iovec.coalesce(iovec.make(addrs, piece))
+
+
 def segment_nbytes(spec: KVCacheSpec, seg: pb.DataSegment, heads: int) -> int:
     shape, _ = wire_shape(spec, len(seg.layers), seg.block_count, seg.token_count, heads, _kv_range(spec, seg)[1])
     return math.prod(shape) * spec.itemsize
@@ -456,18 +494,36 @@ def batched_pieces(group: GroupTensors, seg: pb.DataSegment, head_start: int, he
     positions = tuple(seg.layers)
     _, joined_kv, parts = _owner_parts(spec, seg)
     ids = np.asarray(seg.block_ids, dtype=np.int64)
-    block_dim = 1 + spec.layout.index("block")
-    by_layer_part: dict[tuple[int, int], np.ndarray] = {}
+    block_dim = 1 + spec.layout.index("block")  # in (layer, *physical)
+    runs: list[tuple[int, int, int, np.ndarray]] = []
     piece = 0
     for j, p in enumerate(parts):
         for i, c, view in group.layer_runs(p, positions):
             v = physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), (head_start, head_count), joined_kv), spec)
-            for layer in range(c):
-                found = block_piece_addresses(v[layer], block_dim - 1, ids)
-                if found is None or (piece and found[1] != piece):
-                    return None
-                by_layer_part[(i + layer, j)], piece = found
-    return np.concatenate([by_layer_part[(li, j)] for li in range(len(positions)) for j in range(len(parts))]), piece
+            found = block_piece_addresses(v, block_dim, ids)  # every layer of the run at once
+            if found is None or (piece and found[1] != piece):
+                return None
+            piece = found[1]
+            runs.append((i, c, j, found[0]))
+    grid = _layer_part_grid(runs, len(positions), len(parts))
+    return None if grid is None else (grid, piece)
+
+
+def _layer_part_grid(runs: Sequence[tuple[int, int, int, np.ndarray]], layers: int, parts: int) -> np.ndarray | None:
+    """Piece addresses in wire order (layer, part, outer dims, block), from
+    runs of (first layer, layer count, part, addresses in (layer, ...) order);
+    None unless the runs cover every (layer, part) with equal piece counts."""
+    if not runs:
+        return None
+    per = runs[0][3].size // runs[0][1]
+    grid = np.zeros((layers, parts, per), dtype=np.uint64)
+    filled = np.zeros((layers, parts), dtype=bool)
+    for first, count, part, addrs in runs:
+        if addrs.size != count * per:
+            return None
+        grid[first:first + count, part] = addrs.reshape(count, per)
+        filled[first:first + count, part] = True
+    return grid.reshape(-1) if filled.all() else None
 
 
 def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> None:

@@ -69,6 +69,7 @@ from kvd.transfer import (
     batched_pieces,
     copy_blocks,
     engine_shape,
+    owner_iov,
     plan_pull,
     segment_nbytes,
     segment_view,
@@ -104,6 +105,9 @@ class DaemonConfig:
     pull_retries: int = 2
     aggregator_address: str = ""  # the engine's aggregator daemon; empty: this one
     same_host: str = "auto"  # auto: copy directly between mapped regions when peers share a host; off: always TCP
+    # Threads for a same-host copy: on 2 cores two process_vm_readv threads
+    # beat one memcpy (6.4 vs 5 GB/s measured); more only help on more cores.
+    copy_threads: int = 2
     log_format: str = "text"  # text: key=value lines; json: one JSON object a line
     log_level: str = "INFO"
     # Security (docs/security.md)
@@ -237,7 +241,7 @@ class Daemon:
         self.data_server = TcpDataServer(self, config.host, config.data_port, tls=self.auth.data_plane_context(server=True),
                                          nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
         self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
-                                         connections_per_peer=config.connections_per_peer,
+                                         connections_per_peer=config.connections_per_peer, copy_threads=config.copy_threads,
                                          stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
                                          tls=self.auth.data_plane_context(server=False), nixl=self.nixl)
 
@@ -829,7 +833,7 @@ class Daemon:
         for n, src, rr in zip(moved, sources, reads, strict=True):
             transport = "samehost" if src is not None else self.config.transport
             self.metrics.bytes_received.labels(transport).inc(n)
-            self.metrics.blocks_received.labels(transport).inc(len({int(b) for s in rr.sinks for b in s.local_block_ids}))
+            self.metrics.blocks_received.labels(transport).inc(len(np.unique(np.concatenate([np.asarray(s.local_block_ids) for s in rr.sinks]))))
         return sum(moved)
 
     async def _resolve(self, params: pb.TransferParams) -> None:
@@ -1089,6 +1093,11 @@ class _OpenRead:
         """A batched segment's bytes as equal pieces of registered memory, in wire order."""
         seg = self.read.segments[index]
         return batched_pieces(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count)
+
+    def segment_iov(self, index: int) -> np.ndarray | None:
+        """The segment's registered host memory as an iovec array, in wire order."""
+        seg = self.read.segments[index]
+        return owner_iov(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count)
 
     def segment_view(self, index: int) -> torch.Tensor | None:
         """The segment as a zero-copy view of registered memory, or None when it must be gathered."""

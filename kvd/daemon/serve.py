@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
+import sys
 
 import torch
 import uvloop
@@ -50,14 +52,12 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
     info = {
         "engine_id": config.engine_id, "epoch": daemon.epoch, "grpc": daemon.grpc_address,
         "data": daemon.data_address, "data_bind": f"{config.host}:{config.data_port}", "metrics": f"{config.host}:{metrics_port}" if metrics_port >= 0 else "off",
-        "version": __version__,
+        "version": __version__, "pid": os.getpid(),
     }
     log.info("kvd serving " + " ".join(f"{k}={v}" for k, v in info.items()))
     if ready_file:
         with open(ready_file + ".tmp", "w") as f:
             json.dump(info, f)
-        import os
-
         os.replace(ready_file + ".tmp", ready_file)
 
     stop = asyncio.Event()
@@ -78,4 +78,12 @@ def run(config: DaemonConfig, ready_file: str | None = None) -> int:
 
     setup(config.log_format, config.log_level)
     uvloop.run(serve(config, ready_file))
+    if config.transport == "nixl":
+        # Everything is closed and logged. NIXL 1.5's UCX crashes in its exit-time
+        # teardown (SIGSEGV) on hosts that have libibverbs but no RDMA device, so
+        # a clean stop would still exit -11: leave before that teardown runs.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

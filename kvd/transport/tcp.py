@@ -1,10 +1,20 @@
-"""The TCP data plane: uvloop sockets, zero-copy on both ends.
+"""The TCP data plane: zero-copy on both ends.
 
-Owner side: each DATA payload is sent straight from registered memory when the
-requested view is contiguous there, else from a per-connection staging
-buffer. Reader side: each payload is received straight into the destination
-when it already has the wire layout, else into one of two staging buffers
-whose relayout runs in a worker thread while the next segment arrives.
+Owner side: a DATA frame leaves straight from registered memory, one
+sendmsg over the segment's pieces (a contiguous run, or one piece per block
+for scattered blocks: ``kvd.transport.iovec``), or from a per-connection
+staging buffer when those bytes are not dense pieces there (a head slice of an
+interleaved layout, GPU memory).
+
+Reader side: a frame is received straight into place (recvmsg with
+MSG_WAITALL into the pieces) when local memory has the wire layout, else into
+one of two staging buffers whose relayout runs in another thread while the
+next frame arrives.
+
+Bulk I/O runs in worker threads on blocking sockets, with SO_RCVTIMEO and
+SO_SNDTIMEO bounding a stall; the event loop accepts, authorises and takes
+the ACK. The END and the ACK are sent by the threads that moved the bytes, so
+no hop back to the loop sits on a read's critical path.
 """
 
 from __future__ import annotations
@@ -16,17 +26,20 @@ import functools
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvd import errors
 from kvd.proto import kvd_pb2 as pb
 from kvd.relayout import GroupTensors
-from kvd.transfer import SegmentSink, serve_segment
+from kvd.transfer import SegmentSink, owner_iov, serve_segment
+from kvd.transport import iovec
 from kvd.transport.base import ReadServer, Staging
 from kvd.transport.nixl import Arena, NixlAgent, expose, land
 from kvd.wire import (
@@ -193,21 +206,11 @@ class TcpDataServer:
                     await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                if header.flags & FLAG_NIXL:
-                    failed, total = await loop.run_in_executor(
-                        self._pool, self._send_descriptors, sock, opened, len(read.segments), arena, read.nixl_metadata_version)
-                elif local:
-                    failed, total = None, 0
-                else:
-                    failed, total = await loop.run_in_executor(
-                        self._pool, _send_segments, sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3
-                    )
-                if failed is not None:
-                    await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
-                    conn.sent(FrameType.ERROR)
+                if local:  # a same-host read: the reader copies, we only authorise
+                    await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=0).SerializeToString()))
+                    conn.sent(FrameType.END)
+                elif not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, host_staging, arena):
                     continue
-                await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
-                conn.sent(FrameType.END)
                 _ack, _, length = await _recv_frame(loop, sock, conn)
                 await _recv_body(loop, sock, length)
                 opened.acknowledged()
@@ -224,9 +227,33 @@ class TcpDataServer:
             if arena is not None:
                 arena.release()
 
+    def _answer(self, sock: socket.socket, conn: Connection, opened: Any, read: pb.DataRead, flags: int, staging: Staging,
+                host_staging: Staging, arena: Arena | None) -> bool:
+        """Owner side of one authorised read, in a worker thread: the DATA (or
+        DESCS) frames, then END or ERROR from this same thread, so the reader
+        is not kept waiting on a hop back to the event loop. True after END
+        (the reader's ACK follows)."""
+        with _blocking(sock, self.hello_timeout_s * 3):
+            failed: errors.KvdError | None
+            if flags & FLAG_LOCAL:
+                failed, total = None, 0
+            elif flags & FLAG_NIXL:
+                failed, total = self._send_descriptors(sock, opened, len(read.segments), arena, read.nixl_metadata_version)
+            else:
+                failed, total = _send_segments(sock, opened, len(read.segments), staging, host_staging)
+            if failed is not None:
+                sock.sendall(encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
+                conn.sent(FrameType.ERROR)
+                return False
+            sock.sendall(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
+            conn.sent(FrameType.END)
+            return True
+
     def _send_descriptors(self, sock: socket.socket, opened: Any, count: int, arena: Arena | None,
                           reader_version: int) -> tuple[errors.KvdError | None, int]:
-        """Owner side of a NIXL read, in a worker thread: one DESCS frame."""
+        """Owner side of a NIXL read: one DESCS frame."""
+        if self.tls is not None:
+            return errors.FailedPrecondition("transport nixl is not offered over an mTLS data plane (NIXL traffic is not encrypted)"), 0
         if self.nixl is None or arena is None:
             return errors.FailedPrecondition("this daemon's data plane has no NIXL agent (set transport: nixl on both sides)"), 0
         try:
@@ -237,8 +264,7 @@ class TcpDataServer:
         msg.metadata_version = version
         if reader_version != version:  # the reader's copy lacks some registration (or it has none)
             msg.agent_metadata = metadata
-        with _blocking(sock, self.hello_timeout_s * 3):
-            sock.sendall(encode(FrameType.DESCS, msg.SerializeToString()))
+        sock.sendall(encode(FrameType.DESCS, msg.SerializeToString()))
         return None, total
 
     def _serve_tls(self, raw: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
@@ -278,19 +304,8 @@ class TcpDataServer:
                     sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                failed: errors.KvdError | None
-                if header.flags & FLAG_NIXL:
-                    failed, total = errors.FailedPrecondition("transport nixl is not offered over an mTLS data plane (NIXL traffic is not encrypted)"), 0
-                elif local:
-                    failed, total = None, 0
-                else:
-                    failed, total = _send_segments(sock, opened, len(read.segments), staging, host_staging, self.hello_timeout_s * 3)
-                if failed is not None:
-                    sock.sendall(encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
-                    conn.sent(FrameType.ERROR)
+                if not self._answer(sock, conn, opened, read, header.flags, staging, host_staging, None):
                     continue
-                sock.sendall(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
-                conn.sent(FrameType.END)
                 _read_frame_blocking(sock, conn)
                 _on_loop(loop, opened.acknowledged)
         except (ConnectionError, OSError, ProtocolError) as e:
@@ -329,12 +344,23 @@ class TcpDataServer:
 
 @contextlib.contextmanager
 def _blocking(sock: socket.socket, timeout: float) -> Iterator[socket.socket]:
-    """Lend a loop socket to a worker thread; the timeout is the stall bound."""
-    sock.settimeout(timeout)
+    """Lend a loop socket to a worker thread; the timeout is the stall bound.
+
+    A plain socket goes fully blocking with SO_RCVTIMEO/SO_SNDTIMEO as the
+    bound: Python's own timeout would poll() before every syscall, and the
+    vectorised iovec calls need a blocking descriptor anyway."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(timeout)
+    else:
+        sock.setblocking(True)
+        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
     try:
         yield sock
     finally:
-        sock.setblocking(False)
+        if not isinstance(sock, ssl.SSLSocket):  # a TLS socket stays with its thread
+            sock.setblocking(False)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -380,69 +406,125 @@ def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][sent:]
 
 
-def _send_segments(sock: socket.socket, opened: Any, count: int, staging: Staging, host_staging: Staging,
-                   stall_s: float) -> tuple[errors.KvdError | None, int]:
-    """Owner side, in a worker thread: every DATA frame of one read."""
+def _send_segments(sock: socket.socket, opened: Any, count: int, staging: Staging, host_staging: Staging) -> tuple[errors.KvdError | None, int]:
+    """Owner side, on a blocking socket: every DATA frame of one read. Host
+    memory leaves in place (one sendmsg over its pieces); the rest is gathered
+    into staging first."""
     total = 0
-    with _blocking(sock, stall_s):
-        for i in range(count):
-            try:
-                opened.check_alive()
-            except errors.KvdError as e:
-                return e, total
-            payload = opened.segment(i, staging)
-            if payload.device.type != "cpu":
-                # GPU memory leaves through pinned host staging.
-                payload = host_staging(payload.numel()).copy_(payload)
-            _sendmsg_all(sock, [memoryview(Header(FrameType.DATA, i, payload.numel()).encode()), _as_bytes(payload)])
-            total += payload.numel()
+    plain = not isinstance(sock, ssl.SSLSocket)  # no sendmsg over TLS
+    for i in range(count):
+        try:
+            opened.check_alive()
+        except errors.KvdError as e:
+            return e, total
+        iov = opened.segment_iov(i) if plain else None
+        if iov is not None:
+            n = iovec.nbytes(iov)
+            iovec.send_all(sock, iov, Header(FrameType.DATA, i, n).encode())
+            opened.count_sent(n, opened.segment_blocks(i), "tcp")
+            total += n
+            continue
+        payload = opened.segment(i, staging)
+        if payload.device.type != "cpu":
+            # GPU memory leaves through pinned host staging.
+            payload = host_staging(payload.numel()).copy_(payload)
+        _sendmsg_all(sock, [memoryview(Header(FrameType.DATA, i, payload.numel()).encode()), _as_bytes(payload)])
+        total += payload.numel()
     return None, total
 
 
 def _recv_into_all(sock: socket.socket, view: memoryview) -> None:
     got = 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < len(view):
-        k = sock.recv_into(view[got:])
+        try:
+            k = sock.recv_into(view[got:], 0, flags)
+        except BlockingIOError as e:  # SO_RCVTIMEO ran out on a blocking socket
+            raise TimeoutError("data-plane receive stalled") from e
         if k == 0:
             raise ConnectionResetError("peer closed the connection")
         got += k
 
 
+class _Landing:
+    """Relayout off the receiving thread, so that segment k is relaid out
+    while segment k+1 arrives: two staging buffers, at most one landing in
+    flight. ``wait`` before reporting anything, so no byte lands after a
+    failure is reported."""
+
+    def __init__(self, pool: concurrent.futures.Executor, buffers: tuple[Staging, Staging], landed: list[bool],
+                 on_relayout: Callable[[float], None], cancel: threading.Event) -> None:
+        self.pool, self.buffers, self.landed = pool, buffers, landed
+        self.on_relayout, self.cancel = on_relayout, cancel
+        self.next = 0
+        self.pending: concurrent.futures.Future[None] | None = None
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """The buffer no landing is reading."""
+        return self.buffers[self.next](nbytes)
+
+    def submit(self, sink: SegmentSink, buf: torch.Tensor, tag: int) -> None:
+        self.wait()  # the other buffer is free again
+        self.pending = self.pool.submit(self._land, sink, buf, tag)
+        self.next ^= 1
+
+    def _land(self, sink: SegmentSink, buf: torch.Tensor, tag: int) -> None:
+        if self.cancel.is_set():
+            raise ConnectionAbortedError("read abandoned")
+        t0 = time.perf_counter()
+        sink.land(buf)
+        self.on_relayout(time.perf_counter() - t0)
+        self.landed[tag] = True
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
 def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[SegmentSink], landed: list[bool],
-                   staging: Staging, stall_s: float, on_relayout: Callable[[float], None], cancel: threading.Event) -> int:
+                   buffers: tuple[Staging, Staging], stall_s: float, on_relayout: Callable[[float], None],
+                   cancel: threading.Event, land_pool: concurrent.futures.Executor) -> int:
     """Reader side, in a worker thread: DATA frames straight into place (or
-    into staging, relaid out at once) until END or ERROR."""
+    into staging, relaid out while the next frame arrives) until END or ERROR;
+    then the ACK."""
     moved = 0
     raw = bytearray(HEADER_SIZE)
-    with _blocking(sock, stall_s):
-        while True:
-            if cancel.is_set():
-                raise ConnectionAbortedError("read abandoned")
-            _recv_into_all(sock, memoryview(raw))
-            header = proto.receive(decode_header(raw))
-            if header.type is not FrameType.DATA:
-                body = bytearray(header.length)
-                _recv_into_all(sock, memoryview(body))
-                if header.type is FrameType.ERROR:
-                    err = pb.DataError.FromString(bytes(body))
-                    raise errors.from_code(err.code, err.message)
-                return moved  # END
-            sink = sinks[header.tag]
-            if header.length != sink.nbytes:
-                raise ProtocolError(f"segment {header.tag} carries {header.length} bytes, expected {sink.nbytes}")
-            direct = sink.direct()
-            if direct is not None and direct.device.type == "cpu":
-                _recv_into_all(sock, _as_bytes(direct))
-            else:
-                buf = staging(header.length)
-                _recv_into_all(sock, _as_bytes(buf))
+    plain = not isinstance(sock, ssl.SSLSocket)
+    landing = _Landing(land_pool, buffers, landed, on_relayout, cancel)
+    try:
+        with _blocking(sock, stall_s):
+            while True:
                 if cancel.is_set():
                     raise ConnectionAbortedError("read abandoned")
-                t0 = time.perf_counter()
-                sink.land(buf)
-                on_relayout(time.perf_counter() - t0)
-            landed[header.tag] = True
-            moved += header.length
+                _recv_into_all(sock, memoryview(raw))
+                header = proto.receive(decode_header(raw))
+                if header.type is not FrameType.DATA:
+                    body = bytearray(header.length)
+                    _recv_into_all(sock, memoryview(body))
+                    if header.type is FrameType.ERROR:
+                        err = pb.DataError.FromString(bytes(body))
+                        raise errors.from_code(err.code, err.message)
+                    landing.wait()
+                    # END: every byte landed. ACK from here, not after a hop back to the loop.
+                    sock.sendall(encode(FrameType.ACK))
+                    proto.sent(FrameType.ACK)
+                    return moved
+                sink = sinks[header.tag]
+                if header.length != sink.nbytes:
+                    raise ProtocolError(f"segment {header.tag} carries {header.length} bytes, expected {sink.nbytes}")
+                iov = sink.iov() if plain else None
+                if iov is not None:  # straight into place, scattered blocks included
+                    iovec.recv_all(sock, iov)
+                    landed[header.tag] = True
+                else:
+                    buf = landing.buffer(header.length)
+                    _recv_into_all(sock, _as_bytes(buf))
+                    landing.submit(sink, buf, header.tag)
+                moved += header.length
+    finally:
+        with contextlib.suppress(BaseException):
+            landing.wait()
 
 
 class _Conn:
@@ -454,7 +536,7 @@ class _Conn:
         self.cancel = threading.Event()
         self.work: asyncio.Future[Any] | None = None
         self.proto = Connection(server=False)
-        self.staging = Staging()
+        self.staging = (Staging(), Staging())  # received segments awaiting relayout (one lands while the other fills)
         self.arena: Arena | None = None  # NIXL landing scratch, registered on first use
 
 
@@ -463,7 +545,7 @@ class TcpDataClient:
 
     name = "tcp"
 
-    def __init__(self, hello: pb.DataHello, *, connections_per_peer: int = 4, stall_timeout_s: float = 30.0,
+    def __init__(self, hello: pb.DataHello, *, connections_per_peer: int = 4, copy_threads: int = 2, stall_timeout_s: float = 30.0,
                  on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None,
                  nixl: NixlAgent | None = None) -> None:
         self.on_relayout = on_relayout
@@ -477,6 +559,9 @@ class TcpDataClient:
         self._tokens: dict[str, bytes] = {}
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
+        self.copier = iovec.Copier(copy_threads)  # same-host reads
+        # Relayout of received segments; each connection has at most one in flight.
+        self._land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land")
 
     def _connect_tls(self, address: str, hello: pb.DataHello) -> _Conn:
         assert self.tls is not None
@@ -590,15 +675,13 @@ class TcpDataClient:
             if header.type is FrameType.ERROR:
                 err = pb.DataError.FromString(body)
                 raise errors.from_code(err.code, err.message)
-            moved = copy_local(read, sinks, landed, local_source, conn.cancel)
-        else:
-            sock.sendall(encode(FrameType.READ, read.SerializeToString()))
-            conn.proto.sent(FrameType.READ, segments=len(sinks))
-            moved = _recv_segments(sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout, conn.cancel)
-        sock.settimeout(self.stall_timeout_s)
-        sock.sendall(encode(FrameType.ACK))
-        conn.proto.sent(FrameType.ACK)
-        return moved
+            moved = copy_local(read, sinks, landed, local_source, conn.cancel, self.copier)
+            sock.sendall(encode(FrameType.ACK))
+            conn.proto.sent(FrameType.ACK)
+            return moved
+        sock.sendall(encode(FrameType.READ, read.SerializeToString()))
+        conn.proto.sent(FrameType.READ, segments=len(sinks))
+        return _recv_segments(sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout, conn.cancel, self._land_pool)
 
     async def _request(self, conn: _Conn, read: pb.DataRead, flags: int, segments: int) -> bytes:
         """Send a flagged READ and return the body of the owner's one control
@@ -622,7 +705,7 @@ class TcpDataClient:
     async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
         await self._request(conn, read, FLAG_LOCAL, 0)
         t0 = time.perf_counter()
-        moved = await self._in_thread(conn, copy_local, read, sinks, landed, source, conn.cancel)
+        moved = await self._in_thread(conn, copy_local, read, sinks, landed, source, conn.cancel, self.copier)
         self.on_relayout(time.perf_counter() - t0)
         await self._ack(conn)
         return moved
@@ -632,10 +715,8 @@ class TcpDataClient:
         sock = conn.sock
         await loop.sock_sendall(sock, encode(FrameType.READ, read.SerializeToString()))
         conn.proto.sent(FrameType.READ, segments=len(sinks))
-        moved = await self._in_thread(conn, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s,
-                                      self.on_relayout, conn.cancel)
-        await self._ack(conn)
-        return moved
+        return int(await self._in_thread(conn, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s,
+                                         self.on_relayout, conn.cancel, self._land_pool))
 
     async def _read_nixl(self, conn: _Conn, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
         """The owner exposes every segment; one NIXL READ moves them all."""
@@ -661,10 +742,10 @@ class TcpDataClient:
         return int(moved)
 
     def staging_buffers(self) -> int:
-        return sum(1 for conns in self._idle.values() for c in conns if c.staging.nbytes or (c.arena and c.arena.buf.numel()))
+        return sum(sum(1 for b in c.staging if b.nbytes) + (1 if c.arena and c.arena.buf.numel() else 0) for conns in self._idle.values() for c in conns)
 
     def staging_bytes(self) -> int:
-        return sum(c.staging.nbytes + (c.arena.buf.numel() if c.arena else 0) for conns in self._idle.values() for c in conns)
+        return sum(sum(b.nbytes for b in c.staging) + (c.arena.buf.numel() if c.arena else 0) for conns in self._idle.values() for c in conns)
 
     def set_token(self, address: str, data_token: bytes) -> None:
         """The secret ``address``'s owner issued us in its handshake."""
@@ -683,6 +764,8 @@ class TcpDataClient:
             for c in conns:
                 c.sock.close()
         self._idle.clear()
+        self.copier.close()
+        self._land_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _frame(type_: FrameType, body: bytes, flags: int = 0) -> bytes:
@@ -698,14 +781,28 @@ class LocalSource:
 
 
 def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
-               cancel: threading.Event | None = None) -> int:
-    """Same-host segments: one copy from the owner's memory when it already has
-    the wire layout (zero-copy view), else a gather then the usual landing."""
+               cancel: threading.Event | None = None, copier: iovec.Copier | None = None) -> int:
+    """Same-host segments. Where both sides are host memory in wire order
+    (the owner's layout and block size here), every such segment goes in one
+    ``copier`` pass, piece to piece, with no staging; the rest are gathered
+    from the owner's memory and landed as usual."""
     moved = 0
+    dsts: list[np.ndarray] = []
+    srcs: list[np.ndarray] = []
+    in_place: list[int] = []
     for i, (seg, sink) in enumerate(zip(read.segments, sinks, strict=True)):
         if cancel is not None and cancel.is_set():
             raise ConnectionAbortedError("read abandoned")
-        payload = serve_segment(source.groups[seg.group_id], seg, read.head_start, read.head_count, source.staging)
+        group = source.groups[seg.group_id]
+        if copier is not None and copier.available:
+            dst = sink.iov()
+            src = owner_iov(group, seg, read.head_start, read.head_count) if dst is not None else None
+            if dst is not None and src is not None and iovec.nbytes(src) == sink.nbytes:
+                dsts.append(dst)
+                srcs.append(src)
+                in_place.append(i)
+                continue
+        payload = serve_segment(group, seg, read.head_start, read.head_count, source.staging)
         direct = sink.direct()
         if direct is not None:
             direct.reshape(-1).view(torch.uint8).copy_(payload)
@@ -713,4 +810,9 @@ def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[boo
             sink.land(payload)
         landed[i] = True
         moved += sink.nbytes
+    if in_place:
+        assert copier is not None
+        moved += copier.copy(np.concatenate(dsts), np.concatenate(srcs), cancel)
+        for i in in_place:
+            landed[i] = True
     return moved
