@@ -36,6 +36,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "pull_retries": (lambda v: v >= 0, ">= 0"),
     "same_host": (lambda v: v in ("auto", "off"), "auto or off"),
     "copy_threads": (lambda v: 1 <= v <= 64, "in [1, 64]"),
+    "stripes_per_read": (lambda v: 1 <= v <= 64, "in [1, 64]"),
+    "stripe_min_bytes": (lambda v: v >= 1, ">= 1"),
     "log_format": (lambda v: v in ("text", "json"), "text or json"),
     "auth": (lambda v: v in ("none", "token", "mtls"), "none, token or mtls"),
     "worker_api": (lambda v: v in ("local", "any"), "local or any"),

@@ -34,7 +34,7 @@ class Publication:
     # per rank: per group, a bool mask over block ids
     masks: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
     block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
-    acked: dict[RankKey, set[tuple[str, int, int]]] = field(default_factory=dict)
+    acked: dict[RankKey, set[tuple[str, int, int, int]]] = field(default_factory=dict)
     lease_s: float = 0.0  # what one renewal extends by
 
 
@@ -152,7 +152,7 @@ class PublicationTable:
         if not mask[start : start + count].all():
             raise PermissionDenied(f"blocks [{start}, {start + count}) of group {group} are not all published for request_id={pub.request_id!r}")
 
-    def ack(self, request_id: str, generation: int, rank: RankKey, reader: tuple[str, int, int], expected: int) -> list[Ended]:
+    def ack(self, request_id: str, generation: int, rank: RankKey, reader: tuple[str, int, int, int], expected: int) -> list[Ended]:
         """A reader confirmed its read; end the rank's publication once all have."""
         pub = self.by_request.get(request_id)
         if pub is None or pub.generation != generation or rank not in pub.acked:

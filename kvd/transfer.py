@@ -12,6 +12,7 @@ No sockets here; transport/ moves the bytes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -171,6 +172,31 @@ class RankRead:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.sinks)
+
+
+# Reads at least this big are striped over several connections (below it the
+# extra READ/ACK round trip costs more than a second stream gains).
+STRIPE_MIN_BYTES = 32 << 20
+
+
+def stripe(rr: RankRead, stripes: int) -> list[RankRead]:
+    """Cut one rank's read into at most ``stripes`` reads of about equal bytes,
+    each a run of whole segments, for as many connections. Each carries
+    ``stripe``/``stripes`` so the owner knows how many ACKs end the rank."""
+    if stripes <= 1 or len(rr.sinks) <= 1:
+        return [rr]
+    ends = np.cumsum([s.nbytes for s in rr.sinks])
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, stripes) / stripes, side="left") + 1
+    bounds = sorted({0, len(rr.sinks), *(int(c) for c in cuts if 0 < c < len(rr.sinks))})
+    out = []
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        read = pb.DataRead()
+        read.CopyFrom(rr.read)
+        del read.segments[:]
+        read.segments.extend(rr.read.segments[lo:hi])
+        read.stripe, read.stripes = i, len(bounds) - 1
+        out.append(RankRead(rr.target, read, rr.sinks[lo:hi]))
+    return out
 
 
 def plan_pull(

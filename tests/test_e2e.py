@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -275,10 +276,11 @@ def test_reregistration_replaces_stale_regions_and_publications(daemons):
     assert dw.mismatch(2, [3, 4], 32) is None  # served from the new memory
 
 
-@pytest.mark.parametrize("same_host", ["off", "auto"], ids=["tcp", "samehost"])
-def test_every_transport_is_byte_exact_with_several_connections(daemons, same_host):
+@pytest.mark.parametrize(("same_host", "flags"), [("off", ()), ("off", ("--stripes-per-read", "3", "--stripe-min-bytes", "1", "--segment-bytes", "65536")), ("auto", ())],
+                         ids=["tcp", "tcp-striped", "samehost"])
+def test_every_transport_is_byte_exact_with_several_connections(daemons, same_host, flags):
     p = daemons.start("prefill", same_host=same_host)
-    d = daemons.start("decode", "--connections-per-peer", "3", same_host=same_host)
+    d = daemons.start("decode", "--connections-per-peer", "3", *flags, same_host=same_host)
     pw = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2, layout="HND") for r in range(2)]
     dw = make_worker(d.grpc, "decode", tp_rank=0, tp_size=1, layout="NHD")
     import random
@@ -299,9 +301,15 @@ def test_every_transport_is_byte_exact_with_several_connections(daemons, same_ho
         f = dw.client.wait_finished(recving={f"r{i}"}, timeout=30)
         assert f.details[("recving", f"r{i}")].outcome == "done"
         assert dw.mismatch(100 + i, d_ids, n * 16) is None
+    # P ends each publication only once every read (every stripe of it) was ACKed.
+    for w in pw:
+        sent = w.client.wait_finished(sending={rid for rid, *_ in rids}, timeout=30)
+        assert all(sent.details[("sending", rid)].outcome == "done" for rid, *_ in rids)
     text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
     label = "tcp" if same_host == "off" else "samehost"
     assert f'kvd_received_bytes_total{{transport="{label}"}}' in text
+    reads = float(re.search(rf'kvd_data_reads_total{{transport="{label}"}} (\S+)', text).group(1))
+    assert reads > 2 * len(rids) if flags else reads == 2 * len(rids)  # two P ranks each; striped reads are several
 
 
 def scheduler_params(p_addr: str, engine_id: str, rid: str, cap: bytes, ids: list[int], ntok: int) -> pb.TransferParams:

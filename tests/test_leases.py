@@ -13,7 +13,7 @@ def test_publish_authorize_ack_ends_publication():
     pub = t.publish((0, 0), "r1", [[1, 2, 3]], [8], 48, now=0)
     assert t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=1) is pub
     t.check_blocks(pub, (0, 0), 0, 1, 3)
-    ended = t.ack("r1", pub.generation, (0, 0), ("D", 0, 0), expected=1)
+    ended = t.ack("r1", pub.generation, (0, 0), ("D", 0, 0, 0), expected=1)
     assert [(e.request_id, e.outcome) for e in ended] == [("r1", "done")]
     with pytest.raises(PermissionDenied):
         t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=2)
@@ -72,9 +72,9 @@ def test_ranks_share_capability_and_bad_input_is_refused():
 def test_ack_needs_every_expected_reader():
     t = table()
     pub = t.publish((0, 0), "r", [[1]], [4], 1, now=0)
-    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []
-    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []  # a repeat does not count twice
-    assert len(t.ack("r", pub.generation, (0, 0), ("D", 1, 0), expected=2)) == 1
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []  # a repeat does not count twice
+    assert len(t.ack("r", pub.generation, (0, 0), ("D", 1, 0, 0), expected=2)) == 1
 
 
 def test_renewal_extends_by_the_publications_own_lease():
@@ -82,3 +82,12 @@ def test_renewal_extends_by_the_publications_own_lease():
     pub = t.publish((0, 0), "r", [[1]], [4], 1, now=0, lease_s=600)
     assert t.renew("r", pub.generation, now=500)
     assert pub.expires_at == 1100  # 500 + 600, not 500 + the 10 s default
+
+
+def test_a_striped_read_ends_the_rank_only_when_every_stripe_is_acked():
+    t = table()
+    pub = t.publish((0, 0), "r", [[1, 2, 3]], [8], 48, now=0)
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []  # the same stripe twice
+    ended = t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 1), expected=2)
+    assert [(e.request_id, e.outcome) for e in ended] == [("r", "done")]

@@ -61,3 +61,32 @@ def test_planning_64_layers_2000_blocks_is_fast():
     elapsed = time.perf_counter() - t0
     assert units_moved(ext) == 2000
     assert elapsed < 0.5  # generous: it is numpy over 2000 ids (a few ms)
+
+
+def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
+    import random
+
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.sim import make_engine
+    from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+    from kvd.transfer import plan_pull, stripe
+
+    rng = random.Random(3)
+    model = ModelInfo(4, 8)
+    p = make_engine("P", 1, 1, model, lambda r: KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 300), rng)
+    d = make_engine("D", 1, 1, model, lambda r: KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 300), rng)
+    p_ids, d_ids = rng.sample(range(1, 300), 200), rng.sample(range(1, 300), 200)
+    params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=200 * 16, block_ids=[pb.BlockIds(ids=p_ids)])
+    rank = d.ranks[(0, 0)]
+    (rr,) = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
+                      remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 20)
+    for k in (1, 2, 3, 7):
+        parts = stripe(rr, k)
+        assert len(parts) == min(k, len(rr.sinks))
+        assert [s for part in parts for s in part.read.segments] == list(rr.read.segments)
+        assert [s for part in parts for s in part.sinks] == rr.sinks
+        assert [(part.read.stripe, part.read.stripes) for part in parts] == ([(0, 0)] if k == 1 else [(i, len(parts)) for i in range(len(parts))])
+        sizes = [part.nbytes for part in parts]
+        assert sum(sizes) == rr.nbytes
+        assert max(sizes) - min(sizes) <= max(s.nbytes for s in rr.sinks)  # balanced to one segment
+        assert all(part.read.request_id == "r" and part.read.capability == rr.read.capability for part in parts)

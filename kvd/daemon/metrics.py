@@ -26,6 +26,7 @@ class Metrics:
         self.handshakes = Counter("kvd_handshakes", "Handshakes by role and result", ["role", "result"], registry=r)
         self.handshake_seconds = Histogram("kvd_handshake_duration_seconds", "Handshake duration as the caller", buckets=DURATION_BUCKETS, registry=r)
         self.failures = Counter("kvd_pull_failures", "Failed pulls by reason", ["reason"], registry=r)
+        self.data_reads = Counter("kvd_data_reads", "Data-plane reads sent (one per remote rank, or one per stripe of a striped read)", ["transport"], registry=r)
         self.refused_reads = Counter("kvd_refused_reads", "Data-plane reads refused, by reason", ["reason"], registry=r)
         self.leases_held = Gauge("kvd_leases_held", "Publications holding blocks", registry=r)
         self.leases_expired = Counter("kvd_leases_expired", "Publications that ended by lease expiry", registry=r)
