@@ -849,11 +849,14 @@ class Daemon:
         finally:
             self.active_clock.stop()
             self.metrics.bytes_in_flight.dec(planned)
+        blocks: dict[str, list[np.ndarray]] = {}
         for n, src, rr in zip(moved, sources, reads, strict=True):
             transport = "samehost" if src is not None else self.config.transport
             self.metrics.data_reads.labels(transport).inc()
             self.metrics.bytes_received.labels(transport).inc(n)
-            self.metrics.blocks_received.labels(transport).inc(len(np.unique(np.concatenate([np.asarray(s.local_block_ids) for s in rr.sinks]))))
+            blocks.setdefault(transport, []).extend(np.asarray(s.local_block_ids) for s in rr.sinks)
+        for transport, ids in blocks.items():  # a block filled by several reads (ranks, stripes) counts once
+            self.metrics.blocks_received.labels(transport).inc(len(np.unique(np.concatenate(ids))))
         return sum(moved)
 
     async def _resolve(self, params: pb.TransferParams) -> None:
