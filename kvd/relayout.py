@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -113,6 +114,9 @@ class GroupTensors:
     layer_indices: tuple[int, ...]
     parts: list[torch.Tensor | list[torch.Tensor]]
     kv_of_part: list[int | None]
+    # Piece templates of batched segments by shape (see transfer.PieceTemplate):
+    # addresses into these tensors, so they live exactly as long as the views.
+    templates: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, group: GroupSpec, regions: dict[str, torch.Tensor]) -> GroupTensors:

@@ -122,25 +122,26 @@ class SegmentSink:
     def batched_pieces(self) -> tuple[np.ndarray, int] | None:
         """Where a batched segment's wire pieces land, when local memory has the
         owner's layout and block size: equal dense pieces in wire order (layer,
-        part, outer dims, block), so a memory engine can write them in place."""
+        part, outer dims, block), so they are written in place."""
         rs, ls = self.remote_spec, self.local.spec
         if self.local_index is None or rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
             return None
-        ids = self.local_index.cpu().numpy()
         block_dim = 1 + ls.layout.index("block")  # in (layer, *physical)
-        runs: list[tuple[int, int, int, np.ndarray]] = []
-        piece = 0
-        for dst, layers, kv in self._targets():
-            if dst.device.type != "cpu":
-                return None
-            v = physical(dst, ls)
-            found = block_piece_addresses(v, block_dim, ids)  # every layer of the run at once
-            if found is None or (piece and found[1] != piece):
-                return None
-            piece = found[1]
-            runs.append((layers.start or 0, v.shape[0], (kv.start or 0) if ls.parts_per_layer == 2 else 0, found[0]))
-        grid = _layer_part_grid(runs, self.wire_dims[0], self.kv[1] if ls.parts_per_layer == 2 else 1)
-        return None if grid is None else (grid, piece)
+
+        def build() -> PieceTemplate | None:
+            runs = []
+            for dst, layers, kv in self._targets():
+                if dst.device.type != "cpu":
+                    return None
+                runs.append((layers.start or 0, layers.stop - (layers.start or 0), (kv.start or 0) if ls.parts_per_layer == 2 else 0, physical(dst, ls)))
+            return _template(runs, block_dim, self.wire_dims[0], self.kv[1] if ls.parts_per_layer == 2 else 1)
+
+        # _targets() depends on these and on the group the cache lives on.
+        key = ("sink", self.local_positions, self.local_token, self.local_head, self.kv, self.wire_dims[0])
+        template = _cached_template(self.local, key, build)
+        if template is None:
+            return None
+        return template.addresses(self.local_index.cpu().numpy()), template.piece
 
     def iov(self) -> np.ndarray | None:
         """Where this segment's wire bytes land, as an iovec array of host
@@ -490,25 +491,90 @@ def _serve_batched(
     return buf
 
 
-def block_piece_addresses(v: torch.Tensor, block_dim: int, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
-    """Byte addresses of ``v.index_select(block_dim, ids)``'s pieces, in its
-    C order, when every piece (one block, for fixed outer indices) is dense in
-    memory; with its byte length. None when a piece is not contiguous.
+@dataclass(frozen=True)
+class PieceTemplate:
+    """Where a batched segment's pieces lie, before its block ids are known:
+    piece (layer l, part p, outer index o, block b) starts at
+    ``base[l, p, o] + ids[b] * stride[l, p]`` and is ``piece`` bytes long.
 
-    For a memory engine (NIXL) to move scattered blocks without a gather: one
-    descriptor per piece, computed with numpy over all blocks at once."""
+    It depends only on the segment's layers and token/head/kv ranges, which
+    every segment of a request (and of the next one) shares, so it is built
+    once per group and shape; turning block ids into addresses is then one
+    numpy broadcast."""
+
+    base: np.ndarray  # uint64 (layers, parts, outer)
+    stride: np.ndarray  # uint64 (layers, parts)
+    piece: int
+
+    def addresses(self, ids: np.ndarray) -> np.ndarray:
+        """Every piece's address in wire order (layer, part, outer dims, block)."""
+        step = ids.astype(np.uint64)[None, None, :] * self.stride[:, :, None]  # (L, P, B)
+        return (self.base[..., None] + step[:, :, None, :]).reshape(-1)
+
+
+def _run_template(v: torch.Tensor, block_dim: int) -> tuple[np.ndarray, int, int] | None:
+    """For one view in (layer, *physical) order: each (layer, outer index)'s
+    first-block address in C order, the block dim's stride and the piece
+    length, all in bytes; None when a piece (one block, for fixed outer
+    indices) is not dense in memory."""
     shape, stride, item = tuple(v.shape), v.stride(), v.element_size()
     expect = 1
     for size, st in zip(reversed(shape[block_dim + 1 :]), reversed(stride[block_dim + 1 :]), strict=True):
         if size != 1 and st != expect:
             return None
         expect *= size
-    outer_off = np.zeros(1, dtype=np.int64)
-    if block_dim:
-        outer = np.indices(shape[:block_dim], dtype=np.int64).reshape(block_dim, -1)
-        outer_off = (outer * np.asarray(stride[:block_dim], dtype=np.int64)[:, None]).sum(0)
-    off = outer_off[:, None] + ids.astype(np.int64)[None, :] * stride[block_dim]
-    return (np.uint64(v.data_ptr()) + (off.reshape(-1) * item).astype(np.uint64)), expect * item
+    outer = np.indices(shape[:block_dim], dtype=np.int64).reshape(block_dim, -1)
+    off = (outer * np.asarray(stride[:block_dim], dtype=np.int64)[:, None]).sum(0)
+    return np.uint64(v.data_ptr()) + (off * item).astype(np.uint64), stride[block_dim] * item, expect * item
+
+
+def _template(runs: Sequence[tuple[int, int, int, torch.Tensor]], block_dim: int, layers: int, parts: int) -> PieceTemplate | None:
+    """A template from (first layer, layer count, part, view) runs; None
+    unless every (layer, part) is covered with equal dense pieces."""
+    base: np.ndarray | None = None
+    stride = np.zeros((layers, parts), dtype=np.uint64)
+    filled = np.zeros((layers, parts), dtype=bool)
+    piece = 0
+    for first, count, part, v in runs:
+        found = _run_template(v, block_dim)  # every layer of the run at once
+        if found is None or (piece and found[2] != piece):
+            return None
+        addrs, step, piece = found
+        if base is None:
+            base = np.zeros((layers, parts, addrs.size // count), dtype=np.uint64)
+        if addrs.size != count * base.shape[2]:
+            return None
+        base[first:first + count, part] = addrs.reshape(count, -1)
+        stride[first:first + count, part] = step
+        filled[first:first + count, part] = True
+    if base is None or not filled.all():
+        return None
+    return PieceTemplate(base, stride, piece)
+
+
+def _cached_template(group: GroupTensors, key: tuple[object, ...], build: Callable[[], PieceTemplate | None]) -> PieceTemplate | None:
+    cache = group.templates
+    if key not in cache:
+        if len(cache) >= 1024:  # shapes are few; this only bounds a pathological reader
+            cache.clear()
+        cache[key] = build()
+    return cache[key]
+
+
+def owner_template(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> PieceTemplate | None:
+    """The owner's piece template for a batched segment's shape (cached on the group)."""
+    spec = group.spec
+    positions = tuple(seg.layers)
+    _, joined_kv, parts = _owner_parts(spec, seg)
+    block_dim = 1 + spec.layout.index("block")  # in (layer, *physical)
+
+    def build() -> PieceTemplate | None:
+        runs = [(i, c, j, physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), (head_start, head_count), joined_kv), spec))
+                for j, p in enumerate(parts) for i, c, view in group.layer_runs(p, positions)]
+        return _template(runs, block_dim, len(positions), len(parts))
+
+    key = ("owner", positions, seg.token_start, seg.token_count, head_start, head_count, seg.kv_start, seg.kv_count)
+    return _cached_template(group, key, build)
 
 
 def batched_pieces(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> tuple[np.ndarray, int] | None:
@@ -516,40 +582,10 @@ def batched_pieces(group: GroupTensors, seg: pb.DataSegment, head_start: int, he
     order (layer, part, outer dims, block), or None when it must be gathered."""
     if not seg.block_ids:
         return None
-    spec = group.spec
-    positions = tuple(seg.layers)
-    _, joined_kv, parts = _owner_parts(spec, seg)
-    ids = np.asarray(seg.block_ids, dtype=np.int64)
-    block_dim = 1 + spec.layout.index("block")  # in (layer, *physical)
-    runs: list[tuple[int, int, int, np.ndarray]] = []
-    piece = 0
-    for j, p in enumerate(parts):
-        for i, c, view in group.layer_runs(p, positions):
-            v = physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), (head_start, head_count), joined_kv), spec)
-            found = block_piece_addresses(v, block_dim, ids)  # every layer of the run at once
-            if found is None or (piece and found[1] != piece):
-                return None
-            piece = found[1]
-            runs.append((i, c, j, found[0]))
-    grid = _layer_part_grid(runs, len(positions), len(parts))
-    return None if grid is None else (grid, piece)
-
-
-def _layer_part_grid(runs: Sequence[tuple[int, int, int, np.ndarray]], layers: int, parts: int) -> np.ndarray | None:
-    """Piece addresses in wire order (layer, part, outer dims, block), from
-    runs of (first layer, layer count, part, addresses in (layer, ...) order);
-    None unless the runs cover every (layer, part) with equal piece counts."""
-    if not runs:
+    template = owner_template(group, seg, head_start, head_count)
+    if template is None:
         return None
-    per = runs[0][3].size // runs[0][1]
-    grid = np.zeros((layers, parts, per), dtype=np.uint64)
-    filled = np.zeros((layers, parts), dtype=bool)
-    for first, count, part, addrs in runs:
-        if addrs.size != count * per:
-            return None
-        grid[first:first + count, part] = addrs.reshape(count, per)
-        filled[first:first + count, part] = True
-    return grid.reshape(-1) if filled.all() else None
+    return template.addresses(np.asarray(seg.block_ids, dtype=np.int64)), template.piece
 
 
 def validate_segment(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> None:

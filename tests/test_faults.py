@@ -153,8 +153,9 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
     assert dw.mismatch(3, [600, 601], 32) is None
 
 
-def test_read_of_an_expired_request_is_refused_and_returns_no_bytes(daemons):
-    p, d = daemons.start("prefill"), daemons.start("decode")
+@pytest.mark.parametrize("same_host", ["off", "auto"])
+def test_read_of_an_expired_request_is_refused_and_returns_no_bytes(daemons, same_host):
+    p, d = daemons.start("prefill", same_host=same_host), daemons.start("decode", same_host=same_host)
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
     pw.fill(1, [1, 2])
     params = pw.client.publish("r", [[1, 2]], 32, lease_seconds=0.3)
@@ -169,8 +170,9 @@ def test_read_of_an_expired_request_is_refused_and_returns_no_bytes(daemons):
     assert "kvd_leases_expired_total 1.0" in text
 
 
-def test_a_reused_block_id_never_serves_the_old_request(daemons):
-    p, d = daemons.start("prefill"), daemons.start("decode")
+@pytest.mark.parametrize("same_host", ["off", "auto"])
+def test_a_reused_block_id_never_serves_the_old_request(daemons, same_host):
+    p, d = daemons.start("prefill", same_host=same_host), daemons.start("decode", same_host=same_host)
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
     pw.fill(1, [5, 6])
     old = pw.client.publish("old", [[5, 6]], 32)
@@ -186,6 +188,8 @@ def test_a_reused_block_id_never_serves_the_old_request(daemons):
     dw.client.pull("new", new, [[3, 4]])
     dw.client.wait_finished(recving={"new"}, timeout=10)
     assert dw.mismatch(2, [3, 4], 32) is None
+    text = __import__("urllib.request").request.urlopen(d.metrics_url, timeout=5).read().decode()
+    assert f'kvd_data_reads_total{{transport="{"tcp" if same_host == "off" else "samehost"}"}} 1.0' in text
 
 
 def test_abort_mid_read_stops_the_stream_and_releases_both_sides(daemons):

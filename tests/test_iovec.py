@@ -143,9 +143,10 @@ def test_recv_all_reports_a_closed_peer_and_a_stall():
 
 
 @settings(deadline=None, max_examples=25)
-@given(st.lists(st.integers(1, 50_000), min_size=1, max_size=30), st.integers(1, 4), st.integers(0, 2**32))
-def test_copier_copies_piece_lists_byte_exact(sizes, threads, seed):
-    copier = iovec.Copier(threads)
+@given(st.lists(st.integers(1, 50_000), min_size=1, max_size=30), st.integers(1, 4), st.sampled_from([1, 4 << 20]), st.integers(0, 2**32))
+def test_copier_copies_piece_lists_byte_exact(sizes, threads, parallel_min_bytes, seed):
+    """Split over threads (parallel_min_bytes=1) or kept on the caller."""
+    copier = iovec.Copier(threads, parallel_min_bytes)
     try:
         if not copier.available:
             pytest.skip("process_vm_readv is refused here")
@@ -175,3 +176,38 @@ def test_copier_reports_unmapped_memory_as_an_error():
             copier.copy(_pieces(dst, [(0, 64)]), iovec.make([8], [64]))  # address 8 is never mapped
     finally:
         copier.close()
+
+
+def test_send_nowait_stops_at_a_full_socket_and_the_rest_follows():
+    """An owner writes a small read's whole answer (header, pieces, trailer)
+    from its event loop: as much as the socket takes, the rest from a thread."""
+    rnd = random.Random(3)
+    sizes = [rnd.randrange(1, 300_000) for _ in range(40)]
+    total = sum(sizes)
+    src = np.frombuffer(rnd.randbytes(total), dtype=np.uint8).copy()
+    offs = np.cumsum([0, *sizes[:-1]])
+    order = list(range(len(sizes)))
+    rnd.shuffle(order)
+    iov, keep = iovec.chain([b"HEAD", _pieces(src, [(int(offs[i]), sizes[i]) for i in order]), b"TAIL"])
+    assert iovec.nbytes(iov) == total + 8 and len(keep) == 2
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        sent = iovec.send_nowait(a, iov)  # nobody reads yet: the socket buffer fills
+        assert 0 < sent < total
+        assert iovec.send_nowait(a, iovec.advance(iov, sent)) == 0  # still full: no error, nothing sent
+        out = bytearray()
+
+        def receive() -> None:
+            while len(out) < total + 8:
+                out.extend(b.recv(1 << 20))
+
+        t = threading.Thread(target=receive)
+        t.start()
+        a.setblocking(True)
+        iovec.send_all(a, iovec.advance(iov, sent))
+        t.join(timeout=30)
+        assert bytes(out) == b"HEAD" + _bytes_of(src, _pieces(src, [(int(offs[i]), sizes[i]) for i in order])) + b"TAIL"
+    finally:
+        a.close()
+        b.close()

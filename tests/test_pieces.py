@@ -42,33 +42,36 @@ def test_owner_and_reader_pieces_pair_and_land_exactly(layout, stacked, p_tp, d_
 
     p = make_engine("P", p_tp, 1, model, spec_of(p_tp), rng, stacked=stacked)
     d = make_engine("D", d_tp, 1, model, spec_of(d_tp), rng, stacked=stacked)
-    p_ids, d_ids = rng.sample(range(1, 64), 20), rng.sample(range(1, 64), 20)
-    for r in p.ranks.values():
-        pattern.fill(r.tensors, 3, p_ids, r.coords)
-    params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=20 * bs, block_ids=[pb.BlockIds(ids=p_ids)])
     by_pieces = 0
-    for (tp, pp), rank in d.ranks.items():
-        for rr in plan_pull(local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
-                            remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 16):
-            owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
-            for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
-                src = batched_pieces(owner.tensors, seg, rr.read.head_start, rr.read.head_count)
-                dst = sink.batched_pieces()
-                if src is not None and dst is not None and len(src[0]) == len(dst[0]) and src[1] == dst[1]:
-                    assert len(src[0]) * src[1] == sink.nbytes
-                    _copy_pieces(src[0], dst[0], src[1])
-                    by_pieces += 1
-                    continue
-                payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, Staging())
-                if src is not None:  # the owner's pieces alone must still spell the wire bytes
-                    buf = torch.empty(sink.nbytes, dtype=torch.uint8)
-                    _copy_pieces(src[0], buf.data_ptr() + torch.arange(len(src[0])).numpy().astype("uint64") * src[1], src[1])
-                    assert torch.equal(buf, payload)
-                direct = sink.direct()
-                if direct is not None:
-                    direct.reshape(-1).view(torch.uint8).copy_(payload)
-                else:
-                    sink.land(payload.clone())
-        assert pattern.mismatch(rank.tensors, 3, d_ids, rank.coords, 20 * bs) is None
+    # Two requests on the same engines: the second reuses the piece templates
+    # cached on the groups, with other block ids.
+    for seed in (3, 4):
+        p_ids, d_ids = rng.sample(range(1, 64), 20), rng.sample(range(1, 64), 20)
+        for r in p.ranks.values():
+            pattern.fill(r.tensors, seed, p_ids, r.coords)
+        params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=20 * bs, block_ids=[pb.BlockIds(ids=p_ids)])
+        for (tp, pp), rank in d.ranks.items():
+            for rr in plan_pull(local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
+                                remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 16):
+                owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
+                for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                    src = batched_pieces(owner.tensors, seg, rr.read.head_start, rr.read.head_count)
+                    dst = sink.batched_pieces()
+                    if src is not None and dst is not None and len(src[0]) == len(dst[0]) and src[1] == dst[1]:
+                        assert len(src[0]) * src[1] == sink.nbytes
+                        _copy_pieces(src[0], dst[0], src[1])
+                        by_pieces += 1
+                        continue
+                    payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, Staging())
+                    if src is not None:  # the owner's pieces alone must still spell the wire bytes
+                        buf = torch.empty(sink.nbytes, dtype=torch.uint8)
+                        _copy_pieces(src[0], buf.data_ptr() + torch.arange(len(src[0])).numpy().astype("uint64") * src[1], src[1])
+                        assert torch.equal(buf, payload)
+                    direct = sink.direct()
+                    if direct is not None:
+                        direct.reshape(-1).view(torch.uint8).copy_(payload)
+                    else:
+                        sink.land(payload.clone())
+            assert pattern.mismatch(rank.tensors, seed, d_ids, rank.coords, 20 * bs) is None
     if p_tp == d_tp:  # same layout, same heads: scattered blocks go piece to piece
         assert by_pieces > 0

@@ -234,6 +234,7 @@ class Daemon:
         self._to_aggregator: list[pb.ReportFinishedRequest] = []
         self._background: list[asyncio.Task[None]] = []
         self._registration_version = 0
+        self._meta_cache: tuple[int, EngineMeta] | None = None
         self._generation = 0
         self._draining = False
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -421,15 +422,21 @@ class Daemon:
     # ------------------------------------------------------------ engine metadata and handshake
 
     def engine_meta(self) -> EngineMeta:
+        """This engine as peers see it; rebuilt only when a worker (un)registers."""
+        cached = self._meta_cache
+        if cached is not None and cached[0] == self._registration_version:
+            return cached[1]
         regs = list(self.registrations.values())
         if not regs:
             raise Unavailable(f"engine {self.config.engine_id!r} has no registered workers yet")
         w = regs[0].worker
-        return EngineMeta(
+        meta = EngineMeta(
             engine_id=self.config.engine_id, epoch=self.epoch, host_id=self.host_id, data_address=self.data_address,
             tp_size=w.tp_size, pp_size=w.pp_size, model=regs[0].model,
             ranks=tuple(EngineLayout(r.worker.tp_rank, r.worker.pp_rank, tuple(r.groups)) for r in sorted(regs, key=lambda r: (r.worker.pp_rank, r.worker.tp_rank))),
         )
+        self._meta_cache = (self._registration_version, meta)
+        return meta
 
     def _fingerprint(self, meta: EngineMeta) -> str:
         return fingerprint(meta.model, meta.ranks[0].groups if meta.ranks else ())
@@ -804,7 +811,7 @@ class Daemon:
         for fresh in (False, True):
             try:
                 reads = plan_pull(
-                    local_meta=self.engine_meta(), local_tp_rank=rank[0], local_pp_rank=rank[1],
+                    local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                     local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=req.params,
                     local_block_ids=local_ids, segment_bytes=self.config.segment_bytes,
                 )

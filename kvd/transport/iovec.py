@@ -119,17 +119,23 @@ def _raise(op: str) -> None:
     raise OSError(err, f"{op}: {os.strerror(err)}")
 
 
-def _transfer(fd: int, iov: np.ndarray, send: bool) -> int:
-    """Move all of ``iov`` over a blocking socket; returns bytes moved."""
+def _transfer(fd: int, iov: np.ndarray, send: bool, wait: bool = True) -> int:
+    """Move all of ``iov`` over a blocking socket; returns bytes moved.
+    Without ``wait`` (sends only), stop where the socket would block."""
     call, flags, op = (_libc.sendmsg, _MSG_NOSIGNAL, "sendmsg") if send else (_libc.recvmsg, socket.MSG_WAITALL, "recvmsg")
+    if not wait:
+        flags |= socket.MSG_DONTWAIT
     total = 0
     while len(iov):
         chunk = np.ascontiguousarray(iov[:IOV_MAX])
         hdr = _MsgHdr(None, 0, chunk.ctypes.data, len(chunk), None, 0, 0)
         k = call(fd, ctypes.byref(hdr), flags)
         if k < 0:
-            if ctypes.get_errno() == errno.EINTR:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
                 continue
+            if not wait and err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return total
             _raise(op)
         if k == 0 and not send:
             raise ConnectionResetError("peer closed the connection")
@@ -148,6 +154,21 @@ def send_all(sock: socket.socket, iov: np.ndarray, head: bytes = b"") -> int:
     return _transfer(sock.fileno(), iov, send=True)
 
 
+def send_nowait(sock: socket.socket, iov: np.ndarray) -> int:
+    """Write as much of ``iov`` as the socket takes without blocking; returns
+    the bytes written (``advance`` gives the rest)."""
+    return _transfer(sock.fileno(), iov, send=True, wait=False)
+
+
+def chain(parts: Sequence[bytes | np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Byte strings and iovec arrays, in order, as one iovec array; the
+    second value holds the byte strings' buffers and must outlive its use."""
+    keep = [np.frombuffer(p, dtype=np.uint8) for p in parts if isinstance(p, bytes)]
+    it = iter(keep)
+    rows = [make([next(it).ctypes.data], [len(p)]) if isinstance(p, bytes) else p for p in parts]
+    return np.concatenate(rows), keep
+
+
 def recv_all(sock: socket.socket, iov: np.ndarray) -> int:
     """Fill every piece of ``iov`` from a blocking socket (MSG_WAITALL: one
     syscall per up to 1024 pieces, however the bytes arrive)."""
@@ -162,9 +183,12 @@ class Copier:
     faster than one memcpy. ``available`` is False where the syscall is
     refused (seccomp, old kernels), and callers fall back to torch copies."""
 
-    def __init__(self, threads: int = 2) -> None:
+    def __init__(self, threads: int = 2, parallel_min_bytes: int = 4 << 20) -> None:
         self.threads = max(1, threads)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kvd-copy")
+        # Each thread gets at least this much: waking a helper thread costs
+        # more than it saves on a small copy, which stays on the caller.
+        self.parallel_min_bytes = max(1, parallel_min_bytes)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="kvd-copy")
         self.available = self._probe()
 
     def _probe(self) -> bool:
@@ -201,20 +225,25 @@ class Copier:
         dst, src = align(dst, src)
         if not len(dst):
             return 0
-        if len(dst) == 1 and self.threads > 1:  # one big piece: cut it for the threads
-            dst, src = _cut(dst, self.threads), _cut(src, self.threads)
-        if self.threads == 1:
+        total = nbytes(dst)
+        threads = min(self.threads, max(1, total // self.parallel_min_bytes))
+        if threads == 1:
             self._copy_rows(dst, src, cancel)
-            return nbytes(dst)
-        # Split by bytes, not rows, so the threads finish together.
+            return total
+        if len(dst) == 1:  # one big piece: cut it for the threads
+            dst, src = _cut(dst, threads), _cut(src, threads)
+        # Split by bytes, not rows, so the threads finish together; the
+        # calling thread copies the first part itself.
         ends = np.cumsum(dst[:, 1])
-        marks = np.searchsorted(ends, np.linspace(0, int(ends[-1]), self.threads + 1)[1:-1])
-        bounds = [0, *sorted({int(m) for m in marks}), len(dst)]
-        jobs = [self._pool.submit(self._copy_rows, dst[lo:hi], src[lo:hi], cancel)
-                for lo, hi in itertools.pairwise(bounds) if hi > lo]
-        for j in jobs:
-            j.result()
-        return nbytes(dst)
+        marks = np.searchsorted(ends, np.linspace(0, int(ends[-1]), threads + 1)[1:-1])
+        bounds = [(lo, hi) for lo, hi in itertools.pairwise([0, *sorted({int(m) for m in marks}), len(dst)]) if hi > lo]
+        jobs = [self._pool.submit(self._copy_rows, dst[lo:hi], src[lo:hi], cancel) for lo, hi in bounds[1:]]
+        try:
+            self._copy_rows(dst[bounds[0][0]:bounds[0][1]], src[bounds[0][0]:bounds[0][1]], cancel)
+        finally:
+            for j in jobs:
+                j.result()
+        return total
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -110,8 +110,12 @@ class TcpDataServer:
 
     def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
                  max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None,
-                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30) -> None:
+                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30, inline_send_bytes: int = 4 << 20) -> None:
         self.server = server
+        # A read this small is written from the event loop without blocking
+        # (the rest, if the socket buffer fills, from a thread): a thread hop
+        # costs more than the copy into the socket buffer.
+        self.inline_send_bytes = inline_send_bytes
         self.tls = tls  # mTLS: every connection is served in a thread over TLS
         self.nixl = nixl  # transport nixl: reads may ask for descriptors instead of DATA
         self.nixl_staging_bytes = nixl_staging_bytes
@@ -209,8 +213,15 @@ class TcpDataServer:
                 if local:  # a same-host read: the reader copies, we only authorise
                     await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=0).SerializeToString()))
                     conn.sent(FrameType.END)
-                elif not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, host_staging, arena):
-                    continue
+                elif header.flags & FLAG_NIXL or (whole := self._small_answer(opened, len(read.segments))) is None:
+                    if not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, host_staging, arena):
+                        continue
+                else:
+                    iov, _keep = whole
+                    sent = iovec.send_nowait(sock, iov)
+                    if sent < iovec.nbytes(iov):
+                        await loop.run_in_executor(self._pool, self._send_rest, sock, iovec.advance(iov, sent))
+                    conn.sent(FrameType.END)
                 _ack, _, length = await _recv_frame(loop, sock, conn)
                 await _recv_body(loop, sock, length)
                 opened.acknowledged()
@@ -248,6 +259,30 @@ class TcpDataServer:
             sock.sendall(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
             conn.sent(FrameType.END)
             return True
+
+    def _small_answer(self, opened: Any, count: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """A small read's whole answer (every DATA frame, then END) as one
+        iovec list over registered host memory; None where it is not small
+        or some segment must be gathered."""
+        total = 0
+        for i in range(count):
+            total += opened.segment_nbytes(i)
+            if total > self.inline_send_bytes:
+                return None
+        parts: list[bytes | np.ndarray] = []
+        for i in range(count):
+            iov = opened.segment_iov(i)
+            if iov is None:
+                return None
+            parts += [Header(FrameType.DATA, i, iovec.nbytes(iov)).encode(), iov]
+        # No check_alive: open_read authorised this read in this same loop step.
+        opened.count_sent(total, sum(opened.segment_blocks(i) for i in range(count)), "tcp")
+        parts.append(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
+        return iovec.chain(parts)
+
+    def _send_rest(self, sock: socket.socket, iov: np.ndarray) -> None:
+        with _blocking(sock, self.hello_timeout_s * 3):
+            iovec.send_all(sock, iov)
 
     def _send_descriptors(self, sock: socket.socket, opened: Any, count: int, arena: Arena | None,
                           reader_version: int) -> tuple[errors.KvdError | None, int]:
@@ -703,6 +738,10 @@ class TcpDataClient:
         conn.proto.sent(FrameType.ACK)
 
     async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+        # Authorisation first, then the copy: copying while the owner decides
+        # would save a round trip, but a refused read (a capability that does
+        # not match, a publication that ended) would already have written
+        # another request's bytes into this engine's memory.
         await self._request(conn, read, FLAG_LOCAL, 0)
         t0 = time.perf_counter()
         moved = await self._in_thread(conn, copy_local, read, sinks, landed, source, conn.cancel, self.copier)
