@@ -21,8 +21,8 @@ test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvd tests
-	$(VENV)/bin/mypy kvd
+	$(VENV)/bin/ruff check kvd tests benchmarks
+	$(VENV)/bin/mypy kvd benchmarks
 
 # Regenerate kvd/proto from protos/kvd.proto (tests/test_proto.py fails when it is stale).
 proto: $(STAMP)
