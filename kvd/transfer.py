@@ -513,8 +513,8 @@ class PieceTemplate:
 
 
 def _run_template(v: torch.Tensor, block_dim: int) -> tuple[np.ndarray, int, int] | None:
-    """For one view in (layer, *physical) order: each (layer, outer index)'s
-    first-block address in C order, the block dim's stride and the piece
+    """For one view in (layer, *physical) order: the address of block 0 at
+    each (layer, outer index), in C order, the block dim's stride and the piece
     length, all in bytes; None when a piece (one block, for fixed outer
     indices) is not dense in memory."""
     shape, stride, item = tuple(v.shape), v.stride(), v.element_size()
@@ -552,13 +552,19 @@ def _template(runs: Sequence[tuple[int, int, int, torch.Tensor]], block_dim: int
     return PieceTemplate(base, stride, piece)
 
 
+_UNBUILT = object()
+
+
 def _cached_template(group: GroupTensors, key: tuple[object, ...], build: Callable[[], PieceTemplate | None]) -> PieceTemplate | None:
+    # Several connection threads share a group: read the cache once, and
+    # return what was built, not a second lookup another thread may clear.
     cache = group.templates
-    if key not in cache:
+    found = cache.get(key, _UNBUILT)
+    if found is _UNBUILT:
         if len(cache) >= 1024:  # shapes are few; this only bounds a pathological reader
             cache.clear()
-        cache[key] = build()
-    return cache[key]
+        found = cache[key] = build()
+    return found  # type: ignore[return-value]
 
 
 def owner_template(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int) -> PieceTemplate | None:

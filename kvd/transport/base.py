@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvd.proto import kvd_pb2 as pb
@@ -45,6 +46,18 @@ class OpenRead(Protocol):
 
     def check_alive(self) -> None:
         """Raise a KvdError if the read may no longer be served (abort, expiry)."""
+        ...
+
+    def count_sent(self, nbytes: int, blocks: int, transport: str) -> None:
+        """Metrics for bytes that left without ``segment`` (in place)."""
+        ...
+
+    def segment_nbytes(self, index: int) -> int: ...
+
+    def segment_blocks(self, index: int) -> int: ...
+
+    def segment_iov(self, index: int) -> np.ndarray | None:
+        """The segment's registered host memory as an iovec array, in wire order."""
         ...
 
 

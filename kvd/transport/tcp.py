@@ -217,10 +217,11 @@ class TcpDataServer:
                     if not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, host_staging, arena):
                         continue
                 else:
-                    iov, _keep = whole
+                    iov, _keep, total, blocks = whole
                     sent = iovec.send_nowait(sock, iov)
                     if sent < iovec.nbytes(iov):
                         await loop.run_in_executor(self._pool, self._send_rest, sock, iovec.advance(iov, sent))
+                    opened.count_sent(total, blocks, "tcp")
                     conn.sent(FrameType.END)
                 _ack, _, length = await _recv_frame(loop, sock, conn)
                 await _recv_body(loop, sock, length)
@@ -260,9 +261,10 @@ class TcpDataServer:
             conn.sent(FrameType.END)
             return True
 
-    def _small_answer(self, opened: Any, count: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    def _small_answer(self, opened: Any, count: int) -> tuple[np.ndarray, list[np.ndarray], int, int] | None:
         """A small read's whole answer (every DATA frame, then END) as one
-        iovec list over registered host memory; None where it is not small
+        iovec list over registered host memory, the buffers it points into
+        besides, its payload bytes and its blocks; None where it is not small
         or some segment must be gathered."""
         total = 0
         for i in range(count):
@@ -276,9 +278,9 @@ class TcpDataServer:
                 return None
             parts += [Header(FrameType.DATA, i, iovec.nbytes(iov)).encode(), iov]
         # No check_alive: open_read authorised this read in this same loop step.
-        opened.count_sent(total, sum(opened.segment_blocks(i) for i in range(count)), "tcp")
         parts.append(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
-        return iovec.chain(parts)
+        iov, keep = iovec.chain(parts)
+        return iov, keep, total, sum(opened.segment_blocks(i) for i in range(count))
 
     def _send_rest(self, sock: socket.socket, iov: np.ndarray) -> None:
         with _blocking(sock, self.hello_timeout_s * 3):
