@@ -148,9 +148,8 @@ def send_all(sock: socket.socket, iov: np.ndarray, head: bytes = b"") -> int:
     """Write ``head`` then every piece of ``iov`` (a blocking socket: its
     SO_SNDTIMEO bounds a stall). Returns payload bytes sent."""
     if head:
-        buf = np.frombuffer(head, dtype=np.uint8)
-        iov = np.concatenate([make([buf.ctypes.data], [len(head)]), iov])
-        return _transfer(sock.fileno(), iov, send=True) - len(head)
+        whole, _keep = chain([head, iov])
+        return _transfer(sock.fileno(), whole, send=True) - len(head)
     return _transfer(sock.fileno(), iov, send=True)
 
 

@@ -14,7 +14,10 @@ next frame arrives.
 Bulk I/O runs in worker threads on blocking sockets, with SO_RCVTIMEO and
 SO_SNDTIMEO bounding a stall; the event loop accepts, authorises and takes
 the ACK. The END and the ACK are sent by the threads that moved the bytes, so
-no hop back to the loop sits on a read's critical path.
+no hop back to the loop sits on a read's critical path. A small read (at most
+``inline_send_bytes``, all in place) is the exception on the owner side: its
+whole answer leaves from the loop in one non-blocking sendmsg, and only what
+the socket buffer does not take goes to a thread.
 """
 
 from __future__ import annotations
