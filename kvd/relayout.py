@@ -118,6 +118,11 @@ class GroupTensors:
     # addresses into these tensors, so they live exactly as long as the views.
     templates: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def device(self) -> torch.device:
+        first = self.parts[0]
+        return (first if isinstance(first, torch.Tensor) else first[0]).device
+
     @classmethod
     def build(cls, group: GroupSpec, regions: dict[str, torch.Tensor]) -> GroupTensors:
         spec = group.spec

@@ -41,6 +41,10 @@ from kvd.transport import iovec
 # relayout of one overlaps receipt of the next.
 DEFAULT_SEGMENT_BYTES = 4 << 20
 
+# Hands out a gather buffer of n bytes, on the device whose memory is being
+# gathered where it can (``kvd.transport.base.Staging``).
+GatherStaging = Callable[[int, torch.device], torch.Tensor]
+
 
 def engine_shape(meta: EngineMeta) -> EngineShape:
     use_mla = any(g.spec.use_mla for r in meta.ranks for g in r.groups)
@@ -153,15 +157,28 @@ class SegmentSink:
         found = self.batched_pieces()
         return None if found is None else _pieces_iov(*found)
 
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
     def land(self, payload: torch.Tensor) -> None:
-        """Relayout ``payload`` (uint8, this segment's bytes) into local memory."""
+        """Relayout ``payload`` (uint8, this segment's bytes) into local memory.
+
+        On a GPU the payload goes up in one copy and the relayout runs there,
+        on the caller's current stream; it has finished when this returns,
+        because the caller then reports the blocks landed."""
+        device = self.device
+        if payload.device != device:
+            payload = payload.to(device, non_blocking=True)
         src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
         for dst, layers, kv in self._targets():
             if self.local_index is not None:
-                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device)
-                dst[:, :, idx] = src[layers, kv].to(dst.device)  # one scatter for every block
+                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device, non_blocking=True)
+                dst[:, :, idx] = src[layers, kv]  # one scatter for every block
             else:
                 to_units(dst, self.n, self.u).copy_(to_units(src[layers, kv], self.n, self.u))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 @dataclass
@@ -409,18 +426,13 @@ def owner_iov(group: GroupTensors, seg: pb.DataSegment, head_start: int, head_co
     """The owner's host memory behind a segment, in wire order, as an iovec
     array (one row for a contiguous run, one per block piece for batched
     blocks); None when it must be gathered (or lives on a GPU)."""
-    if group.parts and _device(group).type != "cpu":
+    if group.device.type != "cpu":
         return None
     view = segment_view(group, seg, head_start, head_count)
     if view is not None:
         return _tensor_iov(view)
     found = batched_pieces(group, seg, head_start, head_count)
     return None if found is None else _pieces_iov(*found)
-
-
-def _device(group: GroupTensors) -> torch.device:
-    first = group.parts[0]
-    return (first if isinstance(first, torch.Tensor) else first[0]).device
 
 
 def _tensor_iov(t: torch.Tensor) -> np.ndarray | None:
@@ -441,7 +453,7 @@ def segment_nbytes(spec: KVCacheSpec, seg: pb.DataSegment, heads: int) -> int:
 
 
 def serve_segment(
-    group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int, staging: Callable[[int], torch.Tensor]
+    group: GroupTensors, seg: pb.DataSegment, head_start: int, head_count: int, staging: GatherStaging
 ) -> torch.Tensor:
     """The owner's bytes for one segment, as a flat uint8 tensor.
 
@@ -460,7 +472,7 @@ def serve_segment(
     if view is not None:
         return view
     shape, _ = wire_shape(spec, len(positions), seg.block_count, seg.token_count, head_count, kvn)
-    buf = staging(math.prod(shape) * spec.itemsize)
+    buf = staging(math.prod(shape) * spec.itemsize, group.device)
     out = buf.view(move_dtype(spec.dtype)).view(shape)
     for j, p in enumerate(parts):
         for i, c, view in group.layer_runs(p, positions):
@@ -470,14 +482,14 @@ def serve_segment(
 
 def _serve_batched(
     group: GroupTensors, seg: pb.DataSegment, head: tuple[int, int], joined_kv: tuple[int, int] | None,
-    parts: list[int], staging: Callable[[int], torch.Tensor],
+    parts: list[int], staging: GatherStaging,
 ) -> torch.Tensor:
     """Gather scattered blocks with one index_select per part and layer run."""
     spec = group.spec
     positions = tuple(seg.layers)
     idx = torch.as_tensor(list(seg.block_ids), dtype=torch.int64)
     shape, _ = wire_shape(spec, len(positions), len(seg.block_ids), seg.token_count, head[1], len(parts) if spec.parts_per_layer == 2 else (joined_kv[1] if joined_kv else 0))
-    buf = staging(math.prod(shape) * spec.itemsize)
+    buf = staging(math.prod(shape) * spec.itemsize, group.device)
     out = buf.view(move_dtype(spec.dtype)).view(shape)
     block_dim = 1 + spec.layout.index("block")  # in (layer, *physical)
     for j, p in enumerate(parts):

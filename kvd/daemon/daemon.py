@@ -18,7 +18,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -67,6 +67,7 @@ from kvd.topology import fanout_source, heads_of_rank, read_targets
 from kvd.transfer import (
     DEFAULT_SEGMENT_BYTES,
     STRIPE_MIN_BYTES,
+    GatherStaging,
     batched_pieces,
     copy_blocks,
     engine_shape,
@@ -78,7 +79,6 @@ from kvd.transfer import (
     stripe,
     validate_segment,
 )
-from kvd.transport.base import Staging
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp import LocalSource, TcpDataClient, TcpDataServer
@@ -1103,7 +1103,7 @@ class _OpenRead:
     def __init__(self, daemon: Daemon, reg: Registration, read: pb.DataRead, reader: str) -> None:
         self.daemon, self.reg, self.read, self.reader = daemon, reg, read, reader
 
-    def segment(self, index: int, staging: Staging | Callable[[int], torch.Tensor], transport: str = "tcp") -> torch.Tensor:
+    def segment(self, index: int, staging: GatherStaging, transport: str = "tcp") -> torch.Tensor:
         seg = self.read.segments[index]
         payload = serve_segment(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count, staging)
         self.daemon.metrics.bytes_sent.labels(transport).inc(payload.numel())
@@ -1117,6 +1117,9 @@ class _OpenRead:
 
     def segment_blocks(self, index: int) -> int:
         return self.read.segments[index].block_count
+
+    def segment_device(self, index: int) -> torch.device:
+        return self.reg.tensors[self.read.segments[index].group_id].device
 
     def segment_nbytes(self, index: int) -> int:
         seg = self.read.segments[index]

@@ -18,23 +18,28 @@ import torch
 from kvd.proto import kvd_pb2 as pb
 from kvd.transfer import SegmentSink
 
+CPU = torch.device("cpu")
+
 
 class Staging:
-    """A gather buffer that grows to the largest segment and is then reused."""
+    """Gather buffers, one per device, that grow to the largest segment and
+    are then reused."""
 
     def __init__(self, *, pinned: bool = False) -> None:
         self.pinned = pinned
-        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._bufs: dict[torch.device, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
-        return self._buf.numel()
+        return sum(b.numel() for b in self._bufs.values())
 
-    def __call__(self, nbytes: int) -> torch.Tensor:
-        if self._buf.numel() < nbytes:
+    def __call__(self, nbytes: int, device: torch.device = CPU) -> torch.Tensor:
+        buf = self._bufs.get(device)
+        if buf is None or buf.numel() < nbytes:
             # Pinned (page-locked) host memory lets device copies run at full speed.
-            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned and torch.cuda.is_available())
-        return self._buf[:nbytes]
+            pin = self.pinned and device.type == "cpu" and torch.cuda.is_available()
+            buf = self._bufs[device] = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        return buf[:nbytes]
 
 
 class OpenRead(Protocol):
@@ -50,6 +55,10 @@ class OpenRead(Protocol):
 
     def count_sent(self, nbytes: int, blocks: int, transport: str) -> None:
         """Metrics for bytes that left without ``segment`` (in place)."""
+        ...
+
+    def segment_device(self, index: int) -> torch.device:
+        """Where the segment's memory lies: host memory, or a GPU."""
         ...
 
     def segment_nbytes(self, index: int) -> int: ...

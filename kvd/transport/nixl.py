@@ -234,8 +234,8 @@ class _Fixed:
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
 
-    def __call__(self, nbytes: int) -> torch.Tensor:
-        return self.buf[:nbytes]
+    def __call__(self, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+        return self.buf[:nbytes]  # host memory NIXL registered, wherever the source lies
 
 
 def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink], landed: list[bool], arena: Arena,

@@ -4,12 +4,14 @@ Owner side: a DATA frame leaves straight from registered memory, one
 sendmsg over the segment's pieces (a contiguous run, or one piece per block
 for scattered blocks: ``kvd.transport.iovec``), or from a per-connection
 staging buffer when those bytes are not dense pieces there (a head slice of an
-interleaved layout, GPU memory).
+interleaved layout). GPU memory is gathered on the GPU and copied to pinned
+memory on a side stream while the previous segment is sent
+(``kvd.transport.device``).
 
 Reader side: a frame is received straight into place (recvmsg with
 MSG_WAITALL into the pieces) when local memory has the wire layout, else into
-one of two staging buffers whose relayout runs in another thread while the
-next frame arrives.
+one of two (pinned) staging buffers whose relayout runs in another thread,
+on the GPU for GPU caches, while the next frame arrives.
 
 Bulk I/O runs in worker threads on blocking sockets, with SO_RCVTIMEO and
 SO_SNDTIMEO bounding a stall; the event loop accepts, authorises and takes
@@ -44,6 +46,7 @@ from kvd.relayout import GroupTensors
 from kvd.transfer import SegmentSink, owner_iov, serve_segment
 from kvd.transport import iovec
 from kvd.transport.base import ReadServer, Staging
+from kvd.transport.device import DeviceToHost, device_copies
 from kvd.transport.nixl import Arena, NixlAgent, expose, land
 from kvd.wire import (
     FLAG_LOCAL,
@@ -187,7 +190,7 @@ class TcpDataServer:
         conn = Connection(server=True)
         peer_key = ""
         staging = Staging()
-        host_staging = Staging(pinned=True)
+        to_host = DeviceToHost()
         arena = Arena(self.nixl) if self.nixl is not None else None
         try:
             async with asyncio.timeout(self.hello_timeout_s):  # the whole HELLO, body included
@@ -217,7 +220,7 @@ class TcpDataServer:
                     await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=0).SerializeToString()))
                     conn.sent(FrameType.END)
                 elif header.flags & FLAG_NIXL or (whole := self._small_answer(opened, len(read.segments))) is None:
-                    if not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, host_staging, arena):
+                    if not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, to_host, arena):
                         continue
                 else:
                     iov, _keep, total, blocks = whole
@@ -243,7 +246,7 @@ class TcpDataServer:
                 arena.release()
 
     def _answer(self, sock: socket.socket, conn: Connection, opened: Any, read: pb.DataRead, flags: int, staging: Staging,
-                host_staging: Staging, arena: Arena | None) -> bool:
+                to_host: DeviceToHost, arena: Arena | None) -> bool:
         """Owner side of one authorised read, in a worker thread: the DATA (or
         DESCS) frames, then END or ERROR from this same thread, so the reader
         is not kept waiting on a hop back to the event loop. True after END
@@ -255,7 +258,7 @@ class TcpDataServer:
             elif flags & FLAG_NIXL:
                 failed, total = self._send_descriptors(sock, opened, len(read.segments), arena, read.nixl_metadata_version)
             else:
-                failed, total = _send_segments(sock, opened, len(read.segments), staging, host_staging)
+                failed, total = _send_segments(sock, opened, len(read.segments), staging, to_host)
             if failed is not None:
                 sock.sendall(encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
                 conn.sent(FrameType.ERROR)
@@ -320,7 +323,7 @@ class TcpDataServer:
             return
         conn = Connection(server=True)
         peer_key = ""
-        staging, host_staging = Staging(), Staging(pinned=True)
+        staging, to_host = Staging(), DeviceToHost()
         try:
             header, body = _read_frame_blocking(sock, conn)
             hello = pb.DataHello.FromString(body)
@@ -344,7 +347,7 @@ class TcpDataServer:
                     sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                if not self._answer(sock, conn, opened, read, header.flags, staging, host_staging, None):
+                if not self._answer(sock, conn, opened, read, header.flags, staging, to_host, None):
                     continue
                 _read_frame_blocking(sock, conn)
                 _on_loop(loop, opened.acknowledged)
@@ -446,31 +449,45 @@ def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
             buffers[0] = buffers[0][sent:]
 
 
-def _send_segments(sock: socket.socket, opened: Any, count: int, staging: Staging, host_staging: Staging) -> tuple[errors.KvdError | None, int]:
+def _send_segments(sock: socket.socket, opened: Any, count: int, staging: Staging, to_host: DeviceToHost) -> tuple[errors.KvdError | None, int]:
     """Owner side, on a blocking socket: every DATA frame of one read. Host
     memory leaves in place (one sendmsg over its pieces); the rest is gathered
-    into staging first."""
+    into staging first. A GPU segment is gathered and copied down while the
+    segment before it is on the wire (``DeviceToHost``)."""
     total = 0
     plain = not isinstance(sock, ssl.SSLSocket)  # no sendmsg over TLS
-    for i in range(count):
-        try:
-            opened.check_alive()
-        except errors.KvdError as e:
-            return e, total
-        iov = opened.segment_iov(i) if plain else None
-        if iov is not None:
-            n = iovec.nbytes(iov)
-            iovec.send_all(sock, iov, Header(FrameType.DATA, i, n).encode())
-            opened.count_sent(n, opened.segment_blocks(i), "tcp")
-            total += n
-            continue
-        payload = opened.segment(i, staging)
-        if payload.device.type != "cpu":
-            # GPU memory leaves through pinned host staging.
-            payload = host_staging(payload.numel()).copy_(payload)
-        _sendmsg_all(sock, [memoryview(Header(FrameType.DATA, i, payload.numel()).encode()), _as_bytes(payload)])
-        total += payload.numel()
-    return None, total
+
+    def start_on_device(i: int) -> bool:
+        device = opened.segment_device(i)
+        if device.type == "cpu":
+            return False
+        to_host.start(i, device, functools.partial(opened.segment, i))
+        return True
+
+    try:
+        for i in range(count):
+            try:
+                opened.check_alive()
+            except errors.KvdError as e:
+                return e, total
+            iov = opened.segment_iov(i) if plain else None
+            if iov is not None:
+                n = iovec.nbytes(iov)
+                iovec.send_all(sock, iov, Header(FrameType.DATA, i, n).encode())
+                opened.count_sent(n, opened.segment_blocks(i), "tcp")
+                total += n
+                continue
+            if start_on_device(i):
+                if i + 1 < count:
+                    start_on_device(i + 1)  # its copy runs while this one is sent
+                payload = to_host.take(i)
+            else:
+                payload = opened.segment(i, staging)
+            _sendmsg_all(sock, [memoryview(Header(FrameType.DATA, i, payload.numel()).encode()), _as_bytes(payload)])
+            total += payload.numel()
+        return None, total
+    finally:
+        to_host.drain()
 
 
 def _recv_into_all(sock: socket.socket, view: memoryview) -> None:
@@ -512,7 +529,8 @@ class _Landing:
         if self.cancel.is_set():
             raise ConnectionAbortedError("read abandoned")
         t0 = time.perf_counter()
-        sink.land(buf)
+        with device_copies(sink.device):  # this thread's stream: beside other connections' landings
+            sink.land(buf)
         self.on_relayout(time.perf_counter() - t0)
         self.landed[tag] = True
 
@@ -576,7 +594,9 @@ class _Conn:
         self.cancel = threading.Event()
         self.work: asyncio.Future[Any] | None = None
         self.proto = Connection(server=False)
-        self.staging = (Staging(), Staging())  # received segments awaiting relayout (one lands while the other fills)
+        # Received segments awaiting relayout (one lands while the other
+        # fills); pinned where a GPU may take them, for full-speed uploads.
+        self.staging = (Staging(pinned=True), Staging(pinned=True))
         self.arena: Arena | None = None  # NIXL landing scratch, registered on first use
 
 
@@ -846,12 +866,15 @@ def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[boo
                 srcs.append(src)
                 in_place.append(i)
                 continue
-        payload = serve_segment(group, seg, read.head_start, read.head_count, source.staging)
-        direct = sink.direct()
-        if direct is not None:
-            direct.reshape(-1).view(torch.uint8).copy_(payload)
-        else:
-            sink.land(payload)
+        # GPU to GPU (CUDA IPC): gathered on the owner's device, then one
+        # device copy or a relayout on ours, waited for before it counts.
+        with device_copies(sink.device if sink.device.type == "cuda" else group.device):
+            payload = serve_segment(group, seg, read.head_start, read.head_count, source.staging)
+            direct = sink.direct()
+            if direct is not None:
+                direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
+            else:
+                sink.land(payload)
         landed[i] = True
         moved += sink.nbytes
     if in_place:

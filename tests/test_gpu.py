@@ -1,0 +1,106 @@
+"""GPU memory on the data plane: CUDA IPC registration, pinned staging on
+CUDA streams, relayout on the GPU, and the same-host device copy.
+
+Every test needs a CUDA device and is skipped without one.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import torch
+
+from kvd import pattern
+from kvd.caches import allocate_kv_caches, local_group_tensors
+from kvd.client import KvdClient
+from kvd.relayout import GroupTensors
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.transport.device import DeviceToHost, device_copies
+from tests.test_registration import local_group_tensors_plain
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LAYERS, HEADS = 4, 4
+
+
+def _worker(address: str, engine: str, spec: KVCacheSpec, device: str) -> tuple[KvdClient, GroupTensors, dict[str, torch.Tensor]]:
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    if device == "cuda":
+        buffer = torch.zeros(LAYERS, *spec.part_shape(), dtype=torch.bfloat16, device="cuda")
+        caches = {name: buffer[i] for i, name in enumerate(names)}
+        tensors = local_group_tensors_plain(spec, caches)
+    else:
+        caches = allocate_kv_caches(spec, names)
+        tensors = local_group_tensors(spec, caches)
+    client = KvdClient(address, WorkerId(engine))
+    client.wait_ready()
+    client.register(caches, ModelInfo(LAYERS, HEADS), spec)
+    return client, tensors, caches
+
+
+@pytest.mark.parametrize("same_host", ["off", "auto"])
+@pytest.mark.parametrize(("p_device", "d_device", "d_layout", "d_block"), [
+    ("cuda", "cuda", "NHD", 16),  # lands as-is: one upload per segment
+    ("cuda", "cuda", "HND", 8),  # relayout and block-size split on the GPU
+    ("cpu", "cuda", "HND", 16),
+    ("cuda", "cpu", "NHD", 8),
+])
+def test_gpu_memory_moves_byte_exact(daemons, same_host: str, p_device: str, d_device: str, d_layout: str, d_block: int) -> None:
+    p, d = daemons.start("prefill", same_host=same_host), daemons.start("decode", same_host=same_host)
+    p_spec = KVCacheSpec(16, HEADS, 16, "bfloat16", parse_layout("NHD"), 64)
+    d_spec = KVCacheSpec(d_block, HEADS, 16, "bfloat16", parse_layout(d_layout), 128)
+    pc, p_tensors, _ = _worker(p.grpc, "prefill", p_spec, p_device)
+    dc, d_tensors, _ = _worker(d.grpc, "decode", d_spec, d_device)
+    p_ids = [3, 9, 4, 20, 21, 22, 40]  # scattered and runs
+    tokens = len(p_ids) * 16 - 5
+    d_ids = list(range(70, 70 + -(-tokens // d_block)))[::-1]
+    pattern.fill(p_tensors, 11, p_ids, pattern.RankCoords(0))
+    torch.cuda.synchronize()
+    params = pc.publish("r", [p_ids], tokens)
+    dc.pull("r", params, [d_ids])
+    f = dc.wait_finished(recving={"r"}, timeout=60)
+    assert f.details[("recving", "r")].outcome == "done", f.details
+    # Landed means landed: no torch.cuda.synchronize() before looking.
+    assert pattern.mismatch(d_tensors, 11, d_ids, pattern.RankCoords(0), tokens) is None
+    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
+    assert f'kvd_data_reads_total{{transport="{"tcp" if same_host == "off" else "samehost"}"}} 1.0' in text
+
+
+def test_device_to_host_keeps_two_segments_in_flight_and_their_bytes() -> None:
+    device = torch.device("cuda")
+    sizes = [1 << 20, 3 << 20, 5 << 10, 2 << 20, 4 << 20]
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, device=device) for n in sizes]
+    orders = [torch.randperm(n, device=device) for n in sizes]
+
+    def gather(i: int):  # type: ignore[no-untyped-def]
+        return lambda staging: torch.index_select(sources[i], 0, orders[i], out=staging(sizes[i], device))
+
+    d2h = DeviceToHost()
+    d2h.start(0, device, gather(0))
+    got = []
+    for i in range(len(sizes)):
+        if i + 1 < len(sizes):
+            d2h.start(i + 1, device, gather(i + 1))
+        host = d2h.take(i)
+        assert host.device.type == "cpu" and host.is_pinned()
+        got.append(host.clone())
+    for i, g in enumerate(got):
+        assert torch.equal(g, sources[i][orders[i]].cpu()), f"segment {i}"
+    with pytest.raises(RuntimeError, match="two segments"):
+        for i in range(3):
+            d2h.start(i, device, gather(i))
+    d2h.drain()
+
+
+def test_device_copies_run_on_a_side_stream_and_finish_inside() -> None:
+    device = torch.device("cuda")
+    src = torch.randn(8 << 20, device=device)
+    dst = torch.empty_like(src)
+    default = torch.cuda.current_stream(device)
+    with device_copies(device):
+        assert torch.cuda.current_stream(device) != default
+        dst.copy_(src * 2, non_blocking=True)
+    assert torch.cuda.current_stream(device) == default
+    assert torch.cuda.current_stream(device).query()  # nothing left queued on the default stream either
+    assert torch.equal(dst.cpu(), (src * 2).cpu())
