@@ -6,6 +6,13 @@ held by a lease until every expected reader has acknowledged its read, the
 lease expires, or someone aborts. Reads are authorised against all of these,
 so a reused block id can never serve an older request's data: the old
 generation is gone from the table the moment its publication ends.
+
+The owner's engine reuses a rank's blocks the moment its end is reported
+(finished_sending). A read that copies the owner's memory itself after being
+authorised (same host, NIXL) therefore *pins* the rank: while pinned, an end
+(abort, expiry) still refuses new reads at once, but is reported only when
+the last pin goes. A read whose bytes the owner sends needs no pin: the owner
+checks the publication after its last byte left and before saying END.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, Permission
 
 CAPABILITY_BYTES = 32
 RankKey = tuple[int, int]  # (tp_rank, pp_rank)
+PinKey = tuple[str, int, RankKey]  # (request_id, generation, rank)
 
 
 @dataclass
@@ -54,6 +62,8 @@ class PublicationTable:
         self.epoch = epoch
         self._next_generation = 1
         self.by_request: dict[str, Publication] = {}
+        self._pins: dict[PinKey, int] = {}
+        self._held: dict[PinKey, Ended] = {}  # ended while pinned: reported at unpin
 
     def __len__(self) -> int:
         return len(self.by_request)
@@ -152,6 +162,28 @@ class PublicationTable:
         if not mask[start : start + count].all():
             raise PermissionDenied(f"blocks [{start}, {start + count}) of group {group} are not all published for request_id={pub.request_id!r}")
 
+    def pin(self, pub: Publication, rank: RankKey) -> PinKey:
+        """An authorised read of ``rank`` will copy its memory itself."""
+        key = (pub.request_id, pub.generation, rank)
+        self._pins[key] = self._pins.get(key, 0) + 1
+        return key
+
+    def unpin(self, key: PinKey) -> list[Ended]:
+        """That read is over (acknowledged, refused or gone): an end held for
+        it is reported now."""
+        left = self._pins.get(key, 0) - 1
+        if left > 0:
+            self._pins[key] = left
+            return []
+        self._pins.pop(key, None)
+        held = self._held.pop(key, None)
+        return [] if held is None else [held]
+
+    @property
+    def pinned(self) -> int:
+        """Ranks whose blocks a read still copies."""
+        return len(self._pins)
+
     def ack(self, request_id: str, generation: int, rank: RankKey, reader: tuple[str, int, int, int], expected: int) -> list[Ended]:
         """A reader confirmed its read; end the rank's publication once all have."""
         pub = self.by_request.get(request_id)
@@ -160,7 +192,7 @@ class PublicationTable:
         pub.acked[rank].add(reader)
         if len(pub.acked[rank]) < expected:
             return []
-        return [self._end_rank(pub, rank, "done")]
+        return self._end_rank(pub, rank, "done")
 
     def renew(self, request_id: str, generation: int, now: float, lease_s: float = 0.0) -> bool:
         pub = self.by_request.get(request_id)
@@ -173,7 +205,7 @@ class PublicationTable:
         ended: list[Ended] = []
         for pub in [p for p in self.by_request.values() if now >= p.expires_at]:
             for rank in list(pub.masks):
-                ended.append(self._end_rank(pub, rank, "expired", "lease expired before every reader acknowledged"))
+                ended += self._end_rank(pub, rank, "expired", "lease expired before every reader acknowledged")
         return ended
 
     def abort(self, request_id: str, rank: RankKey | None = None, reason: str = "aborted") -> list[Ended]:
@@ -181,15 +213,21 @@ class PublicationTable:
         if pub is None:
             return []
         ranks = [rank] if rank is not None and rank in pub.masks else list(pub.masks) if rank is None else []
-        return [self._end_rank(pub, r, "aborted", reason) for r in ranks]
+        return [e for r in ranks for e in self._end_rank(pub, r, "aborted", reason)]
 
     def next_expiry(self) -> float | None:
         return min((p.expires_at for p in self.by_request.values()), default=None)
 
-    def _end_rank(self, pub: Publication, rank: RankKey, outcome: str, reason: str = "") -> Ended:
+    def _end_rank(self, pub: Publication, rank: RankKey, outcome: str, reason: str = "") -> list[Ended]:
+        """End ``rank``'s publication now; what to report now (nothing while pinned)."""
         pub.masks.pop(rank, None)
         pub.block_ids.pop(rank, None)
         pub.acked.pop(rank, None)
         if not pub.masks:
             self.by_request.pop(pub.request_id, None)
-        return Ended(rank, pub.request_id, outcome, reason)
+        ended = Ended(rank, pub.request_id, outcome, reason)
+        key = (pub.request_id, pub.generation, rank)
+        if key in self._pins:
+            self._held[key] = ended
+            return []
+        return [ended]

@@ -11,9 +11,11 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
+from kvd.transport.nixl import available as nixl_available
 from tests.conftest import REPO, make_worker
 from tests.faultproxy import prefill_behind_proxy
 
@@ -134,6 +136,33 @@ def test_reset_connection_mid_stream_is_retried_and_lands_exactly(daemons):
     assert dw.mismatch(11, ids, len(ids) * 16) is None
 
 
+def test_a_retry_reads_only_the_ranks_that_did_not_land(daemons):
+    """D reads two P ranks one after the other (one connection); the second
+    read's connection is reset. The retry must not read the first rank again:
+    P ended that rank's publication when D acknowledged it."""
+    p, proxy = prefill_behind_proxy(daemons)
+    d = daemons.start("decode", "--connections-per-peer", "1")
+    pw = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2, **BIG) for r in range(2)]
+    dw = make_worker(d.grpc, "decode", **BIG)
+    ids = list(range(1, 101))  # per P rank: 100 blocks x 8 layers x 16 KiB = 12.5 MiB, one read each
+    proxy.reset_after = 19 << 20  # inside the second read
+    cap = b"c" * 32
+    for w in pw:
+        w.fill(12, ids)
+        params = w.client.publish("r", [ids], len(ids) * 16, capability=cap)
+    dw.client.pull("r", params, [ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=60)
+    proxy.close()
+    assert proxy.resets == 1
+    assert f.details[("recving", "r")].outcome == "done", f.details
+    assert dw.mismatch(12, ids, len(ids) * 16) is None
+    for w in pw:
+        assert w.client.wait_finished(sending={"r"}, timeout=10).details[("sending", "r")].outcome == "done"
+    text = __import__("urllib.request").request.urlopen(d.metrics_url, timeout=5).read().decode()
+    assert 'kvd_data_reads_total{transport="tcp"} 2.0' in text  # rank A once, rank B on the retry
+    assert_no_leaks(p.grpc, d.grpc)
+
+
 def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
     p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
@@ -227,4 +256,51 @@ def test_prefill_abort_while_serving_sends_an_error_not_bytes(daemons):
     assert detail.outcome == "failed" and "ended while being read" in detail.reason
     assert f.invalid_block_ids
     proxy.close()
+    assert_no_leaks(p.grpc, d.grpc)
+
+
+def _blocks(worker, ids: list[int]) -> list[torch.Tensor]:
+    """Copies of ``ids``'s blocks in every layer run of every part."""
+    group, idx = worker.tensors, torch.tensor(ids, dtype=torch.int64)
+    positions = tuple(range(len(group.layer_indices)))
+    return [view[:, :, idx].clone() for p in range(len(group.parts)) for _i, _c, view in group.layer_runs(p, positions)]
+
+
+@pytest.mark.parametrize("path", ["tcp", "samehost", "nixl"])
+def test_blocks_an_abort_frees_are_never_read_after_it_is_reported(daemons, path):
+    """P's engine reuses blocks the moment finished_sending reports them, so
+    an abort that lands while D reads must not let D report done with bytes
+    of the reuse: either D's read fails, or P reports the abort only once
+    nothing reads the blocks any more (same host and NIXL: D copies P's
+    memory itself)."""
+    if path == "nixl" and nixl_available():
+        pytest.skip(f"NIXL NOT TESTED: {nixl_available()}")
+    extra = ["--transport", "nixl"] if path == "nixl" else []
+    same_host = "auto" if path == "samehost" else "off"
+    p, d = daemons.start("prefill", *extra, same_host=same_host), daemons.start("decode", *extra, same_host=same_host)
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    ids = list(range(1, 1001))  # 8 layers x 1000 blocks x 32 KiB = 250 MiB: a read that takes a while
+    tokens = len(ids) * 16
+    outcomes = []
+    for i, delay in enumerate([0.0, 0.005, 0.01, 0.02, 0.04, 0.08]):
+        rid = f"r{i}"
+        pw.fill(10 + i, ids)
+        sent = _blocks(pw, ids)
+        params = pw.client.publish(rid, [ids], tokens)
+        dw.client.pull(rid, params, [ids])
+        time.sleep(delay)
+        pw.client.abort(rid)
+        pw.client.wait_finished(sending={rid}, timeout=30)
+        for layer in reversed(list(pw.caches.values())):  # the engine reuses the blocks at once, last layer first
+            layer.zero_()
+        f = dw.client.wait_finished(recving={rid}, timeout=30)
+        outcome = f.details[("recving", rid)].outcome
+        outcomes.append(outcome)
+        # Every block D does not call invalid holds the request's bytes.
+        assert outcome == "done" or f.invalid_block_ids, f"{outcome} with no invalid blocks"
+        valid = torch.tensor([j for j, b in enumerate(ids) if b not in f.invalid_block_ids], dtype=torch.int64)
+        got = _blocks(dw, [ids[j] for j in valid.tolist()])
+        assert all(torch.equal(g, s[:, :, valid]) for g, s in zip(got, sent, strict=True)), \
+            f"abort after {delay * 1e3:.0f} ms: {outcome}, and a block not reported invalid holds reused bytes"
+    print("outcomes by abort delay:", outcomes)
     assert_no_leaks(p.grpc, d.grpc)

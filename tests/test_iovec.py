@@ -30,6 +30,21 @@ lengths = st.lists(st.integers(1, 40), min_size=1, max_size=12)
 
 
 @given(lengths, st.data())
+def test_head_keeps_exactly_the_first_bytes(lens, data):
+    buf = np.arange(sum(lens), dtype=np.uint8)
+    spans, off = [], 0
+    for n in lens:
+        spans.append((off, n))
+        off += n
+    iov = _pieces(buf, spans)
+    count = data.draw(st.integers(0, sum(lens)))
+    assert _bytes_of(buf, iovec.head(iov, count)) == buf.tobytes()[:count]
+    # head then advance: the middle of the list, as a partial small answer sends it
+    moved = data.draw(st.integers(0, count))
+    assert _bytes_of(buf, iovec.advance(iovec.head(iov, count), moved)) == buf.tobytes()[moved:count]
+
+
+@given(lengths, st.data())
 def test_advance_drops_exactly_the_moved_prefix(lens, data):
     buf = np.arange(sum(lens), dtype=np.uint8)
     spans, off = [], 0

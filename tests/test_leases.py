@@ -91,3 +91,33 @@ def test_a_striped_read_ends_the_rank_only_when_every_stripe_is_acked():
     assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []  # the same stripe twice
     ended = t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 1), expected=2)
     assert [(e.request_id, e.outcome) for e in ended] == [("r", "done")]
+
+
+def test_an_end_while_a_reader_copies_is_reported_when_the_last_pin_goes():
+    """The engine reuses blocks once their end is reported, so an abort or an
+    expiry while a same-host/NIXL reader copies is held until it is done, yet
+    refuses new reads at once."""
+    t = table()
+    pub = t.publish((0, 0), "r1", [[1, 2]], [8], 32, now=0)
+    a, b = t.pin(pub, (0, 0)), t.pin(pub, (0, 0))
+    assert t.abort("r1") == [] and t.pinned == 1
+    with pytest.raises(PermissionDenied):
+        t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=1)
+    assert t.unpin(a) == []
+    assert [(e.request_id, e.outcome) for e in t.unpin(b)] == [("r1", "aborted")]
+    assert t.pinned == 0 and t.unpin(b) == []  # a second close reports nothing
+    # Expiry is held the same way; a new generation of the same request is not.
+    old = t.publish((0, 0), "r2", [[1]], [8], 16, now=0)
+    pin = t.pin(old, (0, 0))
+    assert t.expire(now=20) == []
+    new = t.publish((0, 0), "r2", [[1]], [8], 16, now=20)
+    assert new.generation != old.generation
+    assert [e.outcome for e in t.abort("r2")] == ["aborted"]
+    assert [e.outcome for e in t.unpin(pin)] == ["expired"]
+
+
+def test_an_unpinned_read_then_ack_ends_the_rank_at_once():
+    t = table()
+    pub = t.publish((0, 0), "r1", [[1, 2]], [8], 32, now=0)
+    assert t.unpin(t.pin(pub, (0, 0))) == []
+    assert [e.outcome for e in t.ack("r1", pub.generation, (0, 0), ("D", 0, 0, 0), expected=1)] == ["done"]

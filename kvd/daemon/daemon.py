@@ -49,7 +49,7 @@ from kvd.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvd.leases import Ended, PublicationTable, RankKey
+from kvd.leases import Ended, PinKey, PublicationTable, RankKey
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions import MappedRegion, map_region
@@ -622,7 +622,10 @@ class Daemon:
             self.metrics.refused_reads.labels("unauthenticated").inc()
             raise Unauthenticated("data-plane HELLO without valid credentials")
 
-    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False) -> _OpenRead:
+    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False, reader_copies: bool = False) -> _OpenRead:
+        """Authorise ``read``. ``reader_copies``: the reader will copy our
+        memory itself (same host, NIXL), so the rank stays pinned until the
+        returned read is closed."""
         try:
             if local:
                 reader = self.readers.get((hello.engine_id, hello.epoch))
@@ -652,7 +655,11 @@ class Daemon:
             raise
         if local:
             self.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.head_count) for s in read.segments))
-        return _OpenRead(self, reg, read, hello.engine_id)
+        return _OpenRead(self, reg, read, hello.engine_id, self.publications.pin(pub, rank) if local or reader_copies else None)
+
+    def close_read(self, pin: PinKey) -> None:
+        for e in self.publications.unpin(pin):
+            self._report_sending(e)
 
     def _expected_readers(self, reader_engine: str, rank: RankKey) -> int:
         """How many ranks of ``reader_engine`` will read our ``rank``.
@@ -777,11 +784,14 @@ class Daemon:
 
     async def _pull_with_retries(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
                                  sinks_all: list, landed_all: list[list[bool]]) -> int:
+        # Reads that landed and were ACKed, with their bytes. A retry skips
+        # them: P ended those ranks' publications on the ACK.
+        landed_reads: dict[ReadKey, int] = {}
         for attempt in range(self.config.pull_retries + 1):
             sinks_all.clear()
             landed_all.clear()
             try:
-                return await self._attempt_pull(reg, req, rank, local_ids, sinks_all, landed_all)
+                return await self._attempt_pull(reg, req, rank, local_ids, sinks_all, landed_all, landed_reads)
             except (ConnectionError, OSError, Unavailable) as e:
                 # Transient: the peer may have restarted. Forget what we knew
                 # (handshake, pooled connections) and try again, boundedly.
@@ -795,7 +805,7 @@ class Daemon:
         raise AssertionError("unreachable")
 
     async def _attempt_pull(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
-                            sinks_all: list, landed_all: list[list[bool]]) -> int:
+                            sinks_all: list, landed_all: list[list[bool]], landed_reads: dict[ReadKey, int]) -> int:
         local_meta = self.engine_meta()
         present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
         source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
@@ -829,42 +839,46 @@ class Daemon:
             reads = [part for rr in reads
                      for part in (stripe(rr, self.config.stripes_per_read)
                                   if rr.nbytes >= self.config.stripe_min_bytes and (rr.read.tp_rank, rr.read.pp_rank) not in peer.local_sources else [rr])]
-        for rr in reads:
+        keys = [_read_key(rr.read) for rr in reads]
+        for rr, key in zip(reads, keys, strict=True):
             sinks_all.append(rr.sinks)
-            landed_all.append([False] * len(rr.sinks))
+            landed_all.append([key in landed_reads] * len(rr.sinks))
+        todo = [i for i, key in enumerate(keys) if key not in landed_reads]
         self._replica_future(req.params, rank)  # replicas may wait on us
-        planned = sum(rr.nbytes for rr in reads)
+        planned = sum(reads[i].nbytes for i in todo)
         self.metrics.bytes_in_flight.inc(planned)
         sources = [peer.local_sources.get((rr.read.tp_rank, rr.read.pp_rank)) for rr in reads]
+        blocks: dict[str, list[np.ndarray]] = {}
         self.active_clock.start()
         try:
-            tasks = [asyncio.ensure_future(self.data_client.read(peer.meta.data_address, rr.read, rr.sinks, landed, src))
-                     for rr, landed, src in zip(reads, landed_all, sources, strict=True)]
+            tasks = {i: asyncio.ensure_future(self.data_client.read(peer.meta.data_address, reads[i].read, reads[i].sinks, landed_all[i], sources[i]))
+                     for i in todo}
             try:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
             finally:
                 # One read failed (or we were cancelled): stop the others and wait
                 # until they have, so nothing lands after the failure is reported.
-                for t in tasks:
+                for t in tasks.values():
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+                for i, t in tasks.items():
+                    if t.cancelled() or t.exception() is not None:
+                        continue
+                    landed_reads[keys[i]] = n = t.result()
+                    transport = "samehost" if sources[i] is not None else self.config.transport
+                    self.metrics.data_reads.labels(transport).inc()
+                    self.metrics.bytes_received.labels(transport).inc(n)
+                    blocks.setdefault(transport, []).extend(np.asarray(s.local_block_ids) for s in reads[i].sinks)
+                for transport, ids in blocks.items():  # a block filled by several reads (ranks, stripes) counts once
+                    self.metrics.blocks_received.labels(transport).inc(len(np.unique(np.concatenate(ids))))
             # Report the read that failed, not a sibling we cancelled because of it.
-            failed = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+            failed = [t.exception() for t in tasks.values() if not t.cancelled() and t.exception() is not None]
             if failed:
                 raise failed[0]  # type: ignore[misc]
-            moved = [t.result() for t in tasks]
         finally:
             self.active_clock.stop()
             self.metrics.bytes_in_flight.dec(planned)
-        blocks: dict[str, list[np.ndarray]] = {}
-        for n, src, rr in zip(moved, sources, reads, strict=True):
-            transport = "samehost" if src is not None else self.config.transport
-            self.metrics.data_reads.labels(transport).inc()
-            self.metrics.bytes_received.labels(transport).inc(n)
-            blocks.setdefault(transport, []).extend(np.asarray(s.local_block_ids) for s in rr.sinks)
-        for transport, ids in blocks.items():  # a block filled by several reads (ranks, stripes) counts once
-            self.metrics.blocks_received.labels(transport).inc(len(np.unique(np.concatenate(ids))))
-        return sum(moved)
+        return sum(landed_reads.values())
 
     async def _resolve(self, params: pb.TransferParams) -> None:
         """Fill in the generation (and epoch) of params made before P published."""
@@ -1100,8 +1114,9 @@ MAX_STRIPES = 64  # a reader claiming more would only hold the publication to it
 
 
 class _OpenRead:
-    def __init__(self, daemon: Daemon, reg: Registration, read: pb.DataRead, reader: str) -> None:
+    def __init__(self, daemon: Daemon, reg: Registration, read: pb.DataRead, reader: str, pin: PinKey | None) -> None:
         self.daemon, self.reg, self.read, self.reader = daemon, reg, read, reader
+        self.pin = pin  # the reader copies our memory itself: the rank is pinned until close()
 
     def segment(self, index: int, staging: GatherStaging, transport: str = "tcp") -> torch.Tensor:
         seg = self.read.segments[index]
@@ -1141,7 +1156,14 @@ class _OpenRead:
         return segment_view(self.reg.tensors[seg.group_id], seg, self.read.head_start, self.read.head_count)
 
     def acknowledged(self) -> None:
+        self.close()
         self.daemon.read_acknowledged(self.read, self.reader)
+
+    def close(self) -> None:
+        """The read is over, one way or another (on the event loop)."""
+        pin, self.pin = self.pin, None
+        if pin is not None:
+            self.daemon.close_read(pin)
 
     def check_alive(self) -> None:
         """Raise if the publication ended (aborted, expired) while being served."""
@@ -1169,6 +1191,14 @@ def _failure_reason(e: BaseException) -> tuple[str, str]:
     if isinstance(e, (ConnectionError, OSError)):
         return "connection", f"{type(e).__name__}: {e}"
     return "internal", f"{type(e).__name__}: {e}"
+
+
+# One read of a pull, the same in every attempt: (remote rank, head slice, stripe).
+ReadKey = tuple[int, int, int, int, int]
+
+
+def _read_key(read: pb.DataRead) -> ReadKey:
+    return (read.tp_rank, read.pp_rank, read.head_start, read.stripe, read.stripes)
 
 
 def _unlanded_blocks(sinks: Sequence[Sequence[object]], landed: Sequence[Sequence[bool]], all_local: list[int]) -> list[int]:

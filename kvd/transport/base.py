@@ -45,9 +45,19 @@ class Staging:
 class OpenRead(Protocol):
     """An authorised read on the owning side."""
 
+    # Set while a reader that copies our memory itself (same host, NIXL)
+    # holds the rank pinned: until ``close``.
+    pin: object | None
+
     def segment(self, index: int, staging: Staging) -> torch.Tensor: ...
 
-    def acknowledged(self) -> None: ...
+    def acknowledged(self) -> None:
+        """The reader's ACK came: every byte landed (implies ``close``)."""
+        ...
+
+    def close(self) -> None:
+        """The read is over without an ACK (refused midway, connection gone)."""
+        ...
 
     def check_alive(self) -> None:
         """Raise a KvdError if the read may no longer be served (abort, expiry)."""
@@ -73,7 +83,7 @@ class OpenRead(Protocol):
 class ReadServer(Protocol):
     def check_hello(self, hello: pb.DataHello) -> None: ...
 
-    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False) -> OpenRead: ...
+    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
 
 
 class TransportClient(Protocol):

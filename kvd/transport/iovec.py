@@ -66,6 +66,16 @@ def advance(iov: np.ndarray, moved: int) -> np.ndarray:
     return rest
 
 
+def head(iov: np.ndarray, count: int) -> np.ndarray:
+    """The first ``count`` bytes of ``iov``."""
+    ends = np.cumsum(iov[:, 1])
+    rows = int(np.searchsorted(ends, count, side="left")) + 1
+    out = iov[:rows].copy()
+    if len(out):
+        out[-1, 1] -= np.uint64(int(ends[rows - 1]) - count)
+    return out
+
+
 def align(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Cut two iovec lists of the same total at the union of their piece
     boundaries, so that row i of one pairs with row i of the other."""

@@ -116,7 +116,8 @@ class TcpDataServer:
 
     def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
                  max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None,
-                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30, inline_send_bytes: int = 4 << 20) -> None:
+                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30, inline_send_bytes: int = 4 << 20,
+                 pinned_read_timeout_s: float = 60.0) -> None:
         self.server = server
         # A read this small is written from the event loop without blocking
         # (the rest, if the socket buffer fills, from a thread): a thread hop
@@ -127,6 +128,11 @@ class TcpDataServer:
         self.nixl_staging_bytes = nixl_staging_bytes
         self.host, self.port = host, port
         self.hello_timeout_s = hello_timeout_s
+        # How long a reader that copies our memory itself (same host, NIXL)
+        # may keep its rank pinned before it ACKs: a local copy or a NIXL
+        # READ of one read takes seconds at most; past this the reader is
+        # taken as hung and the connection closed.
+        self.pinned_read_timeout_s = pinned_read_timeout_s
         # Each connection holds at most one segment of staging, and a slow
         # reader only blocks its own sends; capping connections caps memory.
         self.max_connections_per_peer = max_connections_per_peer
@@ -209,29 +215,30 @@ class TcpDataServer:
             while True:
                 header = conn.receive(decode_header(await _recv_raw_header(loop, sock)))  # only READ is admitted here
                 read = pb.DataRead.FromString(await _recv_body(loop, sock, header.length))
-                local = bool(header.flags & FLAG_LOCAL)
+                local, nixl = bool(header.flags & FLAG_LOCAL), bool(header.flags & FLAG_NIXL)
                 try:
-                    opened = self.server.open_read(hello, read, local=local)
+                    opened = self.server.open_read(hello, read, local=local, reader_copies=nixl)
                 except errors.KvdError as e:
                     await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                if local:  # a same-host read: the reader copies, we only authorise
-                    await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=0).SerializeToString()))
-                    conn.sent(FrameType.END)
-                elif header.flags & FLAG_NIXL or (whole := self._small_answer(opened, len(read.segments))) is None:
-                    if not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, to_host, arena):
+                try:
+                    if local:  # a same-host read: the reader copies, we only authorise
+                        await loop.sock_sendall(sock, encode(FrameType.END, pb.DataEnd(bytes=0).SerializeToString()))
+                        conn.sent(FrameType.END)
+                    elif nixl or (whole := self._small_answer(opened, len(read.segments))) is None:
+                        if not await loop.run_in_executor(self._pool, self._answer, sock, conn, opened, read, header.flags, staging, to_host, arena):
+                            continue
+                    elif not await self._send_small(loop, sock, conn, opened, *whole):
                         continue
-                else:
-                    iov, _keep, total, blocks = whole
-                    sent = iovec.send_nowait(sock, iov)
-                    if sent < iovec.nbytes(iov):
-                        await loop.run_in_executor(self._pool, self._send_rest, sock, iovec.advance(iov, sent))
-                    opened.count_sent(total, blocks, "tcp")
-                    conn.sent(FrameType.END)
-                _ack, _, length = await _recv_frame(loop, sock, conn)
-                await _recv_body(loop, sock, length)
-                opened.acknowledged()
+                    # A reader that copies our memory itself holds its pin until
+                    # this ACK; one that never sends it may not hold it forever.
+                    async with asyncio.timeout(self.pinned_read_timeout_s if opened.pin is not None else None):
+                        _ack, _, length = await _recv_frame(loop, sock, conn)
+                        await _recv_body(loop, sock, length)
+                    opened.acknowledged()
+                finally:
+                    opened.close()
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass
         except (TimeoutError, ProtocolError) as e:
@@ -259,6 +266,13 @@ class TcpDataServer:
                 failed, total = self._send_descriptors(sock, opened, len(read.segments), arena, read.nixl_metadata_version)
             else:
                 failed, total = _send_segments(sock, opened, len(read.segments), staging, to_host)
+                if failed is None:
+                    # Every byte left while the publication was alive: only
+                    # then END, as the engine may reuse the blocks once it ends.
+                    try:
+                        opened.check_alive()
+                    except errors.KvdError as e:
+                        failed = e
             if failed is not None:
                 sock.sendall(encode(FrameType.ERROR, pb.DataError(code=failed.code.name, message=failed.message).SerializeToString()))
                 conn.sent(FrameType.ERROR)
@@ -266,6 +280,30 @@ class TcpDataServer:
             sock.sendall(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
             conn.sent(FrameType.END)
             return True
+
+    async def _send_small(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, conn: Connection, opened: Any,
+                          iov: np.ndarray, keep: list[np.ndarray], total: int, blocks: int) -> bool:
+        """A small read's answer: every DATA frame and the END in one
+        non-blocking sendmsg, authorised in this same loop step. If the
+        socket buffer fills, the rest of the data goes from a thread, and the
+        END only once the publication is seen alive after its last byte left
+        (else ERROR). True after END."""
+        end = encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString())
+        data = iovec.nbytes(iov) - len(end)
+        sent = iovec.send_nowait(sock, iov)
+        if sent < data:
+            await loop.run_in_executor(self._pool, self._send_rest, sock, iovec.advance(iovec.head(iov, data), sent))
+            try:
+                opened.check_alive()
+            except errors.KvdError as e:
+                await loop.sock_sendall(sock, encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
+                conn.sent(FrameType.ERROR)
+                return False
+        if sent < data + len(end):
+            await loop.sock_sendall(sock, end[max(0, sent - data):])
+        opened.count_sent(total, blocks, "tcp")
+        conn.sent(FrameType.END)
+        return True
 
     def _small_answer(self, opened: Any, count: int) -> tuple[np.ndarray, list[np.ndarray], int, int] | None:
         """A small read's whole answer (every DATA frame, then END) as one
@@ -283,7 +321,6 @@ class TcpDataServer:
             if iov is None:
                 return None
             parts += [Header(FrameType.DATA, i, iovec.nbytes(iov)).encode(), iov]
-        # No check_alive: open_read authorised this read in this same loop step.
         parts.append(encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString()))
         iov, keep = iovec.chain(parts)
         return iov, keep, total, sum(opened.segment_blocks(i) for i in range(count))
@@ -347,10 +384,14 @@ class TcpDataServer:
                     sock.sendall(encode(FrameType.ERROR, pb.DataError(code=e.code.name, message=e.message).SerializeToString()))
                     conn.sent(FrameType.ERROR)
                     continue
-                if not self._answer(sock, conn, opened, read, header.flags, staging, to_host, None):
-                    continue
-                _read_frame_blocking(sock, conn)
-                _on_loop(loop, opened.acknowledged)
+                try:
+                    if not self._answer(sock, conn, opened, read, header.flags, staging, to_host, None):
+                        continue
+                    sock.settimeout(self.pinned_read_timeout_s if opened.pin is not None else None)
+                    _read_frame_blocking(sock, conn)
+                    _on_loop(loop, opened.acknowledged)
+                finally:
+                    loop.call_soon_threadsafe(opened.close)
         except (ConnectionError, OSError, ProtocolError) as e:
             if not isinstance(e, ConnectionError):
                 log.info("data-plane TLS connection closed: %s", e)
