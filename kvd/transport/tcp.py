@@ -287,7 +287,8 @@ class TcpDataServer:
         non-blocking sendmsg, authorised in this same loop step. If the
         socket buffer fills, the rest of the data goes from a thread, and the
         END only once the publication is seen alive after its last byte left
-        (else ERROR). True after END."""
+        (else ERROR). ``keep`` holds the buffers ``iov`` points into until
+        then. True after END."""
         end = encode(FrameType.END, pb.DataEnd(bytes=total).SerializeToString())
         data = iovec.nbytes(iov) - len(end)
         sent = iovec.send_nowait(sock, iov)
