@@ -11,6 +11,9 @@ Sections:
   latency of a small request from pull to the engine's finished set, against
   its floor on this machine (a gRPC round trip plus a plain socket round trip
   of the same bytes).
+* ``gpu`` (where CUDA is available): GPU caches on both sides, over TCP
+  against a plain socket and the pinned PCIe copies, and same-host (CUDA IPC)
+  against a device memcpy.
 """
 
 from __future__ import annotations
@@ -235,10 +238,11 @@ class _Pair:
         self.cv = threading.Condition()
         self.p_client: Any = None
         self.d_client: Any = None
+        self._keep: list[torch.Tensor] = []  # GPU caches the daemons mapped
         self._watch: Any = None
 
-    def register(self, spec: KVCacheSpec, layers: int) -> None:
-        from kvd.caches import allocate_kv_caches
+    def register(self, spec: KVCacheSpec, layers: int, device: str = "cpu") -> None:
+        from kvd.caches import allocate_kv_caches, torch_dtype
         from kvd.client import KvdClient
         from kvd.spec import WorkerId
 
@@ -247,7 +251,13 @@ class _Pair:
         for attr, side, eid in (("p_client", "p", "bench-p"), ("d_client", "d", "bench-d")):
             client = getattr(self, attr) or KvdClient(f"unix:{os.path.join(self.daemons.tmp, side + '.sock')}", WorkerId(eid))
             client.wait_ready()
-            client.register(allocate_kv_caches(spec, names), model, spec)
+            if device == "cpu":
+                caches = allocate_kv_caches(spec, names)
+            else:  # one GPU buffer, every layer a view into it (registered by CUDA IPC handle)
+                buffer = torch.zeros(layers, *spec.part_shape(), dtype=torch_dtype(spec.dtype), device=device)
+                caches = {name: buffer[i] for i, name in enumerate(names)}
+                self._keep.append(buffer)
+            client.register(caches, model, spec)
             setattr(self, attr, client)
         if self._watch is None:
             self._watch = threading.Thread(target=self._consume, daemon=True)
@@ -371,6 +381,65 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     return out
 
 
+def _device_copy_baselines(nbytes: int, repeat: int) -> dict[str, float]:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty_like(dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def timed(fn: Callable[[], object]) -> float:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize()  # the copies are asynchronous
+
+        return nbytes / _best(run, repeat) / 1e9
+
+    return {
+        "gpu_d2h_gbps": timed(lambda: host.copy_(dev, non_blocking=True)),
+        "gpu_h2d_gbps": timed(lambda: dev.copy_(host, non_blocking=True)),
+        "gpu_d2d_gbps": timed(lambda: dev2.copy_(dev)),
+    }
+
+
+def bench_gpu(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
+    """GPU caches on both sides: kvd's TCP path (pinned staging on CUDA
+    streams) against a plain socket and the PCIe copies it needs, and the
+    same-host path (CUDA IPC, device to device) against a device memcpy."""
+    if not torch.cuda.is_available():
+        say("gpu: not measured: no CUDA device")
+        return {"gpu": None}
+    nbytes, layers = args.transfer_mib << 20, 4
+    out: dict[str, Any] = _device_copy_baselines(nbytes, args.repeat)
+    torch.cuda.empty_cache()
+    out["socket_gbps"] = socket_baseline(nbytes, args.repeat)
+    say(f"gpu: one request of {args.transfer_mib} MiB, scattered block ids, {layers} layers, GPU caches on both sides, best of {args.repeat}")
+    for key, label in (("gpu_d2h_gbps", "pinned D2H copy"), ("gpu_h2d_gbps", "pinned H2D copy"), ("gpu_d2d_gbps", "device memcpy"),
+                       ("socket_gbps", "plain socket, 1 MiB sendall")):
+        say(f"  {label:<34} {out[key]:6.2f} GB/s")
+    rng = random.Random(0)
+    for mode in ("tcp", "samehost"):
+        pair = _Pair(mode)
+        try:
+            for label in ("16k", "1m"):
+                unit = UNIT_SIZES[label]
+                block_size, blocks = unit // 4096, max(1, nbytes // (unit * layers))
+                spec = KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1)
+                pair.register(spec, layers, device="cuda")
+                best = 0.0
+                for r in range(args.repeat):
+                    p_ids, d_ids = rng.sample(range(1, blocks + 1), blocks), rng.sample(range(1, blocks + 1), blocks)
+                    best = max(best, blocks * unit * layers / pair.transfer(f"gpu-{mode}-{label}-{r}", p_ids, d_ids, blocks * block_size) / 1e9)
+                out[f"gpu_{mode}_{label}_gbps"] = best
+                say(f"  {f'kvd {mode}, GPU to GPU, {label} units':<34} {best:6.2f} GB/s")
+        finally:
+            pair.close()
+    # Staging is hidden when the wire, not PCIe, sets the pace.
+    out["gpu_tcp_vs_socket_1m"] = out["gpu_tcp_1m_gbps"] / min(out["socket_gbps"], out["gpu_d2h_gbps"], out["gpu_h2d_gbps"])
+    out["gpu_samehost_vs_d2d_1m"] = out["gpu_samehost_1m_gbps"] / out["gpu_d2d_gbps"]
+    say(f"    gpu_tcp_vs_socket_1m    {out['gpu_tcp_vs_socket_1m']:.2f}  (kvd GPU to GPU over TCP / the slower of socket and PCIe)")
+    say(f"    gpu_samehost_vs_d2d_1m  {out['gpu_samehost_vs_d2d_1m']:.2f}  (kvd same-host GPU to GPU / device memcpy)")
+    return out
+
+
 def run_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     results: dict[str, object] = {}
@@ -408,6 +477,8 @@ def run_bench(args: argparse.Namespace) -> int:
             say(f"    vs_mooncake         not measured: {t['mooncake_missing']}")
         else:
             say(f"    vs_mooncake         {t['vs_mooncake']:.2f}  (kvd TCP / Mooncake TE tcp, worst unit size; target > 1)")
+    if "gpu" in args.sections:
+        results.update(bench_gpu(args, lambda line: None if args.json else print(line, flush=True)))
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
@@ -415,7 +486,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout", "transport"], choices=["relayout", "transport"])
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "gpu"], choices=["relayout", "transport", "gpu"],
+                   help="gpu is measured only where CUDA is available")
     p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
     p.add_argument("--latency-requests", type=int, default=200)
     p.add_argument("--layers", type=int, default=8)
