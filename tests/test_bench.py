@@ -1,0 +1,33 @@
+"""``kvd bench --json``: a small real run prints every figure the README names."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+KEYS = ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "vs_nixl", "vs_mooncake", "small_request_p50_ms", "small_request_p99_ms")
+
+
+def test_bench_json_prints_every_ratio_from_one_real_run():
+    r = subprocess.run(
+        [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "1", "--latency-requests", "20",
+         "--tokens", "256", "--layers", "2"],
+        capture_output=True, text=True, cwd=REPO, timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    for key in KEYS:
+        assert key in out, key
+    for key in ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "relayout_vs_memcpy_min"):
+        assert 0 < out[key] < 100, (key, out[key])
+    assert 0 < out["small_request_p50_ms"] <= out["small_request_p99_ms"]
+    assert 0 < out["small_request_floor_ms"] == out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
+    for peer in ("vs_nixl", "vs_mooncake"):
+        assert out[peer] is None or out[peer] > 0
+    if "gpu_tcp_1m_gbps" in out:  # a CUDA machine
+        assert out["gpu_tcp_1m_gbps"] > 0 and out["gpu_samehost_1m_gbps"] > 0
+    else:
+        assert out["gpu"] is None
