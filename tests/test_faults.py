@@ -304,3 +304,5 @@ def test_blocks_an_abort_frees_are_never_read_after_it_is_reported(daemons, path
             f"abort after {delay * 1e3:.0f} ms: {outcome}, and a block not reported invalid holds reused bytes"
     print("outcomes by abort delay:", outcomes)
     assert_no_leaks(p.grpc, d.grpc)
+    text = __import__("urllib.request").request.urlopen(p.metrics_url, timeout=5).read().decode()
+    assert "kvd_pinned_ranks 0.0" in text

@@ -655,11 +655,14 @@ class Daemon:
             raise
         if local:
             self.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.head_count) for s in read.segments))
-        return _OpenRead(self, reg, read, hello.engine_id, self.publications.pin(pub, rank) if local or reader_copies else None)
+        pin = self.publications.pin(pub, rank) if local or reader_copies else None
+        self.metrics.pinned_ranks.set(self.publications.pinned)
+        return _OpenRead(self, reg, read, hello.engine_id, pin)
 
     def close_read(self, pin: PinKey) -> None:
         for e in self.publications.unpin(pin):
             self._report_sending(e)
+        self.metrics.pinned_ranks.set(self.publications.pinned)
 
     def _expected_readers(self, reader_engine: str, rank: RankKey) -> int:
         """How many ranks of ``reader_engine`` will read our ``rank``.
