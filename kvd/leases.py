@@ -116,6 +116,8 @@ class PublicationTable:
                 raise FailedPrecondition(f"request_id={request_id!r} is already published with another capability")
             if rank in pub.masks:
                 raise FailedPrecondition(f"request_id={request_id!r} is already published by rank tp{rank[0]}/pp{rank[1]}")
+            if (request_id, pub.generation, rank) in self._held:
+                raise FailedPrecondition(f"request_id={request_id!r} of rank tp{rank[0]}/pp{rank[1]} ended but is still being read; publish it after its finished_sending")
             pub.expires_at = max(pub.expires_at, now + lease)
         pub.masks[rank] = masks
         pub.block_ids[rank] = arrays

@@ -169,7 +169,8 @@ class SegmentSink:
         because the caller then reports the blocks landed."""
         device = self.device
         if payload.device != device:
-            payload = payload.to(device, non_blocking=True)
+            # Not non_blocking into host memory: the relayout below reads it at once.
+            payload = payload.to(device, non_blocking=device.type == "cuda")
         src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
         for dst, layers, kv in self._targets():
             if self.local_index is not None:

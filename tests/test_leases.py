@@ -106,6 +106,16 @@ def test_an_end_while_a_reader_copies_is_reported_when_the_last_pin_goes():
     assert t.unpin(a) == []
     assert [(e.request_id, e.outcome) for e in t.unpin(b)] == [("r1", "aborted")]
     assert t.pinned == 0 and t.unpin(b) == []  # a second close reports nothing
+    # A rank may not publish again into a generation whose end it still owes.
+    other = t.publish((0, 0), "r3", [[1]], [8], 16, now=0)
+    t.publish((1, 0), "r3", [[1]], [8], 16, now=0)
+    held = t.pin(other, (0, 0))
+    assert t.abort("r3", (0, 0)) == []
+    with pytest.raises(FailedPrecondition, match="still being read"):
+        t.publish((0, 0), "r3", [[1]], [8], 16, now=1)
+    assert [e.rank for e in t.unpin(held)] == [(0, 0)]
+    t.publish((0, 0), "r3", [[1]], [8], 16, now=1)
+    assert sorted(e.rank for e in t.abort("r3")) == [(0, 0), (1, 0)]
     # Expiry is held the same way; a new generation of the same request is not.
     old = t.publish((0, 0), "r2", [[1]], [8], 16, now=0)
     pin = t.pin(old, (0, 0))

@@ -864,10 +864,13 @@ class Daemon:
                 for t in tasks.values():
                     t.cancel()
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
-                for i, t in tasks.items():
-                    if t.cancelled() or t.exception() is not None:
+                for i in tasks:
+                    # Every segment landed: done, even if the task was then
+                    # cancelled after its ACK (P ended that rank on it; were
+                    # the ACK lost, P's lease ends the rank instead).
+                    if not all(landed_all[i]):
                         continue
-                    landed_reads[keys[i]] = n = t.result()
+                    landed_reads[keys[i]] = n = reads[i].nbytes
                     transport = "samehost" if sources[i] is not None else self.config.transport
                     self.metrics.data_reads.labels(transport).inc()
                     self.metrics.bytes_received.labels(transport).inc(n)
@@ -881,7 +884,7 @@ class Daemon:
         finally:
             self.active_clock.stop()
             self.metrics.bytes_in_flight.dec(planned)
-        return sum(landed_reads.values())
+        return sum(landed_reads[key] for key in keys)
 
     async def _resolve(self, params: pb.TransferParams) -> None:
         """Fill in the generation (and epoch) of params made before P published."""

@@ -49,9 +49,11 @@ def device_copies(device: torch.device) -> Iterator[None]:
     # Work this process queued earlier on the device (a gather on the
     # default stream) comes first.
     stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()  # on failure too: the caller reuses the buffers next
 
 
 class DeviceToHost:

@@ -883,7 +883,16 @@ class LocalSource:
 
     def __init__(self, groups: dict[int, GroupTensors]) -> None:
         self.groups = groups
-        self.staging = Staging()
+        # Several pulls may copy from this source at once, each in its own
+        # thread: each thread gathers into its own staging.
+        self._local = threading.local()
+
+    @property
+    def staging(self) -> Staging:
+        staging: Staging | None = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = Staging()
+        return staging
 
 
 def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
