@@ -29,14 +29,16 @@ def _bytes_of(buf: np.ndarray, iov: np.ndarray) -> bytes:
 lengths = st.lists(st.integers(1, 40), min_size=1, max_size=12)
 
 
+def _back_to_back(lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A buffer and an iovec of pieces of these lengths covering it in order."""
+    buf = np.arange(sum(lens), dtype=np.uint8)
+    ends = np.cumsum(lens)
+    return buf, _pieces(buf, list(zip((ends - lens).tolist(), lens, strict=True)))
+
+
 @given(lengths, st.data())
 def test_head_keeps_exactly_the_first_bytes(lens, data):
-    buf = np.arange(sum(lens), dtype=np.uint8)
-    spans, off = [], 0
-    for n in lens:
-        spans.append((off, n))
-        off += n
-    iov = _pieces(buf, spans)
+    buf, iov = _back_to_back(lens)
     count = data.draw(st.integers(0, sum(lens)))
     assert _bytes_of(buf, iovec.head(iov, count)) == buf.tobytes()[:count]
     # head then advance: the middle of the list, as a partial small answer sends it
@@ -46,12 +48,7 @@ def test_head_keeps_exactly_the_first_bytes(lens, data):
 
 @given(lengths, st.data())
 def test_advance_drops_exactly_the_moved_prefix(lens, data):
-    buf = np.arange(sum(lens), dtype=np.uint8)
-    spans, off = [], 0
-    for n in lens:
-        spans.append((off, n))
-        off += n
-    iov = _pieces(buf, spans)
+    buf, iov = _back_to_back(lens)
     moved = data.draw(st.integers(0, sum(lens)))
     rest = iovec.advance(iov, moved)
     assert _bytes_of(buf, rest) == buf.tobytes()[moved:]
