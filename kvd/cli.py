@@ -155,7 +155,8 @@ def _status(address: str, as_json: bool, auth: Any) -> int:
         return 0
     state = "draining" if r.draining else "serving"
     print(f"kvd {r.version}  engine {r.engine_id}  epoch {r.epoch[:8]}  {state}")
-    print(f"peers: {', '.join(r.peers) or '-'}    tasks: {r.tasks}    staging: {r.staging_buffers} buffers, {r.staging_bytes / 1e6:.1f} MB")
+    print(f"peers: {', '.join(r.peers) or '-'}    tasks: {r.tasks}    staging: {r.staging_buffers} buffers, {r.staging_bytes / 1e6:.1f} MB"
+          f"    pinned ranks: {r.pinned_ranks}")
     print()
     _table("workers", ["worker", "regions", "layers", "registered"],
            [(f"tp{w.worker.tp_rank}/{w.worker.tp_size} pp{w.worker.pp_rank}/{w.worker.pp_size}", w.regions, w.layers, f"{w.bytes / 1e6:,.1f} MB") for w in r.workers])

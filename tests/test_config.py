@@ -55,7 +55,7 @@ def test_status_table_and_json(daemons):
     make_worker(d.grpc, "decode")
     r = subprocess.run([sys.executable, "-m", "kvd", "status", d.grpc], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
-    for heading in ("workers", "leases (0)", "pulls in flight (0)", "recent failures", "tp0/1 pp0/1"):
+    for heading in ("workers", "leases (0)", "pinned ranks: 0", "pulls in flight (0)", "recent failures", "tp0/1 pp0/1"):
         assert heading in r.stdout
     r = subprocess.run([sys.executable, "-m", "kvd", "status", d.grpc, "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert json.loads(r.stdout)["engineId"] == "decode"

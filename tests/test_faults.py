@@ -305,4 +305,4 @@ def test_blocks_an_abort_frees_are_never_read_after_it_is_reported(daemons, path
     print("outcomes by abort delay:", outcomes)
     assert_no_leaks(p.grpc, d.grpc)
     text = __import__("urllib.request").request.urlopen(p.metrics_url, timeout=5).read().decode()
-    assert "kvd_pinned_ranks 0.0" in text
+    assert "kvd_pinned_ranks 0.0" in text and status(p.grpc).pinned_ranks == 0

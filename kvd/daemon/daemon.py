@@ -1105,7 +1105,7 @@ class Daemon:
         return pb.StatusResponse(
             engine_id=self.config.engine_id, epoch=self.epoch, version=__version__, draining=self._draining,
             workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups), region_ids=sorted(r.regions)) for r in self.registrations.values()],
-            peers=sorted(self.peers), publications=len(self.publications), pulls_in_flight=len(self.pulls),
+            peers=sorted(self.peers), publications=len(self.publications), pinned_ranks=self.publications.pinned, pulls_in_flight=len(self.pulls),
             leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
                     for p in list(self.publications.by_request.values())[:200]],
             pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started)

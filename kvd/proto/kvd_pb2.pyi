@@ -429,7 +429,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version", "leases", "pulls", "recent_failures", "staging_buffers", "staging_bytes", "tasks", "draining")
+    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version", "leases", "pulls", "recent_failures", "staging_buffers", "staging_bytes", "tasks", "draining", "pinned_ranks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +444,7 @@ class StatusResponse(_message.Message):
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PINNED_RANKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -458,7 +459,8 @@ class StatusResponse(_message.Message):
     staging_bytes: int
     tasks: int
     draining: bool
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullStatus, _Mapping]]] = ..., recent_failures: _Optional[_Iterable[_Union[FailureStatus, _Mapping]]] = ..., staging_buffers: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., tasks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    pinned_ranks: int
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullStatus, _Mapping]]] = ..., recent_failures: _Optional[_Iterable[_Union[FailureStatus, _Mapping]]] = ..., staging_buffers: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., tasks: _Optional[int] = ..., draining: _Optional[bool] = ..., pinned_ranks: _Optional[int] = ...) -> None: ...
 
 class LeaseStatus(_message.Message):
     __slots__ = ("request_id", "generation", "ranks", "expires_in_seconds")

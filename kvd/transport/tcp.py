@@ -592,6 +592,7 @@ def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[Segme
     raw = bytearray(HEADER_SIZE)
     plain = not isinstance(sock, ssl.SSLSocket)
     landing = _Landing(land_pool, buffers, landed, on_relayout, cancel)
+    last: int | None = None  # the tag of the last DATA frame
     try:
         with _blocking(sock, stall_s):
             while True:
@@ -604,6 +605,12 @@ def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[Segme
                     _recv_into_all(sock, memoryview(body))
                     if header.type is FrameType.ERROR:
                         err = pb.DataError.FromString(bytes(body))
+                        if last is not None:
+                            # The owner saw the publication end after sending
+                            # this segment: it may hold bytes of the blocks'
+                            # reuse, so it counts as not landed (invalid).
+                            landing.wait()
+                            landed[last] = False
                         raise errors.from_code(err.code, err.message)
                     landing.wait()
                     # END: every byte landed. ACK from here, not after a hop back to the loop.
@@ -611,6 +618,7 @@ def _recv_segments(sock: socket.socket, proto: Connection, sinks: Sequence[Segme
                     proto.sent(FrameType.ACK)
                     return moved
                 sink = sinks[header.tag]
+                last = header.tag
                 if header.length != sink.nbytes:
                     raise ProtocolError(f"segment {header.tag} carries {header.length} bytes, expected {sink.nbytes}")
                 iov = sink.iov() if plain else None
