@@ -284,6 +284,21 @@ class _Pair:
                 raise SystemExit(f"bench request {rid} did not finish")
         return self.done[rid] - t0
 
+    def throughput(self, name: str, unit: int, nbytes: int, layers: int, repeat: int, rng: random.Random, device: str = "cpu") -> float:
+        """Best GB/s over ``repeat`` requests of ``nbytes`` in scattered blocks
+        of ``unit`` bytes per layer (fresh random block ids each time)."""
+        # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
+        block_size = unit // 4096
+        blocks = max(1, nbytes // (unit * layers))
+        self.register(KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1), layers, device)
+        best = 0.0
+        for r in range(repeat):
+            p_ids = rng.sample(range(1, blocks + 1), blocks)
+            d_ids = rng.sample(range(1, blocks + 1), blocks)
+            seconds = self.transfer(f"{name}-{r}", p_ids, d_ids, blocks * block_size)
+            best = max(best, blocks * unit * layers / seconds / 1e9)
+        return best
+
     def close(self) -> None:
         from kvd.caches import release_all
 
@@ -312,24 +327,13 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
         try:
             units = {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]} if mode == "samehost" else UNIT_SIZES
             for label, unit in units.items():
-                # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
-                block_size = unit // 4096
-                blocks = max(1, nbytes // (unit * layers))
-                spec = KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1)
-                pair.register(spec, layers)
-                best = 0.0
-                for r in range(args.repeat):
-                    p_ids = rng.sample(range(1, blocks + 1), blocks)
-                    d_ids = rng.sample(range(1, blocks + 1), blocks)
-                    seconds = pair.transfer(f"{mode}-{label}-{r}", p_ids, d_ids, blocks * block_size)
-                    best = max(best, blocks * unit * layers / seconds / 1e9)
-                out[f"{mode}_{label}_gbps"] = best
+                best = out[f"{mode}_{label}_gbps"] = pair.throughput(f"{mode}-{label}", unit, nbytes, layers, args.repeat, rng)
                 say(f"  {f'kvd {mode}, {label} units':<34} {best:6.2f} GB/s{'  (kvd over NIXL/UCX, default transports)' if mode == 'nixl' else ''}")
             if mode == "tcp":
                 spec = KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
                 pair.register(spec, layers)
                 lat = sorted(pair.transfer(f"small-{i}", list(range(1, 17)), list(range(17, 33)), 256) for i in range(args.latency_requests))
-                out["small_request_p50_ms"] = lat[len(lat) // 2] * 1e3
+                out["small_request_p50_ms"] = _p50(lat) * 1e3
                 out["small_request_p99_ms"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3
                 small_bytes = 16 * spec.bytes_per_block_per_layer * layers
                 say(f"  {f'small request (16 blocks, {small_bytes / (1 << 20):.0f} MiB) p50/p99':<34} {out['small_request_p50_ms']:6.2f} / {out['small_request_p99_ms']:.2f} ms")
@@ -420,15 +424,7 @@ def bench_gpu(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
         pair = _Pair(mode)
         try:
             for label in ("16k", "1m"):
-                unit = UNIT_SIZES[label]
-                block_size, blocks = unit // 4096, max(1, nbytes // (unit * layers))
-                spec = KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1)
-                pair.register(spec, layers, device="cuda")
-                best = 0.0
-                for r in range(args.repeat):
-                    p_ids, d_ids = rng.sample(range(1, blocks + 1), blocks), rng.sample(range(1, blocks + 1), blocks)
-                    best = max(best, blocks * unit * layers / pair.transfer(f"gpu-{mode}-{label}-{r}", p_ids, d_ids, blocks * block_size) / 1e9)
-                out[f"gpu_{mode}_{label}_gbps"] = best
+                best = out[f"gpu_{mode}_{label}_gbps"] = pair.throughput(f"gpu-{mode}-{label}", UNIT_SIZES[label], nbytes, layers, args.repeat, rng, "cuda")
                 say(f"  {f'kvd {mode}, GPU to GPU, {label} units':<34} {best:6.2f} GB/s")
         finally:
             pair.close()

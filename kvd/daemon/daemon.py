@@ -655,8 +655,10 @@ class Daemon:
             raise
         if local:
             self.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.head_count) for s in read.segments))
-        pin = self.publications.pin(pub, rank) if local or reader_copies else None
-        self.metrics.pinned_ranks.set(self.publications.pinned)
+        pin = None
+        if local or reader_copies:
+            pin = self.publications.pin(pub, rank)
+            self.metrics.pinned_ranks.set(self.publications.pinned)
         return _OpenRead(self, reg, read, hello.engine_id, pin)
 
     def close_read(self, pin: PinKey) -> None:
