@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 
 TOKEN_HEADER = "authorization"
 WORKER_TOKEN_HEADER = "kvd-worker-token"

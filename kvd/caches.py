@@ -158,7 +158,7 @@ def describe(
 def local_group_tensors(spec: KVCacheSpec, caches: Mapping[str, KVCacheTensors], *, dims: Sequence[str] | None = None):  # type: ignore[no-untyped-def]
     """Canonical views of this process's own caches (for filling and checking)."""
     from kvd.convert import group_from_pb
-    from kvd.relayout import GroupTensors
+    from kvd.core.relayout import GroupTensors
 
     described = describe([(spec, caches)], dims=dims)
     group = group_from_pb(described.groups[0], 0)

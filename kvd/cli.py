@@ -22,12 +22,12 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument(f"--{name}", default=None, help=help_)
 
     d = sub.add_parser("demo", help="a real P/D transfer on loopback, verified byte for byte")
-    from kvd.demo import add_arguments
+    from kvd.tools.demo import add_arguments
 
     add_arguments(d)
 
     b = sub.add_parser("bench", help="measure kvd against baselines in the same run, as ratios")
-    from kvd.bench import add_arguments as bench_arguments
+    from kvd.tools.bench import add_arguments as bench_arguments
 
     bench_arguments(b)
 
@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "demo":
-        from kvd.demo import run_demo
+        from kvd.tools.demo import run_demo
 
         return run_demo(args)
     if args.command == "bench":
-        from kvd.bench import run_bench
+        from kvd.tools.bench import run_bench
 
         return run_bench(args)
     if args.command == "proxy":
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "status":
         from kvd.auth import AuthConfig
-        from kvd.errors import InvalidArgument
+        from kvd.core.errors import InvalidArgument
 
         try:
             auth = AuthConfig.load(args.auth, args.token_file, args.tls_cert_file, args.tls_key_file, args.tls_ca_file)
@@ -109,7 +109,7 @@ SERVE_FLAGS = {
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvd import config as cfg
+    from kvd.daemon import config as cfg
 
     flags = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in SERVE_FLAGS}
     try:
@@ -120,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.describe(config), end="")
         return 0
-    from kvd.daemon.serve import run
+    from kvd.daemon.server import run
 
     return run(config, args.ready_file or None)
 
@@ -143,7 +143,7 @@ def _status(address: str, as_json: bool, auth: Any) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from kvd.client import daemon_status
-    from kvd.errors import KvdError
+    from kvd.core.errors import KvdError
 
     try:
         r = daemon_status(address, auth, timeout=5, wait_ready=False)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvd.errors import InvalidArgument
-from kvd.proto import kvd_pb2 as pb
-from kvd.spec import (
+from kvd.core.errors import InvalidArgument
+from kvd.core.reads import DataRead, DataSegment, Offer
+from kvd.core.spec import (
     EngineLayout,
     EngineMeta,
     GroupSpec,
@@ -16,6 +16,7 @@ from kvd.spec import (
     parse_layout,
     physical_order,
 )
+from kvd.proto import kvd_pb2 as pb
 
 
 def worker_from_pb(w: pb.WorkerId) -> WorkerId:
@@ -132,4 +133,34 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
         engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
         tp_size=e.tp_size, pp_size=e.pp_size, model=ModelInfo(e.model.num_layers, e.model.total_num_kv_heads),
         ranks=tuple(ranks),
+    )
+
+
+def offer_from_pb(p: pb.TransferParams) -> Offer:
+    return Offer(p.request_id, p.generation, p.capability, tuple(tuple(b.ids) for b in p.block_ids), p.num_tokens)
+
+
+def segment_to_pb(s: DataSegment) -> pb.DataSegment:
+    return pb.DataSegment(group_id=s.group_id, layers=s.layers, block_start=s.block_start, block_count=s.block_count,
+                          token_start=s.token_start, token_count=s.token_count, kv_start=s.kv_start, kv_count=s.kv_count,
+                          block_ids=s.block_ids)
+
+
+def read_to_pb(r: DataRead) -> pb.DataRead:
+    return pb.DataRead(
+        owner_engine_id=r.owner_engine_id, request_id=r.request_id, generation=r.generation, capability=r.capability,
+        tp_rank=r.tp_rank, pp_rank=r.pp_rank, head_start=r.head_start, head_count=r.head_count,
+        segments=[segment_to_pb(s) for s in r.segments], reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank,
+        nixl_metadata_version=r.nixl_metadata_version, stripe=r.stripe, stripes=r.stripes,
+    )
+
+
+def read_from_pb(r: pb.DataRead) -> DataRead:
+    return DataRead(
+        owner_engine_id=r.owner_engine_id, request_id=r.request_id, generation=r.generation, capability=r.capability,
+        tp_rank=r.tp_rank, pp_rank=r.pp_rank, head_start=r.head_start, head_count=r.head_count,
+        segments=tuple(DataSegment(s.group_id, tuple(s.layers), s.block_start, s.block_count, s.token_start, s.token_count,
+                                   s.kv_start, s.kv_count, tuple(s.block_ids)) for s in r.segments),
+        reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank, nixl_metadata_version=r.nixl_metadata_version,
+        stripe=r.stripe, stripes=r.stripes,
     )

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from kvd import pattern
 from kvd.caches import allocate_kv_caches, local_group_tensors, release_all
 from kvd.client import KvdClient
+from kvd.core.topology import heads_of_rank
 from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
-from kvd.topology import heads_of_rank
+from kvd.testing import pattern
 
 REPO = Path(__file__).resolve().parents[1]
 

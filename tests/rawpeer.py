@@ -8,9 +8,9 @@ import socket
 
 import grpc
 
+from kvd.core.wire import HEADER_SIZE, FrameType, decode_header, encode
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.wire import HEADER_SIZE, FrameType, decode_header, encode
 
 
 def fake_engine(engine_id: str = "intruder", *, layers: int = 4, heads: int = 4, head_size: int = 16, dtype: str = "bfloat16",

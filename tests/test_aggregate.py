@@ -1,4 +1,4 @@
-from kvd.aggregate import KVOutputAggregator, Outcome, WorkerFinished
+from kvd.core.aggregate import KVOutputAggregator, Outcome, WorkerFinished
 
 
 def out(sending=(), recving=(), invalid=(), outcome="done"):
@@ -34,7 +34,7 @@ def test_drain_empties_the_box():
 
 
 def test_engine_hub_pushes_merged_sets_to_subscribers_and_drains():
-    from kvd.aggregate import EngineFinishedHub
+    from kvd.core.aggregate import EngineFinishedHub
 
     hub = EngineFinishedHub(expected_finished_count=2)
     pushed = []

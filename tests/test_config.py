@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvd import config
+from kvd.daemon import config
 from tests.conftest import REPO, make_worker
 
 

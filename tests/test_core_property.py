@@ -10,11 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd import pattern
-from kvd.errors import Incompatible
-from kvd.sim import make_engine, transfer
-from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
-from kvd.topology import heads_of_rank
+from kvd.core.errors import Incompatible
+from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+from kvd.core.topology import heads_of_rank
+from kvd.testing import pattern
+from kvd.testing.sim import make_engine, transfer
 
 JOINED_OR_SPLIT = ["NHD", "HND", "NHD_BLOCKS_FIRST", "HND_BLOCKS_FIRST", "NHD_SPLIT", "HND_SPLIT"]
 DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn"]

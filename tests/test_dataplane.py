@@ -8,8 +8,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd.core.wire import FrameType
 from kvd.proto import kvd_pb2 as pb
-from kvd.wire import FrameType
 from tests.conftest import make_worker
 from tests.rawpeer import RawPeer, fake_engine, handshake
 

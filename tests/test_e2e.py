@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.errors import InvalidArgument, KvdError
+from kvd.core.errors import InvalidArgument, KvdError
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from tests.conftest import REPO, make_worker

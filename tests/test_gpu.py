@@ -11,11 +11,11 @@ import urllib.request
 import pytest
 import torch
 
-from kvd import pattern
 from kvd.caches import allocate_kv_caches, local_group_tensors
 from kvd.client import KvdClient
-from kvd.relayout import GroupTensors
-from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.core.relayout import GroupTensors
+from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.testing import pattern
 from kvd.transport.device import DeviceToHost, device_copies
 from tests.test_registration import local_group_tensors_plain
 

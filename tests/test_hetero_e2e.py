@@ -29,7 +29,7 @@ def test_pairing_through_daemons_is_byte_exact(flags):
 
 
 def test_a_tp_that_cannot_split_the_heads_is_refused_at_registration(daemons):
-    from kvd.errors import InvalidArgument
+    from kvd.core.errors import InvalidArgument
 
     d = daemons.start("decode")
     with pytest.raises(InvalidArgument, match=r"worker.tp_size=3 .*total_num_kv_heads=4"):

@@ -1,7 +1,7 @@
 import pytest
 
-from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvd.leases import PublicationTable
+from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.leases import PublicationTable
 
 
 def table():
@@ -80,7 +80,8 @@ def test_ack_needs_every_expected_reader():
 def test_renewal_extends_by_the_publications_own_lease():
     t = table()  # default 10 s
     pub = t.publish((0, 0), "r", [[1]], [4], 1, now=0, lease_s=600)
-    assert t.renew("r", pub.generation, now=500)
+    assert t.renew("r", pub.generation, pub.capability, now=500)
+    assert not t.renew("r", pub.generation, b"x" * 32, now=500)  # another capability renews nothing
     assert pub.expires_at == 1100  # 500 + 600, not 500 + the 10 s default
 
 

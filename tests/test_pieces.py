@@ -13,12 +13,13 @@ import random
 import pytest
 import torch
 
-from kvd import pattern
-from kvd.proto import kvd_pb2 as pb
-from kvd.sim import make_engine
-from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
-from kvd.topology import heads_of_rank
-from kvd.transfer import batched_pieces, plan_pull, serve_segment
+from kvd.core.pieces import batched_pieces, serve_segment
+from kvd.core.reads import Offer
+from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+from kvd.core.topology import heads_of_rank
+from kvd.core.transfer import plan_pull
+from kvd.testing import pattern
+from kvd.testing.sim import make_engine
 from kvd.transport.base import Staging
 
 
@@ -49,7 +50,7 @@ def test_owner_and_reader_pieces_pair_and_land_exactly(layout, stacked, p_tp, d_
         p_ids, d_ids = rng.sample(range(1, 64), 20), rng.sample(range(1, 64), 20)
         for r in p.ranks.values():
             pattern.fill(r.tensors, seed, p_ids, r.coords)
-        params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=20 * bs, block_ids=[pb.BlockIds(ids=p_ids)])
+        params = Offer(request_id="r", generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=20 * bs)
         for (tp, pp), rank in d.ranks.items():
             for rr in plan_pull(local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
                                 remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 16):

@@ -3,8 +3,8 @@ import time
 import numpy as np
 import pytest
 
-from kvd.errors import InvalidArgument
-from kvd.plan import plan_extents
+from kvd.core.errors import InvalidArgument
+from kvd.core.plan import plan_extents
 
 
 def units_moved(ext):
@@ -66,17 +66,17 @@ def test_planning_64_layers_2000_blocks_is_fast():
 def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
     import random
 
-    from kvd.proto import kvd_pb2 as pb
-    from kvd.sim import make_engine
-    from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
-    from kvd.transfer import plan_pull, stripe
+    from kvd.core.reads import Offer
+    from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+    from kvd.core.transfer import plan_pull, stripe
+    from kvd.testing.sim import make_engine
 
     rng = random.Random(3)
     model = ModelInfo(4, 8)
     p = make_engine("P", 1, 1, model, lambda r: KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 300), rng)
     d = make_engine("D", 1, 1, model, lambda r: KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 300), rng)
     p_ids, d_ids = rng.sample(range(1, 300), 200), rng.sample(range(1, 300), 200)
-    params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=200 * 16, block_ids=[pb.BlockIds(ids=p_ids)])
+    params = Offer(request_id="r", generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=200 * 16)
     rank = d.ranks[(0, 0)]
     (rr,) = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
                       remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 20)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvd import pattern
 from kvd.caches import adopt_into_shm, allocate_kv_caches, local_group_tensors
 from kvd.client import KvdClient
-from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.testing import pattern
 from tests.conftest import make_worker
 
 
@@ -68,8 +68,8 @@ def test_adopt_moves_existing_tensors_into_shm_in_place(daemons):
 
 def local_group_tensors_plain(spec, caches):
     """Canonical views of caches wherever they live (for the test's own fills)."""
-    from kvd.relayout import GroupTensors
-    from kvd.spec import GroupSpec, LayerSpec, TensorRef
+    from kvd.core.relayout import GroupTensors
+    from kvd.core.spec import GroupSpec, LayerSpec, TensorRef
 
     base = next(iter(caches.values())).untyped_storage()
     region = torch.empty(0, dtype=torch.uint8).set_(base)

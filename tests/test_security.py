@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from kvd.auth import AuthConfig, is_local_peer
 from kvd.client import KvdClient
-from kvd.errors import PermissionDenied
+from kvd.core.errors import PermissionDenied
+from kvd.core.spec import WorkerId
+from kvd.core.wire import HEADER, MAGIC, VERSION, FrameType
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.spec import WorkerId
-from kvd.wire import HEADER, MAGIC, VERSION, FrameType
 from tests.conftest import make_worker
 from tests.rawpeer import RawPeer, fake_engine, handshake
 

@@ -1,7 +1,7 @@
 import pytest
 
-from kvd.errors import Incompatible
-from kvd.topology import EngineShape, heads_of_rank, read_targets
+from kvd.core.errors import Incompatible
+from kvd.core.topology import EngineShape, heads_of_rank, read_targets
 
 
 def shape(tp, heads=8, pp=1, layers=4, mla=False):

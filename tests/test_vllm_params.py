@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 from kvd.integrations.kv_params import Publication, is_kvd_load, load_request, make_params
 from kvd.integrations.pd_proxy import decode_request, prefill_request
 

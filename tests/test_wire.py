@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.wire import (
+from kvd.core.wire import (
     HEADER_SIZE,
     MAX_CONTROL_BYTES,
     Connection,

@@ -11,11 +11,11 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvd.aggregate import WorkerFinished
 from kvd.auth import WORKER_TOKEN_HEADER, TokenInterceptor, is_local_peer
 from kvd.convert import worker_from_pb
+from kvd.core.aggregate import WorkerFinished
+from kvd.core.errors import KvdError, PermissionDenied, ResourceExhausted
 from kvd.daemon.daemon import Daemon
-from kvd.errors import KvdError, PermissionDenied, ResourceExhausted
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
@@ -57,6 +57,11 @@ def register_service(server: grpc.aio.Server, servicer: Any, name: str) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
 
 
+def grpc_code(e: KvdError) -> grpc.StatusCode:
+    """The core's status as gRPC's: the names are the same by design."""
+    return grpc.StatusCode[e.code.name]
+
+
 def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     """Run a handler; a KvdError becomes its gRPC status with its message."""
 
@@ -70,7 +75,7 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
                 result = await result  # type: ignore[misc]
             return result
         except KvdError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(grpc_code(e), e.message)
         except Exception as e:
             log.exception("%s failed", fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
@@ -120,11 +125,11 @@ class WorkerService(pbg.WorkerServicer):
 
     @rpc
     def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
-        return self.d.publish(request, self._local(context))
+        return self.d.publisher.publish(request, self._local(context))
 
     @rpc
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
-        return self.d.pull(request, self._local(context))
+        return self.d.puller.pull(request, self._local(context))
 
     @rpc
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
@@ -146,7 +151,7 @@ class WorkerService(pbg.WorkerServicer):
         try:
             self.d.check_engine_token(request.engine_id, self._local(context))
         except KvdError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(grpc_code(e), e.message)
         queue: asyncio.Queue[WorkerFinished] = asyncio.Queue()
         self.d.engine_hub.subscribers.append(queue.put_nowait)
         try:
@@ -177,15 +182,15 @@ class PeerService(pbg.PeerServicer):
 
     @rpc
     def Abort(self, request: pb.PeerAbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.d.peer_abort(request))
+        return pb.AbortResponse(found=self.d.publisher.peer_abort(request))
 
     @rpc
     def RenewLeases(self, request: pb.RenewLeasesRequest, context: Any) -> pb.RenewLeasesResponse:
-        return self.d.renew_leases(request)
+        return self.d.publisher.renew_leases(request)
 
     @rpc
     async def Resolve(self, request: pb.ResolveRequest, context: Any) -> pb.ResolveResponse:
-        return await self.d.resolve(request)
+        return await self.d.publisher.resolve(request)
 
     @rpc
     def ReportFinished(self, request: pb.ReportFinishedRequest, context: Any) -> pb.ReportFinishedResponse:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
 
 BlockIds = tuple[tuple[int, ...], ...]  # per KV cache group

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 from kvd.proto import kvd_pb2
 
 

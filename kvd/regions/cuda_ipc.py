@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 from kvd.proto import kvd_pb2
 
 

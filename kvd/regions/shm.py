@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 
 SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")

@@ -15,8 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kvd.core.reads import DataRead
+from kvd.core.transfer import SegmentSink
 from kvd.proto import kvd_pb2 as pb
-from kvd.transfer import SegmentSink
 
 CPU = torch.device("cpu")
 
@@ -83,13 +84,13 @@ class OpenRead(Protocol):
 class ReadServer(Protocol):
     def check_hello(self, hello: pb.DataHello) -> None: ...
 
-    def open_read(self, hello: pb.DataHello, read: pb.DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
+    def open_read(self, hello: pb.DataHello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
 
 
 class TransportClient(Protocol):
     name: str
 
-    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+    async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                    local_source: Any = None) -> int:
         """Move every segment of ``read``; mark ``landed[i]`` as each lands. Returns bytes moved.
         ``local_source`` is the owner's memory mapped here (same host), if any."""

@@ -25,76 +25,12 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 
-IOV_MAX = 1024  # Linux's UIO_MAXIOV; larger lists are cut into calls of this many
+from kvd.core.iov import IOV_MAX, advance, align, chain, coalesce, cut, head, make, nbytes
 
-
-def make(addrs: np.ndarray | Sequence[int], lens: np.ndarray | Sequence[int] | int) -> np.ndarray:
-    out = np.empty((len(addrs), 2), dtype=np.uint64)
-    out[:, 0] = addrs
-    out[:, 1] = lens
-    return out
-
-
-def nbytes(iov: np.ndarray) -> int:
-    return int(iov[:, 1].sum())
-
-
-def coalesce(iov: np.ndarray) -> np.ndarray:
-    """Merge rows that continue one another (a run of adjacent blocks) into one."""
-    if len(iov) < 2:
-        return iov
-    breaks = np.flatnonzero(iov[1:, 0] != iov[:-1, 0] + iov[:-1, 1]) + 1
-    if len(breaks) == len(iov) - 1:
-        return iov
-    starts = np.concatenate([np.zeros(1, dtype=np.int64), breaks])
-    return make(iov[starts, 0], np.add.reduceat(iov[:, 1], starts))
-
-
-def advance(iov: np.ndarray, moved: int) -> np.ndarray:
-    """What remains of ``iov`` after the kernel moved its first ``moved`` bytes."""
-    ends = np.cumsum(iov[:, 1])
-    done = int(np.searchsorted(ends, moved, side="right"))
-    rest = iov[done:].copy()
-    if len(rest):
-        into = moved - (int(ends[done - 1]) if done else 0)
-        rest[0, 0] += np.uint64(into)
-        rest[0, 1] -= np.uint64(into)
-    return rest
-
-
-def head(iov: np.ndarray, count: int) -> np.ndarray:
-    """The first ``count`` bytes of ``iov``."""
-    ends = np.cumsum(iov[:, 1])
-    rows = int(np.searchsorted(ends, count, side="left")) + 1
-    out = iov[:rows].copy()
-    if len(out):
-        out[-1, 1] -= np.uint64(int(ends[rows - 1]) - count)
-    return out
-
-
-def align(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Cut two iovec lists of the same total at the union of their piece
-    boundaries, so that row i of one pairs with row i of the other."""
-    ea, eb = np.cumsum(a[:, 1]), np.cumsum(b[:, 1])
-    if len(ea) and len(eb) and ea[-1] != eb[-1]:
-        raise ValueError(f"iovec totals differ: {int(ea[-1])} and {int(eb[-1])} bytes")
-    if len(ea) == len(eb) and np.array_equal(ea, eb):
-        return a, b
-    ends = np.union1d(ea, eb)
-    starts = np.concatenate([np.zeros(1, dtype=np.uint64), ends[:-1]])
-    lens = ends - starts
-
-    def cut(iov: np.ndarray, e: np.ndarray) -> np.ndarray:
-        row = np.searchsorted(e, starts, side="right")  # the piece each cut starts in
-        offset_in = starts - (e[row] - iov[row, 1])
-        return make(iov[row, 0] + offset_in, lens)
-
-    return cut(a, ea), cut(b, eb)
-
+__all__ = ["IOV_MAX", "Copier", "advance", "align", "chain", "coalesce", "cut", "head", "make", "nbytes", "recv_all", "send_all", "send_nowait"]
 
 # ------------------------------------------------------------------ syscalls
 
@@ -169,15 +105,6 @@ def send_nowait(sock: socket.socket, iov: np.ndarray) -> int:
     return _transfer(sock.fileno(), iov, send=True, wait=False)
 
 
-def chain(parts: Sequence[bytes | np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Byte strings and iovec arrays, in order, as one iovec array; the
-    second value holds the byte strings' buffers and must outlive its use."""
-    keep = [np.frombuffer(p, dtype=np.uint8) for p in parts if isinstance(p, bytes)]
-    it = iter(keep)
-    rows = [make([next(it).ctypes.data], [len(p)]) if isinstance(p, bytes) else p for p in parts]
-    return np.concatenate(rows), keep
-
-
 def recv_all(sock: socket.socket, iov: np.ndarray) -> int:
     """Fill every piece of ``iov`` from a blocking socket (MSG_WAITALL: one
     syscall per up to 1024 pieces, however the bytes arrive)."""
@@ -240,7 +167,7 @@ class Copier:
             self._copy_rows(dst, src, cancel)
             return total
         if len(dst) == 1:  # one big piece: cut it for the threads
-            dst, src = _cut(dst, threads), _cut(src, threads)
+            dst, src = cut(dst, threads), cut(src, threads)
         # Split by bytes, not rows, so the threads finish together; the
         # calling thread copies the first part itself.
         ends = np.cumsum(dst[:, 1])
@@ -258,9 +185,3 @@ class Copier:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _cut(iov: np.ndarray, parts: int) -> np.ndarray:
-    """One piece cut into ``parts`` (page-aligned lengths where possible)."""
-    addr, total = int(iov[0, 0]), int(iov[0, 1])
-    step = max(4096, -(-total // parts) // 4096 * 4096)
-    starts = np.arange(0, total, step, dtype=np.uint64)
-    return make(addr + starts, np.minimum(step, total - starts))

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvd import errors
+from kvd.core import errors
+from kvd.core.transfer import SegmentSink
 from kvd.proto import kvd_pb2 as pb
-from kvd.transfer import SegmentSink
 
 # NIXL's Python logger prints INFO on stdout; keep the daemon's output its own.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -40,15 +41,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvd import errors
-from kvd.proto import kvd_pb2 as pb
-from kvd.relayout import GroupTensors
-from kvd.transfer import SegmentSink, owner_iov, serve_segment
-from kvd.transport import iovec
-from kvd.transport.base import ReadServer, Staging
-from kvd.transport.device import DeviceToHost, device_copies
-from kvd.transport.nixl import Arena, NixlAgent, expose, land
-from kvd.wire import (
+from kvd.convert import read_from_pb, read_to_pb
+from kvd.core import errors
+from kvd.core.reads import DataRead
+from kvd.core.transfer import SegmentSink
+from kvd.core.wire import (
     FLAG_LOCAL,
     FLAG_NIXL,
     HEADER_SIZE,
@@ -59,6 +56,12 @@ from kvd.wire import (
     decode_header,
     encode,
 )
+from kvd.proto import kvd_pb2 as pb
+from kvd.transport import iovec
+from kvd.transport.base import ReadServer, Staging
+from kvd.transport.device import DeviceToHost, device_copies
+from kvd.transport.nixl import Arena, NixlAgent, expose, land
+from kvd.transport.samehost import LocalSource, copy_local
 
 log = logging.getLogger("kvd.tcp")
 
@@ -214,7 +217,7 @@ class TcpDataServer:
             conn.sent(FrameType.HELLO_OK)
             while True:
                 header = conn.receive(decode_header(await _recv_raw_header(loop, sock)))  # only READ is admitted here
-                read = pb.DataRead.FromString(await _recv_body(loop, sock, header.length))
+                read = read_from_pb(pb.DataRead.FromString(await _recv_body(loop, sock, header.length)))
                 local, nixl = bool(header.flags & FLAG_LOCAL), bool(header.flags & FLAG_NIXL)
                 try:
                     opened = self.server.open_read(hello, read, local=local, reader_copies=nixl)
@@ -252,7 +255,7 @@ class TcpDataServer:
             if arena is not None:
                 arena.release()
 
-    def _answer(self, sock: socket.socket, conn: Connection, opened: Any, read: pb.DataRead, flags: int, staging: Staging,
+    def _answer(self, sock: socket.socket, conn: Connection, opened: Any, read: DataRead, flags: int, staging: Staging,
                 to_host: DeviceToHost, arena: Arena | None) -> bool:
         """Owner side of one authorised read, in a worker thread: the DATA (or
         DESCS) frames, then END or ERROR from this same thread, so the reader
@@ -377,7 +380,7 @@ class TcpDataServer:
             while True:
                 sock.settimeout(None)  # idle between reads
                 header, body = _read_frame_blocking(sock, conn)
-                read = pb.DataRead.FromString(body)
+                read = read_from_pb(pb.DataRead.FromString(body))
                 local = bool(header.flags & FLAG_LOCAL)
                 try:
                     opened = _on_loop(loop, functools.partial(self.server.open_read, hello, read, local=local))
@@ -728,7 +731,7 @@ class TcpDataClient:
             raise
         return conn
 
-    async def read(self, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+    async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                    local_source: LocalSource | None = None) -> int:
         """Move every segment; with ``local_source`` (same host) only the
         authorisation crosses the socket and the bytes are copied in place."""
@@ -773,13 +776,13 @@ class TcpDataClient:
                 await asyncio.wait_for(asyncio.shield(work), self.stall_timeout_s + 5)
         conn.sock.close()
 
-    def _read_tls(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+    def _read_tls(self, conn: _Conn, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                   local_source: LocalSource | None) -> int:
         """A whole read over a TLS connection, in a worker thread."""
         sock = conn.sock
         sock.settimeout(self.stall_timeout_s)
         if local_source is not None:
-            sock.sendall(_frame(FrameType.READ, read.SerializeToString(), FLAG_LOCAL))
+            sock.sendall(_frame(FrameType.READ, read_to_pb(read).SerializeToString(), FLAG_LOCAL))
             conn.proto.sent(FrameType.READ, segments=0)
             header, body = _read_frame_blocking(sock, conn.proto)
             if header.type is FrameType.ERROR:
@@ -789,15 +792,15 @@ class TcpDataClient:
             sock.sendall(encode(FrameType.ACK))
             conn.proto.sent(FrameType.ACK)
             return moved
-        sock.sendall(encode(FrameType.READ, read.SerializeToString()))
+        sock.sendall(encode(FrameType.READ, read_to_pb(read).SerializeToString()))
         conn.proto.sent(FrameType.READ, segments=len(sinks))
         return _recv_segments(sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s, self.on_relayout, conn.cancel, self._land_pool)
 
-    async def _request(self, conn: _Conn, read: pb.DataRead, flags: int, segments: int) -> bytes:
+    async def _request(self, conn: _Conn, read: DataRead, flags: int, segments: int) -> bytes:
         """Send a flagged READ and return the body of the owner's one control
         answer (END, or DESCS), raising its ERROR."""
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(conn.sock, _frame(FrameType.READ, read.SerializeToString(), flags))
+        await loop.sock_sendall(conn.sock, _frame(FrameType.READ, read_to_pb(read).SerializeToString(), flags))
         conn.proto.sent(FrameType.READ, segments=segments)
         async with asyncio.timeout(self.stall_timeout_s):
             ftype, _, length = await _recv_frame(loop, conn.sock, conn.proto)
@@ -812,7 +815,7 @@ class TcpDataClient:
         await asyncio.get_running_loop().sock_sendall(conn.sock, encode(FrameType.ACK))
         conn.proto.sent(FrameType.ACK)
 
-    async def _read_local(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
+    async def _read_local(self, conn: _Conn, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource) -> int:
         # Authorisation first, then the copy: copying while the owner decides
         # would save a round trip, but a refused read (a capability that does
         # not match, a publication that ended) would already have written
@@ -824,21 +827,21 @@ class TcpDataClient:
         await self._ack(conn)
         return moved
 
-    async def _read_on(self, conn: _Conn, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
+    async def _read_on(self, conn: _Conn, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
         loop = asyncio.get_running_loop()
         sock = conn.sock
-        await loop.sock_sendall(sock, encode(FrameType.READ, read.SerializeToString()))
+        await loop.sock_sendall(sock, encode(FrameType.READ, read_to_pb(read).SerializeToString()))
         conn.proto.sent(FrameType.READ, segments=len(sinks))
         return int(await self._in_thread(conn, _recv_segments, sock, conn.proto, sinks, landed, conn.staging, self.stall_timeout_s,
                                          self.on_relayout, conn.cancel, self._land_pool))
 
-    async def _read_nixl(self, conn: _Conn, address: str, read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
+    async def _read_nixl(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
         """The owner exposes every segment; one NIXL READ moves them all."""
         assert self.nixl is not None
         loop = asyncio.get_running_loop()
         sock = conn.sock
         known = self._nixl_peers.get(address)
-        read.nixl_metadata_version = known[1] if known else 0
+        read = dataclasses.replace(read, nixl_metadata_version=known[1] if known else 0)
         msg = pb.DataDescriptors.FromString(await self._request(conn, read, FLAG_NIXL, len(sinks)))
         if msg.agent_metadata:
             name = await loop.run_in_executor(self._pool, self.nixl.add_remote, msg.agent_metadata)
@@ -884,61 +887,3 @@ class TcpDataClient:
 
 def _frame(type_: FrameType, body: bytes, flags: int = 0) -> bytes:
     return Header(type_, 0, len(body), flags).encode() + body
-
-
-class LocalSource:
-    """The owner rank's memory, mapped by the reader on the same host."""
-
-    def __init__(self, groups: dict[int, GroupTensors]) -> None:
-        self.groups = groups
-        # Several pulls may copy from this source at once, each in its own
-        # thread: each thread gathers into its own staging.
-        self._local = threading.local()
-
-    @property
-    def staging(self) -> Staging:
-        staging: Staging | None = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = self._local.staging = Staging()
-        return staging
-
-
-def copy_local(read: pb.DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
-               cancel: threading.Event | None = None, copier: iovec.Copier | None = None) -> int:
-    """Same-host segments. Where both sides are host memory in wire order
-    (the owner's layout and block size here), every such segment goes in one
-    ``copier`` pass, piece to piece, with no staging; the rest are gathered
-    from the owner's memory and landed as usual."""
-    moved = 0
-    dsts: list[np.ndarray] = []
-    srcs: list[np.ndarray] = []
-    in_place: list[int] = []
-    for i, (seg, sink) in enumerate(zip(read.segments, sinks, strict=True)):
-        if cancel is not None and cancel.is_set():
-            raise ConnectionAbortedError("read abandoned")
-        group = source.groups[seg.group_id]
-        if copier is not None and copier.available:
-            dst = sink.iov()
-            src = owner_iov(group, seg, read.head_start, read.head_count) if dst is not None else None
-            if dst is not None and src is not None and iovec.nbytes(src) == sink.nbytes:
-                dsts.append(dst)
-                srcs.append(src)
-                in_place.append(i)
-                continue
-        # GPU to GPU (CUDA IPC): gathered on the owner's device, then one
-        # device copy or a relayout on ours, waited for before it counts.
-        with device_copies(sink.device if sink.device.type == "cuda" else group.device):
-            payload = serve_segment(group, seg, read.head_start, read.head_count, source.staging)
-            direct = sink.direct()
-            if direct is not None:
-                direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
-            else:
-                sink.land(payload)
-        landed[i] = True
-        moved += sink.nbytes
-    if in_place:
-        assert copier is not None
-        moved += copier.copy(np.concatenate(dsts), np.concatenate(srcs), cancel)
-        for i in in_place:
-            landed[i] = True
-    return moved

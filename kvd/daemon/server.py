@@ -14,9 +14,9 @@ import uvloop
 from prometheus_client import start_http_server
 
 from kvd import __version__
+from kvd.core.errors import KvdError
 from kvd.daemon.daemon import Daemon, DaemonConfig
 from kvd.daemon.service import NOT_SERVING, SERVING, build_server
-from kvd.errors import KvdError
 
 log = logging.getLogger("kvd.serve")
 
@@ -65,7 +65,7 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("kvd draining: %d pulls in flight", len(daemon.pulls))
+    log.info("kvd draining: %d pulls in flight", len(daemon.puller.pulls))
     await health.enter_graceful_shutdown() if hasattr(health, "enter_graceful_shutdown") else await health.set("", NOT_SERVING)
     await daemon.drain()
     await server.stop(grace=2)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvd.errors import Incompatible
+from kvd.core.errors import Incompatible
 
 
 @dataclass(frozen=True)

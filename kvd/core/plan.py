@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

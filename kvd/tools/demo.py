@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
-from kvd.topology import heads_of_rank
+from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.core.topology import heads_of_rank
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
     """One engine rank: owns its caches in shm, obeys the driver's commands."""
     import torch
 
-    from kvd import pattern
     from kvd.caches import allocate_kv_caches, local_group_tensors, release_all
     from kvd.client import KvdClient
+    from kvd.testing import pattern
 
     torch.set_num_threads(1)
     try:

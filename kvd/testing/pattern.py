@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.relayout import GroupTensors, move_dtype
-from kvd.topology import heads_of_rank
+from kvd.core.relayout import GroupTensors, move_dtype
+from kvd.core.topology import heads_of_rank
 
 _P = (1_000_003, 7919, 104_729, 31, 131, 1)  # seed, layer, kv, token, head, dim
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from kvd.errors import InvalidArgument
-from kvd.spec import DTYPE_SIZES, GroupSpec, KVCacheSpec, TensorRef
+from kvd.core.errors import InvalidArgument
+from kvd.core.spec import DTYPE_SIZES, GroupSpec, KVCacheSpec, TensorRef
 
 FULL_CANONICAL = ("layer", "kv", "block", "token", "head", "dim")
 MOVE_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

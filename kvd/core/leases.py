@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 
 CAPABILITY_BYTES = 32
 RankKey = tuple[int, int]  # (tp_rank, pp_rank)
@@ -44,6 +44,10 @@ class Publication:
     block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
     acked: dict[RankKey, set[tuple[str, int, int, int]]] = field(default_factory=dict)
     lease_s: float = 0.0  # what one renewal extends by
+
+    def live(self, now: float) -> bool:
+        """The one lease check: every read, renewal and sweep asks it."""
+        return now < self.expires_at
 
 
 @dataclass(frozen=True)
@@ -136,11 +140,24 @@ class PublicationTable:
             raise PermissionDenied(f"request_id={request_id!r} generation={generation} is stale (current {pub.generation})")
         if pub.reader_engine_id and pub.reader_engine_id != reader_engine_id:
             raise PermissionDenied(f"request_id={request_id!r} may only be read by engine {pub.reader_engine_id!r}")
-        if now >= pub.expires_at:
+        if not pub.live(now):
             raise PermissionDenied(f"request_id={request_id!r} lease expired")
         if rank not in pub.masks:
             raise NotFound(f"request_id={request_id!r} is not published by rank tp{rank[0]}/pp{rank[1]}")
         return pub
+
+    def check_alive(self, request_id: str, generation: int, rank: RankKey, now: float) -> None:
+        """Raise if the publication a read is serving ended (aborted, expired)."""
+        pub = self.by_request.get(request_id)
+        if pub is None or pub.generation != generation or rank not in pub.masks:
+            raise Aborted(f"publication of request_id={request_id!r} ended while being read")
+        if not pub.live(now):
+            raise Aborted(f"publication of request_id={request_id!r} expired while being read")
+
+    def matching(self, request_id: str, capability: bytes) -> Publication | None:
+        """The publication of ``request_id`` under ``capability``, if any."""
+        pub = self.by_request.get(request_id)
+        return pub if pub is not None and hmac.compare_digest(pub.capability, capability) else None
 
     @staticmethod
     def check_block_list(pub: Publication, rank: RankKey, group: int, ids: np.ndarray) -> None:
@@ -196,16 +213,16 @@ class PublicationTable:
             return []
         return self._end_rank(pub, rank, "done")
 
-    def renew(self, request_id: str, generation: int, now: float, lease_s: float = 0.0) -> bool:
-        pub = self.by_request.get(request_id)
-        if pub is None or pub.generation != generation or now >= pub.expires_at:
+    def renew(self, request_id: str, generation: int, capability: bytes, now: float, lease_s: float = 0.0) -> bool:
+        pub = self.matching(request_id, capability)
+        if pub is None or pub.generation != generation or not pub.live(now):
             return False
         pub.expires_at = max(pub.expires_at, now + (lease_s or pub.lease_s or self.default_lease_s))
         return True
 
     def expire(self, now: float) -> list[Ended]:
         ended: list[Ended] = []
-        for pub in [p for p in self.by_request.values() if now >= p.expires_at]:
+        for pub in [p for p in self.by_request.values() if not p.live(now)]:
             for rank in list(pub.masks):
                 ended += self._end_rank(pub, rank, "expired", "lease expired before every reader acknowledged")
         return ended
@@ -216,6 +233,10 @@ class PublicationTable:
             return []
         ranks = [rank] if rank is not None and rank in pub.masks else list(pub.masks) if rank is None else []
         return [e for r in ranks for e in self._end_rank(pub, r, "aborted", reason)]
+
+    def abort_rank(self, rank: RankKey, reason: str) -> list[Ended]:
+        """End everything ``rank`` published (its worker left or restarted)."""
+        return [e for rid in [rid for rid, p in self.by_request.items() if rank in p.masks] for e in self.abort(rid, rank, reason)]
 
     def next_expiry(self) -> float | None:
         return min((p.expires_at for p in self.by_request.values()), default=None)

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from kvd import pattern
-from kvd.proto import kvd_pb2 as pb
-from kvd.sim import make_engine
-from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
-from kvd.topology import heads_of_rank
-from kvd.transfer import plan_pull, serve_segment
+from kvd.core.pieces import serve_segment
+from kvd.core.reads import Offer
+from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+from kvd.core.topology import heads_of_rank
+from kvd.core.transfer import plan_pull
+from kvd.testing import pattern
+from kvd.testing.sim import make_engine
 from kvd.transport.base import Staging
 
 
@@ -84,7 +85,7 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
     p_ids, d_ids = list(range(1, n_p + 1)), list(range(1, n_d + 1))
     for r in p.ranks.values():
         pattern.fill(r.tensors, 1, p_ids, r.coords)
-    params = pb.TransferParams(remote_engine_id="P", request_id="r", generation=1, num_tokens=tokens, block_ids=[pb.BlockIds(ids=p_ids)])
+    params = Offer(request_id="r", generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=tokens)
     rank = d.ranks[(0, 0)]
     reads = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
                       remote=p.meta, params=params, local_block_ids=[d_ids])
@@ -224,7 +225,7 @@ class _Pair:
     """A P and a D daemon, and one worker of each in this process."""
 
     def __init__(self, mode: str) -> None:
-        from kvd.demo import Daemons
+        from kvd.tools.demo import Daemons
 
         self.daemons = Daemons()
         flag = ["--same-host", "auto" if mode == "samehost" else "off", "--metrics-port", "-1"]
@@ -244,7 +245,7 @@ class _Pair:
     def register(self, spec: KVCacheSpec, layers: int, device: str = "cpu") -> None:
         from kvd.caches import allocate_kv_caches, torch_dtype
         from kvd.client import KvdClient
-        from kvd.spec import WorkerId
+        from kvd.core.spec import WorkerId
 
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         model = ModelInfo(layers, spec.num_kv_heads)
@@ -318,7 +319,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     out["socket_gbps"] = socket_baseline(nbytes, args.repeat)
     say(f"  {'memcpy (1 thread)':<34} {out['memcpy_gbps']:6.2f} GB/s")
     say(f"  {'plain socket, 1 MiB sendall':<34} {out['socket_gbps']:6.2f} GB/s")
-    from kvd.bench_peers import nixl_installed, nixl_read_gbps
+    from kvd.tools.bench_peers import nixl_installed, nixl_read_gbps
 
     nixl = nixl_installed()
     modes = ("tcp", "samehost", "nixl") if nixl else ("tcp", "samehost")
@@ -370,7 +371,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
             say(f"  {f'NIXL (UCX default), {label} units':<34} {out[f'nixl_default_{label}_gbps']:6.2f} GB/s")
             ratios.append(out[f"samehost_{label}_gbps"] / out[f"nixl_default_{label}_gbps"])
         out["vs_nixl"] = min(ratios)
-    from kvd.bench_peers import mooncake_installed, mooncake_read_gbps
+    from kvd.tools.bench_peers import mooncake_installed, mooncake_read_gbps
 
     out["vs_mooncake"] = None
     out["mooncake_missing"] = mooncake_installed()

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd import pattern
-from kvd.proto import kvd_pb2 as pb
-from kvd.relayout import GroupTensors
-from kvd.spec import (
+from kvd.core.pieces import serve_segment
+from kvd.core.reads import Offer
+from kvd.core.relayout import GroupTensors
+from kvd.core.spec import (
     EngineLayout,
     EngineMeta,
     GroupSpec,
@@ -25,8 +25,9 @@ from kvd.spec import (
     ModelInfo,
     TensorRef,
 )
-from kvd.topology import heads_of_rank
-from kvd.transfer import plan_pull, serve_segment
+from kvd.core.topology import heads_of_rank
+from kvd.core.transfer import plan_pull
+from kvd.testing import pattern
 from kvd.transport.base import Staging
 
 
@@ -103,7 +104,7 @@ def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng
 def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_ids: list[int], num_tokens: int, *,
              segment_bytes: int = 1 << 16, zero_copy_min_bytes: int = 0) -> dict[tuple[int, int], int]:
     """Run every D rank's pull against P in memory; returns bytes read per P rank."""
-    params = pb.TransferParams(remote_engine_id=p.meta.engine_id, request_id=request_id, generation=1, num_tokens=num_tokens, block_ids=[pb.BlockIds(ids=p_ids)])
+    params = Offer(request_id=request_id, generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=num_tokens)
     staging = Staging()
     read_bytes: dict[tuple[int, int], int] = {}
     for (tp, pp), rank in d.ranks.items():

@@ -1,0 +1,120 @@
+"""Errors that carry a status and name the offending field and value.
+
+The core raises these with its own ``Status``; only the gRPC shell maps a
+status to a gRPC code (the names are gRPC's, so the mapping is by name), and
+the data plane sends them as ERROR frames. Messages always name the field and
+the value, so an operator can act on one line; a long value is quoted as a
+short prefix with its length (``quote``), so an error about a huge field
+still fits in gRPC's metadata.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class Status(enum.Enum):
+    """What kind of failure: the gRPC status codes kvd uses, by name."""
+
+    INTERNAL = "internal"
+    INVALID_ARGUMENT = "invalid_argument"
+    FAILED_PRECONDITION = "failed_precondition"
+    NOT_FOUND = "not_found"
+    PERMISSION_DENIED = "permission_denied"
+    UNAUTHENTICATED = "unauthenticated"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    ABORTED = "aborted"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+QUOTE_CHARS = 64  # an error names a value, not all of a 1 MiB one
+
+
+def quote(value: Any) -> str:
+    """``repr(value)``, or for a long one a short prefix and its length."""
+    text = repr(value)
+    if len(text) <= QUOTE_CHARS:
+        return text
+    size = f"{len(value)} chars" if isinstance(value, (str, bytes)) else f"{len(text)} chars as text"
+    return f"{text[:QUOTE_CHARS]}... ({size})"
+
+
+class KvdError(Exception):
+    code: Status = Status.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(KvdError):
+    """A field of a request is malformed."""
+
+    code = Status.INVALID_ARGUMENT
+
+    def __init__(self, field: str, value: Any, problem: str) -> None:
+        super().__init__(f"{field}={quote(value)} {problem}")
+        self.field = field
+        self.value = value
+
+
+class Incompatible(KvdError):
+    """Two engines cannot exchange KV; names both sides' values."""
+
+    code = Status.FAILED_PRECONDITION
+
+    def __init__(self, field: str, local: Any, remote: Any, problem: str = "") -> None:
+        msg = f"incompatible {field}: local={quote(local)} remote={quote(remote)}"
+        super().__init__(f"{msg}: {problem}" if problem else msg)
+        self.field = field
+
+
+class NotFound(KvdError):
+    code = Status.NOT_FOUND
+
+
+class PermissionDenied(KvdError):
+    code = Status.PERMISSION_DENIED
+
+
+class Unauthenticated(KvdError):
+    code = Status.UNAUTHENTICATED
+
+
+class FailedPrecondition(KvdError):
+    code = Status.FAILED_PRECONDITION
+
+
+class ResourceExhausted(KvdError):
+    code = Status.RESOURCE_EXHAUSTED
+
+
+class Unavailable(KvdError):
+    """Transient: the caller may retry."""
+
+    code = Status.UNAVAILABLE
+
+
+class Aborted(KvdError):
+    code = Status.ABORTED
+
+
+class DeadlineExceeded(KvdError):
+    code = Status.DEADLINE_EXCEEDED
+
+
+_BY_NAME: dict[str, type[KvdError]] = {
+    cls.code.name: cls
+    for cls in (InvalidArgument, NotFound, PermissionDenied, Unauthenticated, FailedPrecondition,
+                ResourceExhausted, Unavailable, Aborted, DeadlineExceeded)
+}
+
+
+def from_code(code_name: str, message: str) -> KvdError:
+    """Rebuild an error received from a peer (data plane or gRPC), same class and message."""
+    cls = _BY_NAME.get(code_name, KvdError)
+    err = cls.__new__(cls)
+    KvdError.__init__(err, message)
+    return err

@@ -1,0 +1,186 @@
+"""The owner's side of the data plane, as decisions (pure; time is passed in).
+
+``Owner`` answers what a prefill daemon is asked by readers: is this data
+connection's HELLO from a reader that handshook with us, may this read be
+served (capability, generation, lease, blocks, bounds), how many reader ranks
+will read a rank (so the right ACK ends its publication), and is a read's
+publication still alive before its END goes out. It holds the
+``PublicationTable`` and the readers' handshakes, and returns the ends to
+report; the daemon shell counts metrics and emits them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from kvd.core.leases import Ended, PinKey, Publication, PublicationTable, RankKey
+from kvd.core.pairing import engine_shape
+from kvd.core.pieces import validate_segment
+from kvd.core.reads import DataRead
+from kvd.core.relayout import GroupTensors
+from kvd.core.spec import EngineMeta
+from kvd.core.topology import EngineShape, read_targets
+
+MAX_STRIPES = 64  # a reader claiming more would only hold the publication to its lease
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A daemon that handshook with us to read: its engine, and the secret
+    its data connections must present."""
+
+    meta: EngineMeta
+    data_token: bytes
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An authorised read: the publication, and the pin a reader that copies
+    our memory itself holds until its ACK (None otherwise)."""
+
+    read: DataRead
+    reader_engine: str
+    publication: Publication
+    pin: PinKey | None
+
+
+class Owner:
+    def __init__(self, engine_id: str, host_id: str, publications: PublicationTable, *, same_host: bool,
+                 max_segments_per_read: int) -> None:
+        self.engine_id = engine_id
+        self.host_id = host_id
+        self.publications = publications
+        self.same_host = same_host  # readers on this host may copy our memory themselves
+        self.max_segments_per_read = max_segments_per_read
+        self.readers: dict[tuple[str, str], Reader] = {}  # by (engine id, epoch)
+        self._expected: dict[tuple[str, RankKey], int] = {}
+
+    # ------------------------------------------------------------ handshakes
+
+    def reader_joined(self, theirs: EngineMeta) -> Reader:
+        """A reader handshook: a restarted daemon of the same engine replaces
+        its old epoch's entry, and reader counts for its engine are redone."""
+        for key in [k for k, r in self.readers.items() if k[0] == theirs.engine_id and r.meta.host_id == theirs.host_id
+                    and r.meta.data_address == theirs.data_address]:
+            del self.readers[key]
+        reader = self.readers[(theirs.engine_id, theirs.epoch)] = Reader(theirs, secrets.token_bytes(32))
+        self._expected = {k: v for k, v in self._expected.items() if k[0] != theirs.engine_id}
+        return reader
+
+    def check_hello(self, engine_id: str, epoch: str, data_token: bytes, shared_token_ok: bool) -> Reader:
+        """Before a single byte of KV: the shared token (auth=token), then the
+        per-reader secret our handshake issued."""
+        reader = self.readers.get((engine_id, epoch))
+        if reader is None:
+            raise Unauthenticated(f"engine {engine_id!r} epoch {epoch[:8]} has not handshaken with this daemon")
+        if not shared_token_ok or not hmac.compare_digest(data_token, reader.data_token):
+            raise Unauthenticated("data-plane HELLO without valid credentials")
+        return reader
+
+    # ------------------------------------------------------------ reads
+
+    def authorize(self, read: DataRead, reader: Reader, tensors: Sequence[GroupTensors] | None, now: float, *,
+                  local: bool = False, reader_copies: bool = False) -> Grant:
+        """May ``read`` be served to ``reader``? ``tensors`` are the read
+        rank's registered groups (None: not registered). ``local``: a
+        same-host read; ``reader_copies``: the reader copies our memory itself
+        (same host, NIXL), so the rank stays pinned until ``release``."""
+        if local and (reader.meta.host_id != self.host_id or not self.same_host):
+            raise PermissionDenied("a same-host read from a reader on another host (or with same_host=off)")
+        if len(read.segments) > self.max_segments_per_read:
+            raise InvalidArgument("read.segments", f"<{len(read.segments)} segments>", f"exceeds the limit of {self.max_segments_per_read}")
+        if read.stripes > MAX_STRIPES or read.stripe >= max(1, read.stripes):
+            raise InvalidArgument("read.stripe", f"{read.stripe} of {read.stripes}", f"must be below read.stripes, itself at most {MAX_STRIPES}")
+        if read.owner_engine_id != self.engine_id:
+            raise InvalidArgument("read.owner_engine_id", read.owner_engine_id, f"is not this daemon's engine {self.engine_id!r}")
+        rank = read.rank
+        if tensors is None:
+            raise NotFound(f"rank tp{rank[0]}/pp{rank[1]} is not registered here")
+        pub = self.publications.authorize(read.request_id, read.generation, read.capability, reader.meta.engine_id, rank, now)
+        for seg in read.segments:
+            if seg.group_id >= len(tensors):
+                raise InvalidArgument("segment.group_id", seg.group_id, f"is not one of {len(tensors)} groups")
+            validate_segment(tensors[seg.group_id], seg, read.head_start, read.head_count)
+            if seg.block_ids:
+                self.publications.check_block_list(pub, rank, seg.group_id, np.asarray(seg.block_ids, dtype=np.int64))
+            else:
+                self.publications.check_blocks(pub, rank, seg.group_id, seg.block_start, seg.block_count)
+        pin = self.publications.pin(pub, rank) if local or reader_copies else None
+        return Grant(read, reader.meta.engine_id, pub, pin)
+
+    def check_alive(self, read: DataRead, now: float) -> None:
+        """Raise if the read's publication ended while it was served: the
+        owner says END only after this holds past the last byte."""
+        self.publications.check_alive(read.request_id, read.generation, read.rank, now)
+
+    def release(self, grant: Grant) -> list[Ended]:
+        """The read is over (acknowledged, refused midway, connection gone):
+        an end held for its pin is reported now."""
+        return self.publications.unpin(grant.pin) if grant.pin is not None else []
+
+    def acknowledged(self, grant: Grant, mine: EngineMeta) -> list[Ended]:
+        """The reader's ACK: every byte landed. Ends the rank once every
+        expected reader (and stripe) has acknowledged; ranks nobody reads
+        (replicated heads, MLA) end with the last rank that is read."""
+        read, reader, table = grant.read, grant.reader_engine, self.publications
+        rank = read.rank
+        shape = engine_shape(mine)
+        ended = table.ack(read.request_id, read.generation, rank, (reader, read.reader_tp_rank, read.reader_pp_rank, read.stripe),
+                          max(1, self.expected_readers(reader, rank, shape)) * max(1, read.stripes))
+        pub = table.by_request.get(read.request_id)
+        if ended and pub is not None and pub.generation == read.generation:
+            unread = [r for r in pub.masks if self.expected_readers(reader, r, shape) == 0]
+            if len(unread) == len(pub.masks):
+                for r in unread:
+                    ended.extend(table.ack(read.request_id, read.generation, r, (reader, -1, -1, 0), 1))
+        return ended
+
+    def expected_readers(self, reader_engine: str, rank: RankKey, mine: EngineShape) -> int:
+        """How many ranks of ``reader_engine`` will read our ``rank``.
+
+        Counted over the reader engine's whole TP x PP shape; a rank copies from
+        a replica instead (fan-out) only when both sit on one daemon we have
+        handshaken with. Unknown ranks are assumed to read: over-counting only
+        delays the release to lease expiry, under-counting would refuse a read.
+        """
+        key = (reader_engine, rank)
+        if key not in self._expected:
+            daemons = [r.meta for (eid, _), r in self.readers.items() if eid == reader_engine]
+            if not daemons:
+                return 1
+            merged = dataclasses.replace(daemons[0], ranks=tuple(r for m in daemons for r in m.ranks))
+            theirs = engine_shape(merged)
+            count = 0
+            for pp in range(theirs.pp_size):
+                for tp in range(theirs.tp_size):
+                    if pp not in theirs.layers_by_pp_rank:
+                        count += 1  # a stage we know nothing of: assume it reads
+                        continue
+                    home = next((m for m in daemons if m.rank(tp, pp) is not None), None)
+                    present = frozenset((r.tp_rank, r.pp_rank) for r in home.ranks) if home else frozenset()
+                    targets = read_targets(theirs, mine, tp, pp, present)
+                    count += any((t.remote_tp_rank, t.remote_pp_rank) == rank for t in targets)
+            self._expected[key] = count
+        return self._expected[key]
+
+    # ------------------------------------------------------------ the reader's other calls
+
+    def renew(self, leases: Sequence[tuple[str, int, bytes]], now: float) -> list[bool]:
+        """Heartbeat: which of (request id, generation, capability) are still held."""
+        return [self.publications.renew(rid, gen, cap, now) for rid, gen, cap in leases]
+
+    def reader_aborted(self, request_id: str, generation: int, capability: bytes, reason: str) -> list[Ended] | None:
+        """The reader will not read: end the publication now (None: no such
+        publication). Generation 0 is a reader that had not resolved it yet;
+        the capability names the publication."""
+        pub = self.publications.matching(request_id, capability)
+        if pub is None or generation not in (0, pub.generation):
+            return None
+        return self.publications.abort(request_id, None, reason or "aborted by the reader")

@@ -1,0 +1,53 @@
+"""Whether two engines can exchange KV, decided from their metadata alone.
+
+The handshake runs ``check_compatible`` on both sides; a pair that cannot
+work is refused with an ``Incompatible`` error naming the field and both
+values. ``engine_shape`` is what topology needs of an engine.
+"""
+
+from __future__ import annotations
+
+from kvd.core.errors import Incompatible
+from kvd.core.spec import EngineMeta, GroupSpec, compat_fields
+from kvd.core.topology import EngineShape, block_ratio, check_pairing, layers_by_stage
+
+
+def engine_shape(meta: EngineMeta) -> EngineShape:
+    use_mla = any(g.spec.use_mla for r in meta.ranks for g in r.groups)
+    stages = layers_by_stage([(r.pp_rank, [idx for g in r.groups for idx in g.layer_indices]) for r in meta.ranks])
+    return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages)
+
+
+def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
+    """Refuse group pairs whose bytes cannot be converted; returns the block ratio."""
+    ls, rs = local.spec, remote.spec
+    gid = local.group_id
+    if ls.dtype != rs.dtype:
+        raise Incompatible(f"group[{gid}].dtype", ls.dtype, rs.dtype, "kvd does not convert dtypes")
+    if ls.use_mla != rs.use_mla:
+        raise Incompatible(f"group[{gid}].use_mla", ls.use_mla, rs.use_mla)
+    if ls.opaque != rs.opaque:
+        raise Incompatible(f"group[{gid}].layout", list(ls.layout), list(rs.layout), "an opaque span converts only to an opaque span")
+    ratio = block_ratio(rs.block_size, ls.block_size, opaque=ls.opaque)
+    if ls.opaque and ls.span_size != rs.span_size:
+        raise Incompatible(f"group[{gid}].span_size", ls.span_size, rs.span_size)
+    if not ls.opaque and ls.head_size != rs.head_size:
+        raise Incompatible(f"group[{gid}].head_size", ls.head_size, rs.head_size)
+    return ratio
+
+
+def check_compatible(mine: EngineMeta, theirs: EngineMeta) -> None:
+    """Refuse a peer whose KV cannot mean the same thing, naming both values."""
+    a = compat_fields(mine.model, mine.ranks[0].groups if mine.ranks else ())
+    b = compat_fields(theirs.model, theirs.ranks[0].groups if theirs.ranks else ())
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            raise Incompatible(k, a.get(k), b.get(k), f"engines {mine.engine_id!r} and {theirs.engine_id!r} cannot exchange KV")
+    check_pairing(engine_shape(mine), engine_shape(theirs))
+    # Every group must convert: block-size ratio, head size, layout kind.
+    if mine.ranks and theirs.ranks:
+        for g in mine.ranks[0].groups:
+            other = next((x for x in theirs.ranks[0].groups if x.group_id == g.group_id), None)
+            if other is None:
+                raise Incompatible(f"group[{g.group_id}]", "present", "absent")
+            check_group_pairing(g, other)

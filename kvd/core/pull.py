@@ -1,0 +1,98 @@
+"""One decode pull across its attempts, as state (pure).
+
+The daemon shell plans a pull (``kvd.core.transfer.plan_pull``), hands the
+reads to ``PullProgress.begin`` and runs those it returns; transports mark
+segments landed as they land. After each attempt ``settle`` records which
+reads landed whole, so that a retry reads only the rest (the owner ended the
+ranks it acknowledged), and ``invalid_blocks`` says exactly which local
+blocks some unlanded segment would have written. ``RetryPolicy`` decides
+whether and when a failed attempt is tried again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvd.core.transfer import RankRead, stripe
+
+ReadKey = tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Striping:
+    """A read of one remote rank of at least ``min_bytes`` goes over
+    ``stripes`` connections at once, unless it is a same-host copy."""
+
+    stripes: int = 1
+    min_bytes: int = 0
+
+
+@dataclass
+class PullProgress:
+    """What of one pull has landed, across attempts."""
+
+    reads: list[RankRead] = field(default_factory=list)  # the current attempt's plan
+    landed: list[list[bool]] = field(default_factory=list)  # per read, per segment
+    done: dict[ReadKey, int] = field(default_factory=dict)  # reads that landed whole, with their bytes
+
+    def begin(self, reads: Sequence[RankRead], striping: Striping, local_ranks: frozenset[tuple[int, int]] = frozenset()) -> list[int]:
+        """Take an attempt's plan; the indices of the reads still to run."""
+        self.reads = [part for rr in reads
+                      for part in (stripe(rr, striping.stripes)
+                                   if striping.stripes > 1 and rr.nbytes >= striping.min_bytes and rr.read.rank not in local_ranks
+                                   else [rr])]
+        self.landed = [[rr.read.key in self.done] * len(rr.sinks) for rr in self.reads]
+        return [i for i, rr in enumerate(self.reads) if rr.read.key not in self.done]
+
+    def bytes_planned(self, todo: Sequence[int]) -> int:
+        return sum(self.reads[i].nbytes for i in todo)
+
+    def settle(self, ran: Sequence[int]) -> list[int]:
+        """After an attempt: the reads of ``ran`` that landed whole, now
+        remembered. A read counts once every segment landed, even if its task
+        was cancelled after its ACK (were the ACK lost, the owner's lease ends
+        the rank instead)."""
+        newly = [i for i in ran if all(self.landed[i]) and self.reads[i].read.key not in self.done]
+        for i in newly:
+            self.done[self.reads[i].read.key] = self.reads[i].nbytes
+        return newly
+
+    @property
+    def moved(self) -> int:
+        """Bytes of the current plan that landed, in any attempt."""
+        return sum(self.done.get(rr.read.key, 0) for rr in self.reads)
+
+    def invalid_blocks(self, all_local: Sequence[int]) -> list[int]:
+        """Exactly the local blocks some unlanded segment would have written
+        (every block, before anything was planned)."""
+        if not self.reads:
+            return sorted(all_local)
+        bad: set[int] = set()
+        for rr, landed in zip(self.reads, self.landed, strict=True):
+            for sink, ok in zip(rr.sinks, landed, strict=True):
+                if not ok:
+                    bad.update(int(b) for b in np.asarray(sink.local_block_ids))
+        return sorted(bad)
+
+    def reset(self) -> None:
+        """A new attempt will plan again; what landed whole stays done."""
+        self.reads, self.landed = [], []
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Transient failures (a reset connection, a restarted peer) are retried
+    ``retries`` times with exponential backoff, capped at ``max_delay_s``."""
+
+    retries: int = 2
+    base_delay_s: float = 0.05
+    max_delay_s: float = 1.0
+
+    def delay(self, attempt: int, transient: bool) -> float | None:
+        """Seconds to wait before the next attempt, or None to give up."""
+        if not transient or attempt >= self.retries:
+            return None
+        return min(self.max_delay_s, self.base_delay_s * 2**attempt)

@@ -1,0 +1,367 @@
+"""One pull as data: which remote ranks, which segments, where each lands.
+
+``plan_pull`` joins topology (which ranks and heads), plan (which extents) and
+relayout (which views) into ``RankRead``s: a ``DataRead`` for the remote
+owner, and for every segment a ``SegmentSink`` that knows its byte size and
+how to land those bytes in local memory. The owner's side of a segment is
+``kvd.core.pieces``.
+
+No sockets here; transport/ moves the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvd.core.errors import Incompatible, InvalidArgument
+from kvd.core.pairing import check_group_pairing, engine_shape
+from kvd.core.pieces import PieceTemplate, cached_template, pieces_iov, template_of, tensor_iov
+from kvd.core.plan import Extents, plan_extents
+from kvd.core.reads import MAX_BATCH_BLOCKS, DataRead, DataSegment, Offer
+from kvd.core.relayout import (
+    GroupTensors,
+    move_dtype,
+    physical,
+    select,
+    to_units,
+    wire_canonical,
+    wire_shape,
+)
+from kvd.core.spec import EngineMeta, GroupSpec, KVCacheSpec
+from kvd.core.topology import ReadTarget, read_targets
+
+# A segment is the unit of pipelining: big enough that per-frame cost vanishes
+# (~20 us a frame against ~1 ms for 4 MiB at 4 GB/s), small enough that
+# relayout of one overlaps receipt of the next.
+DEFAULT_SEGMENT_BYTES = 4 << 20
+
+@dataclass
+class SegmentSink:
+    """Where one DATA frame's bytes go on the reading side."""
+
+    nbytes: int
+    remote_spec: KVCacheSpec
+    wire_dims: tuple[int, int, int, int, int]  # layers, blocks, tokens, heads, kv planes
+    local: GroupTensors
+    local_positions: tuple[int, ...]
+    local_block: tuple[int, int]
+    local_token: tuple[int, int]
+    local_head: tuple[int, int]
+    kv: tuple[int, int]  # K/V planes carried: (start, count)
+    n: int
+    u: int
+    local_block_ids: np.ndarray  # the local blocks this segment writes (for invalid_block_ids)
+    local_index: torch.Tensor | None = None  # batched scattered blocks: where each wire block lands
+
+    def _targets(self) -> list[tuple[torch.Tensor, slice, slice]]:
+        """(restricted local view, wire layer slice, wire kv slice) per part and layer run."""
+        kv0, kvn = self.kv
+        out = []
+        for p, part_kv in enumerate(self.local.kv_of_part):
+            if part_kv is None:  # the part holds the kv dim: take our planes of it
+                local_kv: tuple[int, int] | None = (kv0, kvn) if self.local.spec.num_kv > 1 else None
+                wire_kv = slice(None)
+            elif kv0 <= part_kv < kv0 + kvn:  # a K-only or V-only tensor
+                local_kv, wire_kv = None, slice(part_kv - kv0, part_kv - kv0 + 1)
+            else:
+                continue
+            for i, c, view in self.local.layer_runs(p, self.local_positions):
+                block = (0, view.shape[2]) if self.local_index is not None else self.local_block
+                dst = select(view, block, self.local_token, self.local_head, local_kv)
+                out.append((dst, slice(i, i + c), wire_kv))
+        return out
+
+    def direct(self) -> torch.Tensor | None:
+        """The local memory itself, when the wire bytes already have its layout
+        and it is contiguous: then bytes are received straight into place."""
+        rs, ls = self.remote_spec, self.local.spec
+        if rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1 or self.local_index is not None:
+            return None
+        targets = self._targets()
+        if len(targets) != 1:
+            return None
+        dst = physical(targets[0][0], rs)
+        shape, _ = wire_shape(rs, *self.wire_dims)
+        if dst.numel() * rs.itemsize != self.nbytes or not dst.is_contiguous():
+            return None
+        if tuple(dst.shape) != (shape[0], *shape[2:]) or shape[1] != 1:
+            return None
+        return dst
+
+    def batched_pieces(self) -> tuple[np.ndarray, int] | None:
+        """Where a batched segment's wire pieces land, when local memory has the
+        owner's layout and block size: equal dense pieces in wire order (layer,
+        part, outer dims, block), so they are written in place."""
+        rs, ls = self.remote_spec, self.local.spec
+        if self.local_index is None or rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
+            return None
+        block_dim = 1 + ls.layout.index("block")  # in (layer, *physical)
+
+        def build() -> PieceTemplate | None:
+            runs = []
+            for dst, layers, kv in self._targets():
+                if dst.device.type != "cpu":
+                    return None
+                runs.append((layers.start or 0, layers.stop - (layers.start or 0), (kv.start or 0) if ls.parts_per_layer == 2 else 0, physical(dst, ls)))
+            return template_of(runs, block_dim, self.wire_dims[0], self.kv[1] if ls.parts_per_layer == 2 else 1)
+
+        # _targets() depends on these and on the group the cache lives on.
+        key = ("sink", self.local_positions, self.local_token, self.local_head, self.kv, self.wire_dims[0])
+        template = cached_template(self.local, key, build)
+        if template is None:
+            return None
+        return template.addresses(self.local_index.cpu().numpy()), template.piece
+
+    def iov(self) -> np.ndarray | None:
+        """Where this segment's wire bytes land, as an iovec array of host
+        memory (one row when it lands as-is, one per block piece for batched
+        blocks), or None when they need staging and a relayout."""
+        d = self.direct()
+        if d is not None:
+            return tensor_iov(d)
+        found = self.batched_pieces()
+        return None if found is None else pieces_iov(*found)
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def land(self, payload: torch.Tensor) -> None:
+        """Relayout ``payload`` (uint8, this segment's bytes) into local memory.
+
+        On a GPU the payload goes up in one copy and the relayout runs there,
+        on the caller's current stream; it has finished when this returns,
+        because the caller then reports the blocks landed."""
+        device = self.device
+        if payload.device != device:
+            # Not non_blocking into host memory: the relayout below reads it at once.
+            payload = payload.to(device, non_blocking=device.type == "cuda")
+        src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
+        for dst, layers, kv in self._targets():
+            if self.local_index is not None:
+                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device, non_blocking=True)
+                dst[:, :, idx] = src[layers, kv]  # one scatter for every block
+            else:
+                to_units(dst, self.n, self.u).copy_(to_units(src[layers, kv], self.n, self.u))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
+
+@dataclass
+class RankRead:
+    """One read of one remote rank, and where each of its segments lands."""
+
+    target: ReadTarget
+    read: DataRead
+    sinks: list[SegmentSink] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sinks)
+
+
+# Reads at least this big are striped over several connections (below it the
+# extra READ/ACK round trip costs more than a second stream gains).
+STRIPE_MIN_BYTES = 32 << 20
+
+
+def stripe(rr: RankRead, stripes: int) -> list[RankRead]:
+    """Cut one rank's read into at most ``stripes`` reads of about equal bytes,
+    each a run of whole segments, for as many connections. Each carries
+    ``stripe``/``stripes`` so the owner knows how many ACKs end the rank."""
+    if stripes <= 1 or len(rr.sinks) <= 1:
+        return [rr]
+    ends = np.cumsum([s.nbytes for s in rr.sinks])
+    cuts = np.searchsorted(ends, ends[-1] * np.arange(1, stripes) / stripes, side="left") + 1
+    bounds = sorted({0, len(rr.sinks), *(int(c) for c in cuts if 0 < c < len(rr.sinks))})
+    out = []
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        read = dataclasses.replace(rr.read, segments=rr.read.segments[lo:hi], stripe=i, stripes=len(bounds) - 1)
+        out.append(RankRead(rr.target, read, rr.sinks[lo:hi]))
+    return out
+
+
+def plan_pull(
+    *,
+    local_meta: EngineMeta,
+    local_tp_rank: int,
+    local_pp_rank: int,
+    local_groups: Sequence[GroupTensors],
+    local_group_specs: Sequence[GroupSpec],
+    remote: EngineMeta,
+    params: Offer,
+    local_block_ids: Sequence[Sequence[int]],
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    zero_copy_min_bytes: int = 0,
+) -> list[RankRead]:
+    """Every read one local rank makes for one request."""
+    if len(local_block_ids) != len(local_group_specs):
+        raise InvalidArgument("local_block_ids", f"<{len(local_block_ids)} groups>", f"must give one list per KV cache group ({len(local_group_specs)})")
+    if len(params.block_ids) != len(local_group_specs):
+        raise Incompatible("num_groups", len(local_group_specs), len(params.block_ids), "transfer params carry block ids per remote group")
+    targets = read_targets(engine_shape(local_meta), engine_shape(remote), local_tp_rank, local_pp_rank)
+    reads: list[RankRead] = []
+    for target in targets:
+        rank = remote.rank(target.remote_tp_rank, target.remote_pp_rank)
+        if rank is None:
+            raise Incompatible("remote rank", f"tp{target.remote_tp_rank}/pp{target.remote_pp_rank}", "not registered", "the remote engine has not registered that rank yet")
+        segments: list[DataSegment] = []
+        sinks: list[SegmentSink] = []
+        wanted = set(target.layers)
+        for gi, (lspec, ltensors) in enumerate(zip(local_group_specs, local_groups, strict=True)):
+            rgroup = next((g for g in rank.groups if g.group_id == lspec.group_id), None)
+            if rgroup is None:
+                raise Incompatible(f"group[{lspec.group_id}]", "present", "absent")
+            check_group_pairing(lspec, rgroup)
+            layers = [idx for idx in lspec.layer_indices if idx in wanted and idx in rgroup.layer_indices]
+            if not layers:
+                continue
+            remote_ids = list(params.block_ids[gi])
+            _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, params.num_tokens, remote_ids, local_block_ids[gi], target,
+                        segment_bytes, zero_copy_min_bytes or segment_bytes)
+        if sinks:
+            read = DataRead(
+                owner_engine_id=remote.engine_id, request_id=params.request_id, generation=params.generation,
+                capability=params.capability, tp_rank=target.remote_tp_rank, pp_rank=target.remote_pp_rank,
+                head_start=target.remote_head_start, head_count=target.head_count, segments=tuple(segments),
+                reader_tp_rank=local_tp_rank, reader_pp_rank=local_pp_rank,
+            )
+            reads.append(RankRead(target, read, sinks))
+    return reads
+
+
+# By default a contiguous extent gets segments of its own only when it fills
+# one (``zero_copy_min_bytes`` = ``segment_bytes``); smaller extents are
+# batched, many blocks to a segment, since a frame costs tens of microseconds
+# of Python on each side. Batched segments still move in place: their pieces
+# go to the kernel as one iovec list (see ``owner_iov`` and ``SegmentSink.iov``).
+
+
+def _plan_group(
+    segments: list[DataSegment],
+    sinks: list[SegmentSink],
+    lgroup: GroupSpec,
+    ltensors: GroupTensors,
+    rgroup: GroupSpec,
+    layers: list[int],
+    num_tokens: int,
+    remote_ids: Sequence[int],
+    local_ids: Sequence[int],
+    target: ReadTarget,
+    segment_bytes: int,
+    zero_copy_min_bytes: int,
+) -> None:
+    rspec, lspec = rgroup.spec, lgroup.spec
+    heads = target.head_count
+    if target.remote_head_start + heads > rspec.num_kv_heads:
+        raise Incompatible("num_kv_heads", lspec.num_kv_heads, rspec.num_kv_heads, f"remote rank holds too few heads for [{target.remote_head_start}, +{heads})")
+    unit = 1 if rspec.opaque else min(rspec.block_size, lspec.block_size)
+    num_kv = rspec.num_kv
+    # Bytes of one unit (B tokens) of one layer and one K/V plane, for our heads.
+    per_block_layer = rspec.bytes_per_block_per_layer * heads // rspec.num_kv_heads
+    unit_plane_bytes = max(1, per_block_layer // num_kv // (1 if rspec.opaque else rspec.block_size) * unit)
+    # The owner's memory is contiguous per (layer, K/V plane) when kv sits
+    # outside the block dim (or K and V are separate tensors).
+    kv_outer = rspec.parts_per_layer == 2 or ("kv" in rspec.layout and rspec.layout.index("kv") < rspec.layout.index("block"))
+    planes = num_kv if kv_outer else 1
+    fine_max_units = max(1, segment_bytes // (unit_plane_bytes * (num_kv // planes)))
+    ext: Extents = plan_extents(remote_ids, rspec.block_size, list(local_ids), lspec.block_size, num_tokens, max_units=fine_max_units)
+    coarse_layers = max(1, min(len(layers), segment_bytes // max(1, unit_plane_bytes * num_kv)))
+    r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
+    l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}
+    kvs_per_fine = num_kv // planes
+    units_per_extent = ext.n * ext.u
+    fine_mask = units_per_extent * unit_plane_bytes * kvs_per_fine >= zero_copy_min_bytes
+    same_blocks = rspec.block_size == lspec.block_size
+    if same_blocks and (~fine_mask).any():
+        # Small scattered extents: batch their blocks into few segments, moved
+        # with one gather on the owner and one scatter here (numpy, no loop per block).
+        _plan_batched(segments, sinks, rgroup, ltensors, layers, ext, ~fine_mask, r_pos, l_pos, target, unit_plane_bytes * num_kv, segment_bytes)
+    for e in range(len(ext)):
+        if same_blocks and not fine_mask[e]:
+            continue
+        rb, rc, rt, rtc = ext.side(e, remote=True)
+        lb, lc, lt, ltc = ext.side(e, remote=False)
+        n, u = int(ext.n[e]), int(ext.u[e])
+        if rspec.opaque:
+            rt, rtc, lt, ltc = 0, 1, 0, 1  # the span hides tokens; whole blocks only
+        if fine_mask[e]:
+            pieces = [([layer], (p * kvs_per_fine, kvs_per_fine)) for layer in layers for p in range(planes)]
+        else:
+            chunk = coarse_layers if n * u * unit_plane_bytes * num_kv * coarse_layers <= segment_bytes else 1
+            pieces = [(layers[i : i + chunk], (0, num_kv)) for i in range(0, len(layers), chunk)]
+        local_block_ids = np.arange(lb, lb + lc, dtype=np.int64)
+        for chunk_layers, kv in pieces:
+            segments.append(DataSegment(
+                group_id=rgroup.group_id, layers=tuple(r_pos[i] for i in chunk_layers),
+                block_start=rb, block_count=rc, token_start=rt, token_count=rtc,
+                kv_start=kv[0], kv_count=kv[1],
+            ))
+            wire_dims = (len(chunk_layers), rc, rtc, heads, kv[1])
+            shape, _ = wire_shape(rspec, *wire_dims)
+            sinks.append(
+                SegmentSink(
+                    nbytes=math.prod(shape) * rspec.itemsize,
+                    remote_spec=rspec,
+                    wire_dims=wire_dims,
+                    local=ltensors,
+                    local_positions=tuple(l_pos[i] for i in chunk_layers),
+                    local_block=(lb, lc),
+                    local_token=(lt, ltc),
+                    local_head=(target.local_head_start, heads),
+                    kv=kv,
+                    n=n, u=u,
+                    local_block_ids=local_block_ids,
+                )
+            )
+
+
+def _plan_batched(
+    segments: list[DataSegment],
+    sinks: list[SegmentSink],
+    rgroup: GroupSpec,
+    ltensors: GroupTensors,
+    layers: list[int],
+    ext: Extents,
+    mask: np.ndarray,
+    r_pos: dict[int, int],
+    l_pos: dict[int, int],
+    target: ReadTarget,
+    block_layer_bytes: int,
+    segment_bytes: int,
+) -> None:
+    rspec = rgroup.spec
+    lens = (ext.n * ext.u)[mask]
+    r_starts, l_starts = ext.remote_block[mask], ext.local_block[mask]
+    total = int(lens.sum())
+    run = np.repeat(np.arange(lens.shape[0]), lens)
+    within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    r_ids, l_ids = r_starts[run] + within, l_starts[run] + within
+    layer_chunk = max(1, min(len(layers), segment_bytes // max(1, block_layer_bytes)))
+    per_batch = int(min(MAX_BATCH_BLOCKS, max(1, segment_bytes // (block_layer_bytes * layer_chunk))))
+    tokens = 1 if rspec.opaque else rspec.block_size
+    heads = target.head_count
+    for b0 in range(0, total, per_batch):
+        rb, lb = r_ids[b0 : b0 + per_batch], l_ids[b0 : b0 + per_batch]
+        local_index = torch.from_numpy(lb.astype(np.int64))
+        for i in range(0, len(layers), layer_chunk):
+            chunk = layers[i : i + layer_chunk]
+            segments.append(DataSegment(group_id=rgroup.group_id, layers=tuple(r_pos[x] for x in chunk), block_start=0,
+                                        block_count=len(rb), token_start=0, token_count=tokens, block_ids=tuple(rb.tolist())))
+            wire_dims = (len(chunk), len(rb), tokens, heads, 0)
+            shape, _ = wire_shape(rspec, *wire_dims)
+            sinks.append(SegmentSink(
+                nbytes=math.prod(shape) * rspec.itemsize, remote_spec=rspec, wire_dims=wire_dims, local=ltensors,
+                local_positions=tuple(l_pos[x] for x in chunk), local_block=(0, len(lb)), local_token=(0, tokens),
+                local_head=(target.local_head_start, heads), kv=(0, rspec.num_kv), n=len(lb), u=1,
+                local_block_ids=lb, local_index=local_index,
+            ))
+
+

@@ -1,0 +1,244 @@
+"""The prefill side of the daemon shell: publications and the reads of them.
+
+``Publisher`` feeds the pure ``Owner`` (authorisation, expected readers,
+acknowledgements, pins) and ``PublicationTable`` (leases) with what gRPC
+and the data plane bring, adds the clock, and reports what ended. The data
+plane sees an authorised read as an ``OpenRead``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvd.convert import worker_from_pb
+from kvd.core.errors import (
+    InvalidArgument,
+    KvdError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvd.core.leases import Ended
+from kvd.core.owner import Grant, Owner
+from kvd.core.pieces import (
+    GatherStaging,
+    batched_pieces,
+    owner_iov,
+    segment_nbytes,
+    segment_view,
+    serve_segment,
+)
+from kvd.core.reads import DataRead
+from kvd.proto import kvd_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvd.daemon.daemon import Daemon, Registration
+
+log = logging.getLogger("kvd.daemon")
+
+
+class Publisher:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.owner = Owner(daemon.config.engine_id, daemon.host_id, daemon.publications,
+                           same_host=daemon.config.same_host != "off", max_segments_per_read=daemon.config.max_segments_per_read)
+        self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
+        self._resolves = 0
+
+    @property
+    def publications(self):  # type: ignore[no-untyped-def]
+        return self.d.publications
+
+    # ------------------------------------------------------------ gRPC
+
+    def publish(self, req: pb.PublishRequest, token: bytes | None = None) -> pb.PublishResponse:
+        d = self.d
+        reg = d.registered(worker_from_pb(req.worker), token)
+        worker = reg.worker
+        if d.draining:
+            raise Unavailable("daemon is draining")
+        if req.num_tokens <= 0:
+            raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
+        pub = self.publications.publish(
+            (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], [g.spec.num_blocks for g in reg.groups],
+            req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
+            lease_s=req.lease_seconds,
+        )
+        d.metrics.leases_held.set(len(self.publications))
+        event = self._published.pop(req.request_id, None)
+        if event is not None:
+            event.set()
+        return pb.PublishResponse(params=pb.TransferParams(
+            remote_engine_id=d.config.engine_id, remote_address=d.grpc_address, remote_epoch=d.epoch,
+            request_id=req.request_id, generation=pub.generation, capability=pub.capability,
+            block_ids=[pb.BlockIds(ids=list(b.ids)) for b in req.block_ids], num_tokens=req.num_tokens,
+            remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
+            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds,
+        ))
+
+    async def resolve(self, req: pb.ResolveRequest) -> pb.ResolveResponse:
+        """The generation of ``request_id`` published under ``capability``,
+        once every rank registered here has published it (or the wait ends
+        with at least one). Refused like a read if nothing matches."""
+        d = self.d
+        d.check_engine(req.engine_id)
+        if self._resolves >= d.config.max_pending_resolves:
+            raise ResourceExhausted(f"more than {d.config.max_pending_resolves} resolves pending")
+        loop = asyncio.get_running_loop()
+        wait = max(0.0, min(req.wait_seconds, d.config.publish_wait_seconds))
+        deadline = loop.time() + wait
+        self._resolves += 1
+        try:
+            while True:
+                pub = self.publications.matching(req.request_id, req.capability)
+                if pub is not None and set(d.registrations) <= set(pub.masks):
+                    break
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    if pub is not None:
+                        break  # some ranks published: reads of the others are refused one by one
+                    raise PermissionDenied(f"no publication of request_id={req.request_id!r} matches this capability (waited {wait:g}s)")
+                event = self._published.setdefault(req.request_id, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+        finally:
+            self._resolves -= 1
+            if not self._resolves:
+                self._published.clear()
+        return pb.ResolveResponse(generation=pub.generation, epoch=d.epoch, ranks_published=len(pub.masks))
+
+    def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
+        ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason)
+        self.report(ended or [])
+        return ended is not None
+
+    def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
+        alive = self.owner.renew([(x.request_id, x.generation, x.capability) for x in req.leases], time.monotonic())
+        return pb.RenewLeasesResponse(alive=alive)
+
+    def abort(self, request_id: str, rank: tuple[int, int]) -> bool:
+        """The local worker ends its own publication."""
+        ended = self.publications.abort(request_id, rank)
+        self.report(ended)
+        return bool(ended)
+
+    def abort_rank(self, rank: tuple[int, int], reason: str) -> None:
+        self.report(self.publications.abort_rank(rank, reason))
+
+    async def sweep(self) -> None:
+        """Leases end on their own: every half second, report what expired."""
+        while True:
+            ended = self.publications.expire(time.monotonic())
+            for e in ended:
+                log.info("lease expired request_id=%s rank=%s", e.request_id, e.rank)
+            self.report(ended)
+            await asyncio.sleep(0.5)
+
+    def report(self, ended: list[Ended]) -> None:
+        for e in ended:
+            self.d.report_sending(e)
+        self.d.metrics.leases_held.set(len(self.publications))
+        self.d.metrics.pinned_ranks.set(self.publications.pinned)
+
+    # ------------------------------------------------------------ data plane
+
+    def check_hello(self, hello: pb.DataHello) -> None:
+        try:
+            self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, self.d.auth.check_hello_token(hello.shared_token))
+        except KvdError as e:
+            no_handshake = (hello.engine_id, hello.epoch) not in self.owner.readers
+            self.d.metrics.refused_reads.labels("no_handshake" if no_handshake else "unauthenticated").inc()
+            raise e from None
+
+    def open_read(self, hello: pb.DataHello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead:
+        """Authorise ``read`` (on the event loop). ``reader_copies``: the
+        reader will copy our memory itself (same host, NIXL), so the rank
+        stays pinned until the returned read is closed."""
+        reg = self.d.registrations.get(read.rank)
+        try:
+            reader = self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, True)
+            grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
+                                         local=local, reader_copies=reader_copies)
+        except KvdError as e:
+            self.d.metrics.refused_reads.labels(e.code.name.lower()).inc()
+            raise
+        assert reg is not None
+        if local:
+            self.d.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.head_count) for s in read.segments))
+        if grant.pin is not None:
+            self.d.metrics.pinned_ranks.set(self.publications.pinned)
+        return OpenRead(self, reg, grant)
+
+
+class OpenRead:
+    """An authorised read, as the data plane serves it: each segment's bytes
+    (in place or gathered), the liveness check before END, and the ACK."""
+
+    def __init__(self, publisher: Publisher, reg: Registration, grant: Grant) -> None:
+        self.publisher, self.reg, self.grant = publisher, reg, grant
+        self.read = grant.read
+        self.pin: object | None = grant.pin  # the reader copies our memory itself: the rank is pinned until close()
+        self._metrics = publisher.d.metrics
+
+    def _seg(self, index: int):  # type: ignore[no-untyped-def]
+        seg = self.read.segments[index]
+        return self.reg.tensors[seg.group_id], seg
+
+    def segment(self, index: int, staging: GatherStaging, transport: str = "tcp") -> torch.Tensor:
+        group, seg = self._seg(index)
+        payload = serve_segment(group, seg, self.read.head_start, self.read.head_count, staging)
+        self.count_sent(payload.numel(), seg.block_count, transport)
+        return payload
+
+    def count_sent(self, nbytes: int, blocks: int, transport: str) -> None:
+        """Metrics for segments that left without ``segment`` (exposed in place)."""
+        self._metrics.bytes_sent.labels(transport).inc(nbytes)
+        self._metrics.blocks_sent.labels(transport).inc(blocks)
+
+    def segment_blocks(self, index: int) -> int:
+        return self.read.segments[index].block_count
+
+    def segment_device(self, index: int) -> torch.device:
+        return self._seg(index)[0].device
+
+    def segment_nbytes(self, index: int) -> int:
+        group, seg = self._seg(index)
+        return segment_nbytes(group.spec, seg, self.read.head_count)
+
+    def segment_pieces(self, index: int) -> tuple[np.ndarray, int] | None:
+        """A batched segment's bytes as equal pieces of registered memory, in wire order."""
+        group, seg = self._seg(index)
+        return batched_pieces(group, seg, self.read.head_start, self.read.head_count)
+
+    def segment_iov(self, index: int) -> np.ndarray | None:
+        """The segment's registered host memory as an iovec array, in wire order."""
+        group, seg = self._seg(index)
+        return owner_iov(group, seg, self.read.head_start, self.read.head_count)
+
+    def segment_view(self, index: int) -> torch.Tensor | None:
+        """The segment as a zero-copy view of registered memory, or None when it must be gathered."""
+        group, seg = self._seg(index)
+        return segment_view(group, seg, self.read.head_start, self.read.head_count)
+
+    def check_alive(self) -> None:
+        """Raise if the publication ended (aborted, expired) while being served.
+        Called from data-plane threads too: a dict lookup and a compare."""
+        self.publisher.owner.check_alive(self.read, time.monotonic())
+
+    def acknowledged(self) -> None:
+        """The reader's ACK (on the event loop): every byte landed."""
+        self.close()
+        self.publisher.report(self.publisher.owner.acknowledged(self.grant, self.publisher.d.engine_meta()))
+
+    def close(self) -> None:
+        """The read is over, one way or another (on the event loop)."""
+        pin, self.pin = self.pin, None
+        if pin is not None:
+            self.publisher.report(self.publisher.owner.release(self.grant))

@@ -1,0 +1,370 @@
+"""The decode side of the daemon shell: pulls, run as background tasks.
+
+``Puller`` takes a worker's Pull, resolves and handshakes as needed, plans
+with ``kvd.core.transfer.plan_pull``, keeps the pull's state in the pure
+``PullProgress`` (what landed across attempts, exactly which blocks did not)
+and asks ``RetryPolicy`` whether to try again; the transport moves the bytes.
+It also keeps P's leases alive by heartbeat while pulls wait or run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from kvd.convert import offer_from_pb, worker_from_pb
+from kvd.core import errors
+from kvd.core.aggregate import Outcome
+from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
+from kvd.core.leases import RankKey
+from kvd.core.pairing import engine_shape
+from kvd.core.pieces import copy_blocks
+from kvd.core.pull import PullProgress, RetryPolicy, Striping
+from kvd.core.spec import WorkerId
+from kvd.core.topology import fanout_source
+from kvd.core.transfer import plan_pull
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+
+if TYPE_CHECKING:
+    from kvd.daemon.daemon import Daemon, Registration
+
+log = logging.getLogger("kvd.daemon")
+
+
+@dataclass
+class ActivePull:
+    """A pull queued or in flight, kept alive on P by heartbeat."""
+
+    worker: WorkerId
+    request: pb.PullRequest
+    started: float
+    task: asyncio.Task[None] | None = None
+    next_renew: float = 0.0
+    cancel_reason: str = ""  # why we cancelled it ourselves
+    cancel_outcome: str = "failed"  # "aborted" when the local worker asked
+
+    @property
+    def params(self) -> pb.TransferParams:
+        return self.request.params
+
+    def cancel(self, reason: str, outcome: str = "failed") -> None:
+        if self.task is not None and not self.task.done():
+            self.cancel_reason, self.cancel_outcome = reason, outcome
+            self.task.cancel()
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str
+    reason: str
+    message: str
+    at: float
+
+
+class Puller:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        config = daemon.config
+        self.pulls: dict[tuple[RankKey, str], ActivePull] = {}
+        self.recent_failures: collections.deque[Failure] = collections.deque(maxlen=32)
+        self.retry = RetryPolicy(retries=config.pull_retries)
+        self.striping = Striping(config.stripes_per_read, config.stripe_min_bytes) if config.transport == "tcp" else Striping()
+        self._slots = asyncio.Semaphore(config.max_concurrent_pulls)
+        self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[list[int]]]] = {}
+
+    # ------------------------------------------------------------ gRPC
+
+    def pull(self, req: pb.PullRequest, token: bytes | None = None) -> pb.PullResponse:
+        d = self.d
+        reg = d.registered(worker_from_pb(req.worker), token)
+        if d.draining:
+            raise Unavailable("daemon is draining")
+        p = req.params
+        if not p.remote_engine_id:
+            raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "must be set")
+        if p.remote_engine_id == d.config.engine_id:
+            raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "is this daemon's own engine")
+        if not p.remote_address or ":" not in p.remote_address:
+            raise InvalidArgument("params.remote_address", p.remote_address, "must be host:port")
+        if p.num_tokens <= 0:
+            raise InvalidArgument("params.num_tokens", p.num_tokens, "must be positive")
+        if len(req.local_block_ids) != len(reg.groups):
+            raise InvalidArgument("local_block_ids", f"<{len(req.local_block_ids)} groups>", f"must give one list per KV cache group ({len(reg.groups)})")
+        for g, ids in zip(reg.groups, req.local_block_ids, strict=True):
+            bad = [i for i in ids.ids if i >= g.spec.num_blocks]
+            if bad:
+                raise InvalidArgument(f"local_block_ids[{g.group_id}]", bad[0], f"is outside the registered range [0, {g.spec.num_blocks})")
+        worker = reg.worker
+        key = ((worker.tp_rank, worker.pp_rank), req.request_id)
+        if key in self.pulls:
+            raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
+        now = time.monotonic()
+        active = ActivePull(worker, req, now, next_renew=now + _renew_interval(p))
+        active.task = asyncio.create_task(self._run(reg, active))
+        self.pulls[key] = active
+        active.task.add_done_callback(lambda _t: self.pulls.pop(key, None))
+        return pb.PullResponse(accepted=True)
+
+    def abort(self, req: pb.AbortRequest, rank: RankKey) -> bool:
+        """D cancels its pull and tells P; with ``release``, P frees blocks D will not read."""
+        found = False
+        active = self.pulls.get((rank, req.request_id))
+        if active is not None and active.task is not None:
+            active.cancel(f"aborted by {worker_from_pb(req.worker)}", "aborted")
+            self.d.spawn(self._abort_remote(active.params, f"reader {self.d.config.engine_id} aborted"))
+            found = True
+        if req.HasField("release") and req.release.remote_address:
+            self.d.spawn(self._abort_remote(req.release, f"reader {self.d.config.engine_id} does not need it"))
+            found = True
+        return found
+
+    def cancel_rank(self, rank: RankKey) -> None:
+        """The worker left or restarted: its pulls would land in memory it no longer owns."""
+        for (r, _), active in list(self.pulls.items()):
+            if r == rank and active.task is not None:
+                active.task.cancel()
+
+    # ------------------------------------------------------------ one pull
+
+    async def _run(self, reg: Registration, active: ActivePull) -> None:
+        d, req = self.d, active.request
+        rank = (reg.worker.tp_rank, reg.worker.pp_rank)
+        local_ids = [list(b.ids) for b in req.local_block_ids]
+        progress = PullProgress()
+        t0 = time.perf_counter()
+        d.metrics.pulls_in_flight.inc()
+        try:
+            async with self._slots:
+                t0 = time.perf_counter()
+                total = await asyncio.wait_for(self._with_retries(reg, req, rank, local_ids, progress), d.config.pull_timeout_seconds)
+            landed = self._replica_future(req.params, rank)
+            if not landed.done():
+                landed.set_result(local_ids)
+            d.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
+            d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
+        except BaseException as e:
+            reason, message = _failure_reason(e)
+            outcome = "failed"
+            if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
+                outcome, message = active.cancel_outcome, active.cancel_reason
+                reason = "aborted" if outcome == "aborted" else "lease_lost"
+            invalid = progress.invalid_blocks(sorted({i for ids in local_ids for i in ids}))
+            # Replicas copying from us fail now, even those that ask later.
+            fut = self._replica_future(req.params, rank)
+            if not fut.done():
+                fut.set_exception(FailedPrecondition(message))
+                fut.exception()  # nobody may be waiting; don't warn about it
+            d.metrics.failures.labels(reason).inc()
+            d.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
+            self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
+            d.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
+            log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            d.metrics.pulls_in_flight.dec()
+
+    async def _with_retries(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
+                            progress: PullProgress) -> int:
+        attempt = 0
+        while True:
+            progress.reset()
+            try:
+                return await self._attempt(reg, req, rank, local_ids, progress)
+            except (ConnectionError, OSError, Unavailable) as e:
+                # Transient: the peer may have restarted. Forget what we knew
+                # (handshake, pooled connections) and try again, boundedly.
+                stale = self.d.drop_peer(req.params.remote_engine_id)
+                if stale is not None:
+                    await self.d.data_client.forget(stale.meta.data_address)
+                delay = self.retry.delay(attempt, transient=True)
+                if delay is None:
+                    raise
+                log.info("retrying pull request_id=%s after %s: %s", req.request_id, type(e).__name__, e)
+                await asyncio.sleep(delay)
+                attempt += 1
+
+    async def _attempt(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
+                       progress: PullProgress) -> int:
+        d = self.d
+        local_meta = d.engine_meta()
+        present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
+        source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
+        if source is not None:
+            return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
+        if not req.params.generation:
+            await self._resolve(req.params)  # before the handshake: it fills in the epoch the handshake is cached by
+        peer = await d.peer_for(req.params)
+        if peer.meta.epoch != req.params.remote_epoch:
+            raise FailedPrecondition(
+                f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
+            )
+        offer = offer_from_pb(req.params)
+        for fresh in (False, True):
+            try:
+                reads = plan_pull(
+                    local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
+                    local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
+                    local_block_ids=local_ids, segment_bytes=d.config.segment_bytes,
+                )
+                break
+            except Incompatible as e:
+                if fresh or "not registered" not in e.message:
+                    raise
+                # Our view of the remote engine predates a rank it registered since: look again.
+                d.drop_peer(req.params.remote_engine_id)
+                peer = await d.peer_for(req.params)
+        todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
+        self._replica_future(req.params, rank)  # replicas may wait on us
+        planned = progress.bytes_planned(todo)
+        d.metrics.bytes_in_flight.inc(planned)
+        sources = [peer.local_sources.get(rr.read.rank) for rr in progress.reads]
+        d.active_clock.start()
+        try:
+            tasks = {i: asyncio.ensure_future(d.data_client.read(peer.meta.data_address, progress.reads[i].read, progress.reads[i].sinks,
+                                                                 progress.landed[i], sources[i]))
+                     for i in todo}
+            try:
+                await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                # One read failed (or we were cancelled): stop the others and wait
+                # until they have, so nothing lands after the failure is reported.
+                for t in tasks.values():
+                    t.cancel()
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+                self._count_landed(progress, progress.settle(list(tasks)), sources)
+            # Report the read that failed, not a sibling we cancelled because of it.
+            failed = [t.exception() for t in tasks.values() if not t.cancelled() and t.exception() is not None]
+            if failed:
+                raise failed[0]  # type: ignore[misc]
+        finally:
+            d.active_clock.stop()
+            d.metrics.bytes_in_flight.dec(planned)
+        return progress.moved
+
+    def _count_landed(self, progress: PullProgress, newly: list[int], sources: Sequence[object]) -> None:
+        m = self.d.metrics
+        blocks: dict[str, list[np.ndarray]] = {}
+        for i in newly:
+            transport = "samehost" if sources[i] is not None else self.d.config.transport
+            m.data_reads.labels(transport).inc()
+            m.bytes_received.labels(transport).inc(progress.reads[i].nbytes)
+            blocks.setdefault(transport, []).extend(np.asarray(s.local_block_ids) for s in progress.reads[i].sinks)
+        for transport, ids in blocks.items():  # a block filled by several reads (ranks, stripes) counts once
+            m.blocks_received.labels(transport).inc(len(np.unique(np.concatenate(ids))))
+
+    async def _resolve(self, params: pb.TransferParams) -> None:
+        """Fill in the generation (and epoch) of params made before P published."""
+        d = self.d
+        wait = d.config.publish_wait_seconds
+        try:
+            resp = await pbg.PeerStub(d.channel(params.remote_address)).Resolve(
+                pb.ResolveRequest(engine_id=params.remote_engine_id, request_id=params.request_id, capability=params.capability, wait_seconds=wait),
+                timeout=wait + 10, metadata=d.auth.call_metadata())
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address}: {e.details()}") from None
+        params.generation = resp.generation
+        if not params.remote_epoch:
+            params.remote_epoch = resp.epoch
+
+    # ------------------------------------------------------------ replicas
+
+    def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[list[int]]]:
+        """Resolves with a rank's local block ids once its pull of ``params`` landed.
+
+        Keyed by the capability, which names one publication, so it holds
+        before the generation is resolved too."""
+        key = (params.request_id, params.capability, rank)
+        fut = self._replica_done.get(key)
+        if fut is None:
+            fut = self._replica_done[key] = asyncio.get_running_loop().create_future()
+            # Forget it once no replica can still need it.
+            asyncio.get_running_loop().call_later(self.d.config.pull_timeout_seconds * 2, self._replica_done.pop, key, None)
+        return fut
+
+    async def _copy_from_replica(self, reg: Registration, req: pb.PullRequest, source: RankKey, local_ids: list[list[int]]) -> int:
+        """Copy a request's blocks from the replica that read them, instead of
+        reading the same remote bytes again."""
+        fut = self._replica_future(req.params, source)
+        try:
+            src_ids = await asyncio.wait_for(asyncio.shield(fut), self.d.config.pull_timeout_seconds)
+        except KvdError as e:
+            raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} failed to pull request_id={req.request_id!r}: {e.message}") from None
+        src_reg = self.d.registrations.get(source)
+        if src_reg is None:
+            raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} is no longer registered")
+        work = asyncio.get_running_loop().run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, req.params.num_tokens)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await work  # the copy is short; let it end before the failure is reported
+            raise
+
+    # ------------------------------------------------------------ talking to P
+
+    async def _abort_remote(self, params: pb.TransferParams, reason: str) -> None:
+        """Best effort: let P release the lease now rather than at expiry."""
+        d = self.d
+        try:
+            await pbg.PeerStub(d.channel(params.remote_address)).Abort(
+                pb.PeerAbortRequest(engine_id=params.remote_engine_id, request_id=params.request_id, generation=params.generation,
+                                    capability=params.capability, reason=reason), timeout=5, metadata=d.auth.call_metadata())
+        except grpc.aio.AioRpcError as e:
+            log.info("peer abort of request_id=%s not delivered: %s", params.request_id, e.code().name)
+
+    async def heartbeat(self) -> None:
+        """Renew P's leases for every pull queued or in flight, batched per peer."""
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            due: dict[str, list[ActivePull]] = {}
+            for p in self.pulls.values():
+                # Unresolved params have no lease yet (P is still to publish).
+                if now >= p.next_renew and p.params.generation:
+                    p.next_renew = now + _renew_interval(p.params)
+                    due.setdefault(p.params.remote_address, []).append(p)
+            for address, pulls in due.items():
+                self.d.spawn(self._renew(address, pulls))
+
+    async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
+        d = self.d
+        req = pb.RenewLeasesRequest(engine_id=pulls[0].params.remote_engine_id, reader_engine_id=d.config.engine_id,
+                                    leases=[pb.LeaseRef(request_id=p.params.request_id, generation=p.params.generation, capability=p.params.capability) for p in pulls])
+        try:
+            resp = await pbg.PeerStub(d.channel(address)).RenewLeases(req, timeout=5, metadata=d.auth.call_metadata())
+        except grpc.aio.AioRpcError as e:
+            log.info("lease heartbeat to %s failed: %s", address, e.code().name)
+            return  # the pull itself will find out
+        for p, ok in zip(pulls, resp.alive, strict=False):
+            if not ok:
+                # Don't wait for a read that can only be refused.
+                p.cancel(f"publication of request_id={p.params.request_id!r} expired or ended on the prefill side")
+
+
+def _renew_interval(params: pb.TransferParams) -> float:
+    """Heartbeat three times per lease, so one lost beat does not lose the lease."""
+    lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
+    return max(0.05, lease / 3)
+
+
+def _failure_reason(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, asyncio.CancelledError):
+        return "aborted", "pull aborted"
+    if isinstance(e, asyncio.TimeoutError):
+        return "timeout", "pull timed out"
+    if isinstance(e, KvdError):
+        return e.code.name.lower(), e.message
+    if isinstance(e, (ConnectionError, OSError)):
+        return "connection", f"{type(e).__name__}: {e}"
+    return "internal", f"{type(e).__name__}: {e}"

@@ -1,0 +1,1 @@
+"""Operator tools built on the daemon: ``kvd demo`` and ``kvd bench``."""

@@ -1,0 +1,84 @@
+"""The same-host path: the reader copies straight from the owner's memory.
+
+When both daemons share a host, the handshake hands the reader the owner's
+regions and the reader maps them (``LocalSource``). A read still goes to the
+owner for authorisation over the data connection; then ``copy_local`` moves
+the bytes: where both sides are host memory in wire order, every segment in
+one ``process_vm_readv`` pass, piece to piece (``iovec.Copier``); else
+gathered from the owner's memory and landed as usual (GPU to GPU: a device
+copy).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvd.core.pieces import owner_iov, serve_segment
+from kvd.core.reads import DataRead
+from kvd.core.relayout import GroupTensors
+from kvd.core.transfer import SegmentSink
+from kvd.transport import iovec
+from kvd.transport.base import Staging
+from kvd.transport.device import device_copies
+
+
+class LocalSource:
+    """The owner rank's memory, mapped by the reader on the same host."""
+
+    def __init__(self, groups: dict[int, GroupTensors]) -> None:
+        self.groups = groups
+        # Several pulls may copy from this source at once, each in its own
+        # thread: each thread gathers into its own staging.
+        self._local = threading.local()
+
+    @property
+    def staging(self) -> Staging:
+        staging: Staging | None = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = Staging()
+        return staging
+
+
+def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
+               cancel: threading.Event | None = None, copier: iovec.Copier | None = None) -> int:
+    """Same-host segments. Where both sides are host memory in wire order
+    (the owner's layout and block size here), every such segment goes in one
+    ``copier`` pass, piece to piece, with no staging; the rest are gathered
+    from the owner's memory and landed as usual."""
+    moved = 0
+    dsts: list[np.ndarray] = []
+    srcs: list[np.ndarray] = []
+    in_place: list[int] = []
+    for i, (seg, sink) in enumerate(zip(read.segments, sinks, strict=True)):
+        if cancel is not None and cancel.is_set():
+            raise ConnectionAbortedError("read abandoned")
+        group = source.groups[seg.group_id]
+        if copier is not None and copier.available:
+            dst = sink.iov()
+            src = owner_iov(group, seg, read.head_start, read.head_count) if dst is not None else None
+            if dst is not None and src is not None and iovec.nbytes(src) == sink.nbytes:
+                dsts.append(dst)
+                srcs.append(src)
+                in_place.append(i)
+                continue
+        # GPU to GPU (CUDA IPC): gathered on the owner's device, then one
+        # device copy or a relayout on ours, waited for before it counts.
+        with device_copies(sink.device if sink.device.type == "cuda" else group.device):
+            payload = serve_segment(group, seg, read.head_start, read.head_count, source.staging)
+            direct = sink.direct()
+            if direct is not None:
+                direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
+            else:
+                sink.land(payload)
+        landed[i] = True
+        moved += sink.nbytes
+    if in_place:
+        assert copier is not None
+        moved += copier.copy(np.concatenate(dsts), np.concatenate(srcs), cancel)
+        for i in in_place:
+            landed[i] = True
+    return moved
