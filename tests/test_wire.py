@@ -4,16 +4,33 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.core.reads import DataRead, DataSegment
+from kvd.core.session import Ack, Data, End, Error, Hello, HelloOk, Read, Session, State
 from kvd.core.wire import (
     HEADER_SIZE,
     MAX_CONTROL_BYTES,
-    Connection,
     FrameType,
     Header,
     ProtocolError,
     decode_header,
     encode,
 )
+from kvd.transport.codec import CODEC
+
+
+def _read(segments: int) -> Read:
+    segs = tuple(DataSegment(0, (0,), i, 1, 0, 16) for i in range(segments))
+    return Read(DataRead("P", "r", 1, b"c" * 32, 0, 0, 0, 1, segs))
+
+
+def _reader_reading(segments: int) -> Session:
+    """A reader session past HELLO, its READ of ``segments`` sent."""
+    c = Session(CODEC, owner=False)
+    c.send(Hello("D", "e"))
+    c.receive_header(Header(FrameType.HELLO_OK, 0, 0).encode())
+    c.receive_body(b"")
+    c.send(_read(segments))
+    return c
 
 
 def test_header_round_trip():
@@ -31,32 +48,69 @@ def test_bad_frames_are_refused():
 
 
 def test_server_requires_hello_before_read():
-    c = Connection(server=True)
+    c = Session(CODEC, owner=True)
     with pytest.raises(ProtocolError):
-        c.receive(Header(FrameType.READ, 0, 10))
+        c.receive_header(Header(FrameType.READ, 0, 10).encode())
+    assert c.state is State.CLOSED
 
 
 def test_client_checks_segment_order_and_count():
-    c = Connection(server=False)
-    c.receive(Header(FrameType.HELLO_OK, 0, 0))
-    c.sent(FrameType.READ, segments=2)
-    c.receive(Header(FrameType.DATA, 0, 5))
+    c = _reader_reading(2)
+    assert c.receive_header(Header(FrameType.DATA, 0, 5).encode()) == Data(0, 5)
     with pytest.raises(ProtocolError, match="out of order"):
-        c.receive(Header(FrameType.DATA, 0, 5))
+        c.receive_header(Header(FrameType.DATA, 0, 5).encode())
 
 
 def test_end_before_all_segments_is_refused():
-    c = Connection(server=False)
-    c.receive(Header(FrameType.HELLO_OK, 0, 0))
-    c.sent(FrameType.READ, segments=2)
-    c.receive(Header(FrameType.DATA, 0, 5))
+    c = _reader_reading(2)
+    c.receive_header(Header(FrameType.DATA, 0, 5).encode())
     with pytest.raises(ProtocolError, match="END after 1 of 2"):
-        c.receive(Header(FrameType.END, 0, 0))
+        c.receive_header(Header(FrameType.END, 0, 0).encode())
+
+
+def test_a_whole_read_round_trips_between_two_sessions():
+    owner, reader = Session(CODEC, owner=True), Session(CODEC, owner=False)
+
+    def deliver(frame: bytes, to: Session):
+        head = to.receive_header(frame[:HEADER_SIZE])
+        return head if isinstance(head, Data) else to.receive_body(frame[HEADER_SIZE:])
+
+    assert deliver(reader.send(Hello("D", "e", b"t")), owner) == Hello("D", "e", b"t")
+    assert deliver(owner.send(HelloOk()), reader) == HelloOk()
+    read = _read(2)
+    assert deliver(reader.send(read), owner) == read
+    assert deliver(owner.send(Data(0, 7)), reader) == Data(0, 7)
+    assert deliver(owner.send(Data(1, 7)), reader) == Data(1, 7)
+    assert deliver(owner.send(End(14)), reader) == End(14)
+    assert deliver(reader.send(Ack()), owner) == Ack()
+    assert owner.state is State.IDLE and reader.state is State.IDLE
+    with pytest.raises(ProtocolError, match="cannot send ACK"):
+        reader.send(Ack())  # one ACK per END
+
+
+def test_an_error_after_data_names_the_segment_sent_last():
+    reader = _reader_reading(3)
+    reader.receive_header(Header(FrameType.DATA, 0, 5).encode())
+    reader.receive_header(Header(FrameType.DATA, 1, 5).encode())
+    frame = CODEC.encode(Error("ABORTED", "ended"))
+    reader.receive_header(Header(FrameType.ERROR, 0, len(frame)).encode())
+    assert reader.receive_body(frame) == Error("ABORTED", "ended", after_segment=1)
+    # A refusal before any data invalidates nothing.
+    fresh = _reader_reading(3)
+    fresh.receive_header(Header(FrameType.ERROR, 0, len(frame)).encode())
+    assert fresh.receive_body(frame).after_segment is None
 
 
 @settings(max_examples=500, deadline=None)
 @given(st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE), st.booleans())
-def test_arbitrary_headers_never_crash_the_parser(raw, server):
-    c = Connection(server=server)
+def test_arbitrary_headers_never_crash_the_parser(raw, owner):
+    c = Session(CODEC, owner=owner)
     with contextlib.suppress(ProtocolError):
-        c.receive(decode_header(raw))
+        c.receive_header(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(list(FrameType)), st.binary(max_size=64))
+def test_arbitrary_bodies_are_protocol_errors_not_crashes(type_, body):
+    with contextlib.suppress(ProtocolError):
+        CODEC.decode(type_, 0, body)

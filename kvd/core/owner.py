@@ -74,12 +74,18 @@ class Owner:
         self._expected = {k: v for k, v in self._expected.items() if k[0] != theirs.engine_id}
         return reader
 
-    def check_hello(self, engine_id: str, epoch: str, data_token: bytes, shared_token_ok: bool) -> Reader:
-        """Before a single byte of KV: the shared token (auth=token), then the
-        per-reader secret our handshake issued."""
+    def reader(self, engine_id: str, epoch: str) -> Reader:
+        """The reader as it last handshook (a connection it authenticated
+        before a new handshake stays its own)."""
         reader = self.readers.get((engine_id, epoch))
         if reader is None:
             raise Unauthenticated(f"engine {engine_id!r} epoch {epoch[:8]} has not handshaken with this daemon")
+        return reader
+
+    def check_hello(self, engine_id: str, epoch: str, data_token: bytes, shared_token_ok: bool) -> Reader:
+        """Before a single byte of KV: the shared token (auth=token), then the
+        per-reader secret our handshake issued."""
+        reader = self.reader(engine_id, epoch)
         if not shared_token_ok or not hmac.compare_digest(data_token, reader.data_token):
             raise Unauthenticated("data-plane HELLO without valid credentials")
         return reader

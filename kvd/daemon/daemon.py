@@ -44,6 +44,7 @@ from kvd.core.errors import (
 from kvd.core.leases import Ended, PublicationTable, RankKey
 from kvd.core.pairing import check_compatible
 from kvd.core.relayout import GroupTensors
+from kvd.core.session import Hello
 from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId, fingerprint
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.config import DaemonConfig
@@ -56,7 +57,8 @@ from kvd.regions import MappedRegion, map_region
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.samehost import LocalSource
-from kvd.transport.tcp import TcpDataClient, TcpDataServer
+from kvd.transport.tcp_client import TcpDataClient
+from kvd.transport.tcp_server import TcpDataServer
 
 log = logging.getLogger("kvd.daemon")
 
@@ -140,7 +142,7 @@ class Daemon:
         self.nixl = self._nixl_agent(config)
         self.data_server = TcpDataServer(self.publisher, config.host, config.data_port, tls=self.auth.data_plane_context(server=True),
                                          nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
-        self.data_client = TcpDataClient(pb.DataHello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
+        self.data_client = TcpDataClient(Hello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer, copy_threads=config.copy_threads,
                                          stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
                                          tls=self.auth.data_plane_context(server=False), nixl=self.nixl)

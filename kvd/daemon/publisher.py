@@ -36,6 +36,7 @@ from kvd.core.pieces import (
     serve_segment,
 )
 from kvd.core.reads import DataRead
+from kvd.core.session import Hello
 from kvd.proto import kvd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class Publisher:
 
     # ------------------------------------------------------------ data plane
 
-    def check_hello(self, hello: pb.DataHello) -> None:
+    def check_hello(self, hello: Hello) -> None:
         try:
             self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, self.d.auth.check_hello_token(hello.shared_token))
         except KvdError as e:
@@ -157,13 +158,13 @@ class Publisher:
             self.d.metrics.refused_reads.labels("no_handshake" if no_handshake else "unauthenticated").inc()
             raise e from None
 
-    def open_read(self, hello: pb.DataHello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead:
+    def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead:
         """Authorise ``read`` (on the event loop). ``reader_copies``: the
         reader will copy our memory itself (same host, NIXL), so the rank
         stays pinned until the returned read is closed."""
         reg = self.d.registrations.get(read.rank)
         try:
-            reader = self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, True)
+            reader = self.owner.reader(hello.engine_id, hello.epoch)
             grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
                                          local=local, reader_copies=reader_copies)
         except KvdError as e:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from kvd.core.reads import DataRead
+from kvd.core.session import Hello
 from kvd.core.transfer import SegmentSink
-from kvd.proto import kvd_pb2 as pb
 
 CPU = torch.device("cpu")
 
@@ -80,11 +80,19 @@ class OpenRead(Protocol):
         """The segment's registered host memory as an iovec array, in wire order."""
         ...
 
+    def segment_view(self, index: int) -> torch.Tensor | None:
+        """The segment as a zero-copy view of registered memory, if it is one."""
+        ...
+
+    def segment_pieces(self, index: int) -> tuple[np.ndarray, int] | None:
+        """A batched segment's bytes as equal pieces of registered memory, in wire order."""
+        ...
+
 
 class ReadServer(Protocol):
-    def check_hello(self, hello: pb.DataHello) -> None: ...
+    def check_hello(self, hello: Hello) -> None: ...
 
-    def open_read(self, hello: pb.DataHello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
+    def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
 
 
 class TransportClient(Protocol):

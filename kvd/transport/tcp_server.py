@@ -1,0 +1,304 @@
+"""The owner's data plane: serves reads of this daemon's registered memory.
+
+The event loop accepts; each connection is then driven by one thread over a
+blocking ``FrameSocket`` for its whole life, plain or TLS alike. Decisions
+(is the HELLO valid, may this read be served, the ACK) are the daemon's and
+run on its event loop (``ReadServer``); the thread only moves bytes and
+frames. A DATA frame leaves straight from registered memory, one
+``sendmsg`` over the segment's pieces, or from a per-connection staging
+buffer when those bytes are not dense pieces there (a head slice of an
+interleaved layout). GPU memory is gathered on the GPU and copied to pinned
+memory on a side stream while the previous segment is sent
+(``kvd.transport.device``).
+
+END goes out only after the publication is seen alive past the last byte:
+the engine may reuse the blocks the moment the publication ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvd.core import errors
+from kvd.core.session import Ack, Descriptors, End, Error, Hello, HelloOk, ProtocolError, Read
+from kvd.transport.base import OpenRead, ReadServer, Staging
+from kvd.transport.device import DeviceToHost
+from kvd.transport.framing import FrameSocket, tune
+from kvd.transport.nixl import Arena, NixlAgent, expose
+
+log = logging.getLogger("kvd.tcp")
+
+
+class TcpDataServer:
+    def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
+                 max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None,
+                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30, whole_send_bytes: int = 4 << 20,
+                 pinned_read_timeout_s: float = 60.0) -> None:
+        self.server = server
+        # A read this small whose segments all lie in place leaves in one
+        # sendmsg (every DATA frame), then END: a syscall per segment costs
+        # more than the bytes on a small read.
+        self.whole_send_bytes = whole_send_bytes
+        self.tls = tls  # mTLS: every connection is wrapped before its HELLO
+        self.nixl = nixl  # transport nixl: reads may ask for descriptors instead of DATA
+        self.nixl_staging_bytes = nixl_staging_bytes
+        self.host, self.port = host, port
+        self.hello_timeout_s = hello_timeout_s
+        # How long a reader that copies our memory itself (same host, NIXL)
+        # may keep its rank pinned before it ACKs: a local copy or a NIXL
+        # READ of one read takes seconds at most; past this the reader is
+        # taken as hung and the connection closed.
+        self.pinned_read_timeout_s = pinned_read_timeout_s
+        # Each connection holds at most two segments of staging, and a slow
+        # reader only blocks its own thread; capping connections caps memory.
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_connections = max_connections
+        self._per_peer: dict[str, int] = {}
+        self._sock: socket.socket | None = None
+        self._accept: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+
+    async def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._loop = asyncio.get_running_loop()
+        self._accept = asyncio.create_task(self._accept_loop())
+        return self.port
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # EMFILE, ECONNABORTED...: keep serving the others
+                log.warning("data-plane accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= self.max_connections:
+                conn.close()  # over the overall cap: refuse before reading a byte
+                continue
+            tune(conn)
+            self._conns.add(conn)
+            # A thread per connection, for its whole life: pooled threads
+            # would run out with idle reader connections.
+            t = threading.Thread(target=self._serve, args=(conn,), name="kvd-serve", daemon=True)
+            self._threads.add(t)
+            t.start()
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a daemon method on its event loop (its state is only touched
+        there) and return its result or raise its error."""
+        assert self._loop is not None
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                done.set_exception(e)
+
+        self._loop.call_soon_threadsafe(run)
+        return done.result()
+
+    def _later(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a daemon method on its loop without waiting: calls from one
+        connection still run in order."""
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closing
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _serve(self, raw: socket.socket) -> None:
+        peer_key = ""
+        arena = Arena(self.nixl) if self.nixl is not None else None
+        sock = raw
+        try:
+            raw.setblocking(True)
+            if self.tls is not None:
+                raw.settimeout(self.hello_timeout_s)
+                try:
+                    sock = self.tls.wrap_socket(raw, server_side=True)  # no or wrong certificate: fails here
+                except (ssl.SSLError, OSError) as e:
+                    log.info("data-plane TLS handshake refused: %s", e)
+                    return
+            fs = FrameSocket(sock, owner=True)
+            with fs.stall_bound(self.hello_timeout_s):  # the whole HELLO, body included
+                hello = fs.next_event()
+                assert isinstance(hello, Hello)
+                try:
+                    self._on_loop(self.server.check_hello, hello)
+                    self._on_loop(self._take_slot, hello.engine_id)
+                    peer_key = hello.engine_id
+                except errors.KvdError as e:
+                    fs.send(Error.of(e))
+                    return
+                fs.send(HelloOk())
+            staging, to_host = Staging(), DeviceToHost()
+            while True:
+                with fs.stall_bound(None):  # idle between reads
+                    ev = fs.next_event()  # only READ is admitted here
+                assert isinstance(ev, Read)
+                try:
+                    opened = self._on_loop(functools.partial(self.server.open_read, hello, ev.read, local=ev.local, reader_copies=ev.nixl))
+                except errors.KvdError as e:
+                    fs.send(Error.of(e))
+                    continue
+                try:
+                    with fs.stall_bound(self.hello_timeout_s * 3):
+                        if not self._answer(fs, opened, ev, staging, to_host, arena):
+                            continue
+                    # A reader that copies our memory itself holds its pin until
+                    # this ACK; one that never sends it may not hold it forever.
+                    with fs.stall_bound(self.pinned_read_timeout_s if opened.pin is not None else None):
+                        ack = fs.next_event()
+                    assert isinstance(ack, Ack)
+                    self._later(opened.acknowledged)
+                finally:
+                    self._later(opened.close)
+        except (ConnectionError, OSError):
+            pass  # the reader went away (or we are closing)
+        except (TimeoutError, ProtocolError) as e:
+            log.warning("data-plane connection closed: %s", e)
+        except Exception:
+            log.exception("data-plane connection failed")
+        finally:
+            if peer_key:
+                self._later(self._release_slot, peer_key)
+            self._conns.discard(raw)
+            sock.close()
+            if arena is not None:
+                arena.release()
+            self._threads.discard(threading.current_thread())
+
+    def _answer(self, fs: FrameSocket, opened: OpenRead, ev: Read, staging: Staging, to_host: DeviceToHost, arena: Arena | None) -> bool:
+        """One authorised read: the DATA (or DESCS) frames, then END, or
+        ERROR. True after END (the reader's ACK follows)."""
+        count = len(ev.read.segments)
+        failed: errors.KvdError | None = None
+        total = 0
+        try:
+            if ev.nixl:
+                msg, total = self._descriptors(fs, opened, count, arena, ev.read.nixl_metadata_version)
+                fs.send(Descriptors(msg))
+            elif not ev.local:
+                total = self._send_whole(fs, opened, count)
+                if total < 0:
+                    total = send_segments(fs, opened, count, staging, to_host)
+                # Every byte left while the publication was alive: only
+                # then END, as the engine may reuse the blocks once it ends.
+                opened.check_alive()
+        except errors.KvdError as e:
+            failed = e
+        if failed is not None:
+            fs.send(Error.of(failed))
+            return False
+        fs.send(End(total))
+        return True
+
+    def _send_whole(self, fs: FrameSocket, opened: OpenRead, count: int) -> int:
+        """A small read whose segments all lie in place: every DATA frame in
+        one sendmsg. Returns its payload bytes, or -1 where it is not that."""
+        if fs.tls:
+            return -1
+        total, iovs = 0, []
+        for i in range(count):
+            total += opened.segment_nbytes(i)
+            iov = opened.segment_iov(i) if total <= self.whole_send_bytes else None
+            if iov is None:
+                return -1
+            iovs.append(iov)
+        whole, _keep = fs.data_frames(iovs)
+        fs.send_iov(whole)
+        opened.count_sent(total, sum(opened.segment_blocks(i) for i in range(count)), "tcp")
+        return total
+
+    def _descriptors(self, fs: FrameSocket, opened: OpenRead, count: int, arena: Arena | None, reader_version: int) -> tuple[object, int]:
+        """Owner side of a NIXL read: where each segment lies, and our agent's
+        metadata when the reader's copy is stale."""
+        if fs.tls:
+            raise errors.FailedPrecondition("transport nixl is not offered over an mTLS data plane (NIXL traffic is not encrypted)")
+        if self.nixl is None or arena is None:
+            raise errors.FailedPrecondition("this daemon's data plane has no NIXL agent (set transport: nixl on both sides)")
+        msg, total = expose(self.nixl, opened, count, arena, self.nixl_staging_bytes)
+        metadata, version = self.nixl.metadata()
+        msg.metadata_version = version
+        if reader_version != version:  # the reader's copy lacks some registration (or it has none)
+            msg.agent_metadata = metadata
+        return msg, total
+
+    def _take_slot(self, engine_id: str) -> None:
+        """Per-reader connection accounting, always on the loop."""
+        if self._per_peer.get(engine_id, 0) >= self.max_connections_per_peer:
+            raise errors.ResourceExhausted(f"engine {engine_id!r} already has {self.max_connections_per_peer} data connections")
+        self._per_peer[engine_id] = self._per_peer.get(engine_id, 0) + 1
+
+    def _release_slot(self, engine_id: str) -> None:
+        if self._per_peer.get(engine_id, 0) > 0:
+            self._per_peer[engine_id] -= 1
+
+    async def close(self) -> None:
+        if self._accept is not None:
+            self._accept.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept
+        if self._sock is not None:
+            self._sock.close()
+        for conn in list(self._conns):  # a blocked recv or send returns at once
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        deadline = asyncio.get_running_loop().time() + 5
+        while self._threads and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)  # they hop to the loop on their way out
+
+
+def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Staging, to_host: DeviceToHost) -> int:
+    """Every DATA frame of one read, segment by segment, checking the
+    publication before each. Host memory leaves in place (one sendmsg over
+    its pieces); the rest is gathered into staging first. A GPU segment is
+    gathered and copied down while the segment before it is on the wire
+    (``DeviceToHost``). Returns payload bytes."""
+    total = 0
+
+    def start_on_device(i: int) -> bool:
+        device = opened.segment_device(i)
+        if device.type == "cpu":
+            return False
+        to_host.start(i, device, functools.partial(opened.segment, i))
+        return True
+
+    try:
+        for i in range(count):
+            opened.check_alive()
+            iov: np.ndarray | None = None if fs.tls else opened.segment_iov(i)
+            if iov is not None:
+                n = fs.send_data(i, iov)
+                opened.count_sent(n, opened.segment_blocks(i), "tcp")
+            elif start_on_device(i):
+                if i + 1 < count:
+                    start_on_device(i + 1)  # its copy runs while this one is sent
+                n = fs.send_data(i, to_host.take(i))
+            else:
+                n = fs.send_data(i, opened.segment(i, staging))
+            total += n
+        return total
+    finally:
+        to_host.drain()
