@@ -23,6 +23,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvd tests benchmarks
 	$(VENV)/bin/mypy kvd benchmarks
+	$(VENV)/bin/lint-imports
 
 # Regenerate kvd/proto from protos/kvd.proto (tests/test_proto.py fails when it is stale).
 proto: $(STAMP)

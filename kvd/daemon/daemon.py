@@ -23,32 +23,27 @@ import grpc
 
 from kvd.auth import AuthConfig
 from kvd.convert import (
-    engine_from_pb,
-    engine_to_pb,
     group_from_pb,
     model_from_pb,
     worker_from_pb,
     worker_to_pb,
 )
-from kvd.core import errors
 from kvd.core.aggregate import EngineFinishedHub, Outcome, WorkerFinished
 from kvd.core.errors import (
-    FailedPrecondition,
     Incompatible,
     InvalidArgument,
-    KvdError,
     NotFound,
     PermissionDenied,
     Unavailable,
 )
 from kvd.core.leases import Ended, PublicationTable, RankKey
-from kvd.core.pairing import check_compatible
 from kvd.core.relayout import GroupTensors
 from kvd.core.session import Hello
-from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId, fingerprint
+from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.metrics import ActiveClock, Metrics
+from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.proto import kvd_pb2 as pb
@@ -56,7 +51,6 @@ from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions import MappedRegion, map_region
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
-from kvd.transport.samehost import LocalSource
 from kvd.transport.tcp_client import TcpDataClient
 from kvd.transport.tcp_server import TcpDataServer
 
@@ -85,22 +79,6 @@ class Registration:
             r.close()
 
 
-@dataclass
-class Peer:
-    meta: EngineMeta
-    address: str
-    local_version: int  # our registration version when we handshook
-    # Same host: the owner's ranks, mapped here, so reads are plain copies.
-    local_sources: dict[RankKey, LocalSource] = field(default_factory=dict)
-    mapped: list[MappedRegion] = field(default_factory=list)
-
-    def close(self) -> None:
-        self.local_sources.clear()
-        for r in self.mapped:
-            r.close()
-        self.mapped.clear()
-
-
 def host_id() -> str:
     """Same value for every daemon on one host (and kernel boot)."""
     try:
@@ -116,7 +94,6 @@ class Daemon:
         WorkerId(config.engine_id)  # validates the id
         self.config = config
         self.auth = AuthConfig.load(config.auth, config.token_file, config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
-        self._handshake_slots = asyncio.Semaphore(config.max_pending_handshakes)
         self.epoch = uuid.uuid4().hex
         self.host_id = host_id()
         self.metrics = Metrics()
@@ -124,19 +101,18 @@ class Daemon:
         self.registrations: dict[RankKey, Registration] = {}
         self.finished: dict[RankKey, WorkerFinished] = {}
         self.publications = PublicationTable(config.lease_seconds, self.epoch)
-        self.peers: dict[str, Peer] = {}  # engines we read from, by engine id
         self.engine_hub = EngineFinishedHub()
         self._expected_override = 0
         self._to_aggregator: list[pb.ReportFinishedRequest] = []
         self._background: list[asyncio.Task[None]] = []
-        self._registration_version = 0
+        self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
         self._generation = 0
         self.draining = False
         self.grpc_address = ""  # what peers dial for gRPC: set by the server once it is bound
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._handshake_locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.handshakes = Handshakes(self)
         self.publisher = Publisher(self)
         self.puller = Puller(self)
         self.nixl = self._nixl_agent(config)
@@ -199,8 +175,7 @@ class Daemon:
             self.nixl.close()
         for ch in self._channels.values():
             await ch.close()
-        for peer in self.peers.values():
-            peer.close()
+        self.handshakes.close()
         for reg in self.registrations.values():
             reg.close()
         self.registrations.clear()
@@ -255,7 +230,7 @@ class Daemon:
             self.publisher.abort_rank(key, "worker re-registered")
             self._release(old)
         self._generation += 1
-        self._registration_version += 1
+        self.registration_version += 1
         reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32))
         if self.nixl is not None:
             # NIXL reads and writes only registered memory: the worker's regions, as mapped here.
@@ -274,7 +249,7 @@ class Daemon:
         self.puller.cancel_rank(k)
         self.publisher.abort_rank(k, "worker unregistered")
         self._release(self.registrations.pop(k))
-        self._registration_version += 1
+        self.registration_version += 1
         self._update_region_metrics()
 
     def _release(self, reg: Registration) -> None:
@@ -309,7 +284,7 @@ class Daemon:
     def engine_meta(self) -> EngineMeta:
         """This engine as peers see it; rebuilt only when a worker (un)registers."""
         cached = self._meta_cache
-        if cached is not None and cached[0] == self._registration_version:
+        if cached is not None and cached[0] == self.registration_version:
             return cached[1]
         regs = list(self.registrations.values())
         if not regs:
@@ -320,93 +295,8 @@ class Daemon:
             tp_size=w.tp_size, pp_size=w.pp_size, model=regs[0].model,
             ranks=tuple(EngineLayout(r.worker.tp_rank, r.worker.pp_rank, tuple(r.groups)) for r in sorted(regs, key=lambda r: (r.worker.pp_rank, r.worker.tp_rank))),
         )
-        self._meta_cache = (self._registration_version, meta)
+        self._meta_cache = (self.registration_version, meta)
         return meta
-
-    def _fingerprint(self, meta: EngineMeta) -> str:
-        return fingerprint(meta.model, meta.ranks[0].groups if meta.ranks else ())
-
-    def handshake(self, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
-        """A peer introduces itself (it wants to read from us)."""
-        theirs = engine_from_pb(req.caller)
-        if not theirs.engine_id or theirs.engine_id == self.config.engine_id:
-            raise InvalidArgument("caller.engine_id", theirs.engine_id, "must name another engine")
-        mine = self.engine_meta()
-        try:
-            check_compatible(mine, theirs)
-        except KvdError:
-            self.metrics.handshakes.labels("callee", "refused").inc()
-            raise
-        data_token = self.publisher.owner.reader_joined(theirs).data_token
-        self.metrics.handshakes.labels("callee", "ok").inc()
-        same_host = self.config.same_host != "off" and theirs.host_id == self.host_id
-        log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
-        regions = {k: r.region_pbs for k, r in self.registrations.items()} if same_host else None
-        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
-
-    def drop_peer(self, engine_id: str) -> Peer | None:
-        """Forget a remote engine's handshake (and unmap its same-host regions)."""
-        peer = self.peers.pop(engine_id, None)
-        if peer is not None:
-            peer.close()
-        return peer
-
-    async def peer_for(self, params: pb.TransferParams) -> Peer:
-        """The remote engine's metadata, handshaking once and again only after a
-        restart on either side."""
-        eid = params.remote_engine_id
-        lock = self._handshake_locks.setdefault(eid, asyncio.Lock())
-        async with lock:
-            peer = self.peers.get(eid)
-            if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self._registration_version:
-                return peer
-            mine = self.engine_meta()
-            stub = pbg.PeerStub(self.channel(params.remote_address))
-            t0 = time.perf_counter()
-            last: Exception | None = None
-            for attempt in range(self.config.handshake_retries):
-                try:
-                    resp = await stub.Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine, self._fingerprint(mine))), timeout=10,
-                                                metadata=self.auth.call_metadata())
-                    break
-                except grpc.aio.AioRpcError as e:
-                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                        self.metrics.handshakes.labels("caller", "refused").inc()
-                        raise errors.from_code(e.code().name, f"handshake with {eid!r} at {params.remote_address}: {e.details()}") from None
-                    last = e
-                    await asyncio.sleep(0.1 * 2**attempt)
-            else:
-                self.metrics.handshakes.labels("caller", "unreachable").inc()
-                raise Unavailable(f"handshake with {eid!r} at {params.remote_address} failed: {last}")
-            theirs = engine_from_pb(resp.callee)
-            if theirs.engine_id != eid:
-                raise FailedPrecondition(f"{params.remote_address} serves engine {theirs.engine_id!r}, not remote_engine_id={eid!r}")
-            check_compatible(mine, theirs)
-            self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
-            self.metrics.handshakes.labels("caller", "ok").inc()
-            peer = Peer(theirs, params.remote_address, self._registration_version)
-            if self.config.same_host != "off" and theirs.host_id == self.host_id:
-                self._map_same_host(peer, resp.callee)
-            self.drop_peer(eid)
-            self.data_client.set_token(theirs.data_address, resp.data_token)
-            self.peers[eid] = peer
-            return peer
-
-    def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
-        """Map the owner's regions; on any failure fall back to TCP."""
-        try:
-            for rank in callee.ranks:
-                if not rank.regions:
-                    continue
-                mapped = {r.region_id: map_region(r) for r in rank.regions}
-                peer.mapped.extend(mapped.values())
-                views = {rid: m.tensor for rid, m in mapped.items()}
-                groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
-                peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
-            log.info("same-host path to engine=%s: %d ranks mapped", peer.meta.engine_id, len(peer.local_sources))
-        except KvdError as e:
-            log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
-            peer.close()
 
     # ------------------------------------------------------------ abort, finished sets
 
@@ -501,7 +391,7 @@ class Daemon:
         return pb.StatusResponse(
             engine_id=self.config.engine_id, epoch=self.epoch, version=__version__, draining=self.draining,
             workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups), region_ids=sorted(r.regions)) for r in self.registrations.values()],
-            peers=sorted(self.peers), publications=len(self.publications), pinned_ranks=self.publications.pinned, pulls_in_flight=len(self.puller.pulls),
+            peers=sorted(self.handshakes.peers), publications=len(self.publications), pinned_ranks=self.publications.pinned, pulls_in_flight=len(self.puller.pulls),
             leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
                     for p in list(self.publications.by_request.values())[:200]],
             pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,10 @@ class Publisher:
         self.d = daemon
         self.owner = Owner(daemon.config.engine_id, daemon.host_id, daemon.publications,
                            same_host=daemon.config.same_host != "off", max_segments_per_read=daemon.config.max_segments_per_read)
+        # The owner's state is changed on the event loop and read by the data
+        # plane's connection threads, which authorise reads without a hop to
+        # the loop (a hop costs more than the check): every access holds this.
+        self.lock = threading.Lock()
         self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
         self._resolves = 0
 
@@ -67,11 +72,12 @@ class Publisher:
             raise Unavailable("daemon is draining")
         if req.num_tokens <= 0:
             raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
-        pub = self.publications.publish(
-            (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], [g.spec.num_blocks for g in reg.groups],
-            req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
-            lease_s=req.lease_seconds,
-        )
+        with self.lock:
+            pub = self.publications.publish(
+                (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], [g.spec.num_blocks for g in reg.groups],
+                req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
+                lease_s=req.lease_seconds,
+            )
         d.metrics.leases_held.set(len(self.publications))
         event = self._published.pop(req.request_id, None)
         if event is not None:
@@ -98,8 +104,10 @@ class Publisher:
         self._resolves += 1
         try:
             while True:
-                pub = self.publications.matching(req.request_id, req.capability)
-                if pub is not None and set(d.registrations) <= set(pub.masks):
+                with self.lock:
+                    pub = self.publications.matching(req.request_id, req.capability)
+                    ranks = set(pub.masks) if pub is not None else set()
+                if pub is not None and set(d.registrations) <= ranks:
                     break
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -116,27 +124,33 @@ class Publisher:
         return pb.ResolveResponse(generation=pub.generation, epoch=d.epoch, ranks_published=len(pub.masks))
 
     def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
-        ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason)
+        with self.lock:
+            ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason)
         self.report(ended or [])
         return ended is not None
 
     def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
-        alive = self.owner.renew([(x.request_id, x.generation, x.capability) for x in req.leases], time.monotonic())
+        with self.lock:
+            alive = self.owner.renew([(x.request_id, x.generation, x.capability) for x in req.leases], time.monotonic())
         return pb.RenewLeasesResponse(alive=alive)
 
     def abort(self, request_id: str, rank: tuple[int, int]) -> bool:
         """The local worker ends its own publication."""
-        ended = self.publications.abort(request_id, rank)
+        with self.lock:
+            ended = self.publications.abort(request_id, rank)
         self.report(ended)
         return bool(ended)
 
     def abort_rank(self, rank: tuple[int, int], reason: str) -> None:
-        self.report(self.publications.abort_rank(rank, reason))
+        with self.lock:
+            ended = self.publications.abort_rank(rank, reason)
+        self.report(ended)
 
     async def sweep(self) -> None:
         """Leases end on their own: every half second, report what expired."""
         while True:
-            ended = self.publications.expire(time.monotonic())
+            with self.lock:
+                ended = self.publications.expire(time.monotonic())
             for e in ended:
                 log.info("lease expired request_id=%s rank=%s", e.request_id, e.rank)
             self.report(ended)
@@ -159,14 +173,15 @@ class Publisher:
             raise e from None
 
     def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead:
-        """Authorise ``read`` (on the event loop). ``reader_copies``: the
+        """Authorise ``read`` (from any thread). ``reader_copies``: the
         reader will copy our memory itself (same host, NIXL), so the rank
         stays pinned until the returned read is closed."""
         reg = self.d.registrations.get(read.rank)
         try:
-            reader = self.owner.reader(hello.engine_id, hello.epoch)
-            grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
-                                         local=local, reader_copies=reader_copies)
+            with self.lock:
+                reader = self.owner.reader(hello.engine_id, hello.epoch)
+                grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
+                                             local=local, reader_copies=reader_copies)
         except KvdError as e:
             self.d.metrics.refused_reads.labels(e.code.name.lower()).inc()
             raise
@@ -231,15 +246,21 @@ class OpenRead:
     def check_alive(self) -> None:
         """Raise if the publication ended (aborted, expired) while being served.
         Called from data-plane threads too: a dict lookup and a compare."""
-        self.publisher.owner.check_alive(self.read, time.monotonic())
+        with self.publisher.lock:
+            self.publisher.owner.check_alive(self.read, time.monotonic())
 
     def acknowledged(self) -> None:
         """The reader's ACK (on the event loop): every byte landed."""
         self.close()
-        self.publisher.report(self.publisher.owner.acknowledged(self.grant, self.publisher.d.engine_meta()))
+        mine = self.publisher.d.engine_meta()
+        with self.publisher.lock:
+            ended = self.publisher.owner.acknowledged(self.grant, mine)
+        self.publisher.report(ended)
 
     def close(self) -> None:
         """The read is over, one way or another (on the event loop)."""
         pin, self.pin = self.pin, None
         if pin is not None:
-            self.publisher.report(self.publisher.owner.release(self.grant))
+            with self.publisher.lock:
+                ended = self.publisher.owner.release(self.grant)
+            self.publisher.report(ended)

@@ -184,7 +184,7 @@ class Puller:
             except (ConnectionError, OSError, Unavailable) as e:
                 # Transient: the peer may have restarted. Forget what we knew
                 # (handshake, pooled connections) and try again, boundedly.
-                stale = self.d.drop_peer(req.params.remote_engine_id)
+                stale = self.d.handshakes.drop_peer(req.params.remote_engine_id)
                 if stale is not None:
                     await self.d.data_client.forget(stale.meta.data_address)
                 delay = self.retry.delay(attempt, transient=True)
@@ -204,7 +204,7 @@ class Puller:
             return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
         if not req.params.generation:
             await self._resolve(req.params)  # before the handshake: it fills in the epoch the handshake is cached by
-        peer = await d.peer_for(req.params)
+        peer = await d.handshakes.peer_for(req.params)
         if peer.meta.epoch != req.params.remote_epoch:
             raise FailedPrecondition(
                 f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
@@ -222,8 +222,8 @@ class Puller:
                 if fresh or "not registered" not in e.message:
                     raise
                 # Our view of the remote engine predates a rank it registered since: look again.
-                d.drop_peer(req.params.remote_engine_id)
-                peer = await d.peer_for(req.params)
+                d.handshakes.drop_peer(req.params.remote_engine_id)
+                peer = await d.handshakes.peer_for(req.params)
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)

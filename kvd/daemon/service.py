@@ -175,10 +175,10 @@ class PeerService(pbg.PeerServicer):
 
     @rpc
     async def Handshake(self, request: pb.HandshakeRequest, context: Any) -> pb.HandshakeResponse:
-        if self.d._handshake_slots.locked():
+        if self.d.handshakes.slots.locked():
             raise ResourceExhausted(f"more than {self.d.config.max_pending_handshakes} handshakes pending")
-        async with self.d._handshake_slots:
-            return self.d.handshake(request)
+        async with self.d.handshakes.slots:
+            return self.d.handshakes.handshake(request)
 
     @rpc
     def Abort(self, request: pb.PeerAbortRequest, context: Any) -> pb.AbortResponse:

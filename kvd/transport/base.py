@@ -90,6 +90,9 @@ class OpenRead(Protocol):
 
 
 class ReadServer(Protocol):
+    """The owner's decisions. ``check_hello`` runs on the daemon's event
+    loop; ``open_read`` may be called from any thread."""
+
     def check_hello(self, hello: Hello) -> None: ...
 
     def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...

@@ -158,7 +158,7 @@ class TcpDataServer:
                     ev = fs.next_event()  # only READ is admitted here
                 assert isinstance(ev, Read)
                 try:
-                    opened = self._on_loop(functools.partial(self.server.open_read, hello, ev.read, local=ev.local, reader_copies=ev.nixl))
+                    opened = self.server.open_read(hello, ev.read, local=ev.local, reader_copies=ev.nixl)
                 except errors.KvdError as e:
                     fs.send(Error.of(e))
                     continue

@@ -1,0 +1,153 @@
+"""Handshakes with peer daemons, both ways, and what they leave behind.
+
+As a reader, ``peer_for`` handshakes with a remote engine once, caches its
+metadata (and, on one host, maps its memory), and does it again only after
+a restart on either side. As an owner, ``handshake`` answers a reader: both
+sides refuse pairs that cannot work (``kvd.core.pairing``), naming both
+values, and the owner issues the secret the reader's data connections must
+present (``kvd.core.owner``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvd.convert import engine_from_pb, engine_to_pb, group_from_pb
+from kvd.core import errors
+from kvd.core.errors import FailedPrecondition, InvalidArgument, KvdError, Unavailable
+from kvd.core.leases import RankKey
+from kvd.core.pairing import check_compatible
+from kvd.core.relayout import GroupTensors
+from kvd.core.spec import EngineMeta, fingerprint
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from kvd.regions import MappedRegion, map_region
+from kvd.transport.samehost import LocalSource
+
+if TYPE_CHECKING:
+    from kvd.daemon.daemon import Daemon
+
+log = logging.getLogger("kvd.daemon")
+
+
+@dataclass
+class Peer:
+    meta: EngineMeta
+    address: str
+    local_version: int  # our registration version when we handshook
+    # Same host: the owner's ranks, mapped here, so reads are plain copies.
+    local_sources: dict[RankKey, LocalSource] = field(default_factory=dict)
+    mapped: list[MappedRegion] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.local_sources.clear()
+        for r in self.mapped:
+            r.close()
+        self.mapped.clear()
+
+
+
+class Handshakes:
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+        self.peers: dict[str, Peer] = {}  # engines we read from, by engine id
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.slots = asyncio.Semaphore(daemon.config.max_pending_handshakes)  # as the callee
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+        self.peers.clear()
+
+    def _fingerprint(self, meta: EngineMeta) -> str:
+        return fingerprint(meta.model, meta.ranks[0].groups if meta.ranks else ())
+
+    def handshake(self, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
+        """A peer introduces itself (it wants to read from us)."""
+        theirs = engine_from_pb(req.caller)
+        if not theirs.engine_id or theirs.engine_id == self.d.config.engine_id:
+            raise InvalidArgument("caller.engine_id", theirs.engine_id, "must name another engine")
+        mine = self.d.engine_meta()
+        try:
+            check_compatible(mine, theirs)
+        except KvdError:
+            self.d.metrics.handshakes.labels("callee", "refused").inc()
+            raise
+        with self.d.publisher.lock:
+            data_token = self.d.publisher.owner.reader_joined(theirs).data_token
+        self.d.metrics.handshakes.labels("callee", "ok").inc()
+        same_host = self.d.config.same_host != "off" and theirs.host_id == self.d.host_id
+        log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
+        regions = {k: r.region_pbs for k, r in self.d.registrations.items()} if same_host else None
+        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
+
+    def drop_peer(self, engine_id: str) -> Peer | None:
+        """Forget a remote engine's handshake (and unmap its same-host regions)."""
+        peer = self.peers.pop(engine_id, None)
+        if peer is not None:
+            peer.close()
+        return peer
+
+    async def peer_for(self, params: pb.TransferParams) -> Peer:
+        """The remote engine's metadata, handshaking once and again only after a
+        restart on either side."""
+        eid = params.remote_engine_id
+        lock = self._locks.setdefault(eid, asyncio.Lock())
+        async with lock:
+            peer = self.peers.get(eid)
+            if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self.d.registration_version:
+                return peer
+            mine = self.d.engine_meta()
+            stub = pbg.PeerStub(self.d.channel(params.remote_address))
+            t0 = time.perf_counter()
+            last: Exception | None = None
+            for attempt in range(self.d.config.handshake_retries):
+                try:
+                    resp = await stub.Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine, self._fingerprint(mine))), timeout=10,
+                                                metadata=self.d.auth.call_metadata())
+                    break
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                        self.d.metrics.handshakes.labels("caller", "refused").inc()
+                        raise errors.from_code(e.code().name, f"handshake with {eid!r} at {params.remote_address}: {e.details()}") from None
+                    last = e
+                    await asyncio.sleep(0.1 * 2**attempt)
+            else:
+                self.d.metrics.handshakes.labels("caller", "unreachable").inc()
+                raise Unavailable(f"handshake with {eid!r} at {params.remote_address} failed: {last}")
+            theirs = engine_from_pb(resp.callee)
+            if theirs.engine_id != eid:
+                raise FailedPrecondition(f"{params.remote_address} serves engine {theirs.engine_id!r}, not remote_engine_id={eid!r}")
+            check_compatible(mine, theirs)
+            self.d.metrics.handshake_seconds.observe(time.perf_counter() - t0)
+            self.d.metrics.handshakes.labels("caller", "ok").inc()
+            peer = Peer(theirs, params.remote_address, self.d.registration_version)
+            if self.d.config.same_host != "off" and theirs.host_id == self.d.host_id:
+                self._map_same_host(peer, resp.callee)
+            self.drop_peer(eid)
+            self.d.data_client.set_token(theirs.data_address, resp.data_token)
+            self.peers[eid] = peer
+            return peer
+
+    def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
+        """Map the owner's regions; on any failure fall back to TCP."""
+        try:
+            for rank in callee.ranks:
+                if not rank.regions:
+                    continue
+                mapped = {r.region_id: map_region(r) for r in rank.regions}
+                peer.mapped.extend(mapped.values())
+                views = {rid: m.tensor for rid, m in mapped.items()}
+                groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
+                peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
+            log.info("same-host path to engine=%s: %d ranks mapped", peer.meta.engine_id, len(peer.local_sources))
+        except KvdError as e:
+            log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
+            peer.close()
+

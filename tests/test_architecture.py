@@ -1,0 +1,108 @@
+"""The architecture as checks: the pure core, the layers, the public API, module sizes."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def lint_imports(*config: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", *config], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_are_kept():
+    r = lint_imports()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "2 kept, 0 broken" in r.stdout
+
+
+def test_a_forbidden_import_in_the_core_is_caught(tmp_path):
+    # Negative control: the same kind of contract, on an import the core
+    # really makes (numpy), must come back broken, naming the importer.
+    cfg = tmp_path / "broken.toml"
+    cfg.write_text('[tool.importlinter]\nroot_packages = ["kvd"]\ninclude_external_packages = true\n\n'
+                   '[[tool.importlinter.contracts]]\nname = "core without numpy"\ntype = "forbidden"\n'
+                   'source_modules = ["kvd.core"]\nforbidden_modules = ["numpy"]\n')
+    r = lint_imports("--config", str(cfg))
+    assert r.returncode != 0 and "BROKEN" in r.stdout and "kvd.core.plan -> numpy" in r.stdout, r.stdout[-2000:]
+
+
+def test_no_import_cycles_between_modules():
+    # Imports under TYPE_CHECKING never run: the daemon's sides name the
+    # Daemon that holds them only for the type checker.
+    import grimp
+
+    graph = grimp.build_graph("kvd", exclude_type_checking_imports=True)
+    modules = {m for m in graph.modules if not m.startswith("kvd.proto")}
+    edges = {m: {n for n in graph.find_modules_directly_imported_by(m) if n in modules and n != m} for m in modules}
+    # Tarjan's strongly connected components: any with more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in edges[m]:
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for m in sorted(modules):
+        if m not in index:
+            visit(m)
+    assert cycles == []
+
+
+def test_no_hand_written_module_is_over_500_lines():
+    big = {str(p.relative_to(REPO)): n for p in (REPO / "kvd").rglob("*.py")
+           if "proto" not in p.parts and (n := len(p.read_text().splitlines())) > 500}
+    assert big == {}
+
+
+PUBLIC = {
+    "kvd.client": ["KvdClient", "daemon_status", "infer_spec_from_tensors", "Finished"],
+    "kvd.caches": ["allocate_kv_caches", "adopt_into_shm", "describe", "release_all"],
+    "kvd.spec": ["KVCacheSpec", "ModelInfo", "WorkerId", "parse_layout", "NAMED_LAYOUTS", "GroupSpec"],
+    "kvd.errors": ["KvdError", "InvalidArgument", "Incompatible", "Status", "from_code"],
+    "kvd.auth": ["AuthConfig"],
+    "kvd.proto": ["kvd_pb2", "kvd_pb2_grpc"],
+    "kvd.cli": ["main"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_the_public_api_imports_where_the_docs_say(module):
+    mod = importlib.import_module(module)
+    missing = [name for name in PUBLIC[module] if not hasattr(mod, name)]
+    assert missing == []
+
+
+def test_the_vllm_connector_stays_where_vllm_loads_it():
+    # vLLM loads it by module path; importing kvd never imports vLLM.
+    spec = importlib.util.find_spec("kvd.integrations.vllm")
+    assert spec is not None and spec.origin is not None
+    assert "class KvdConnector(KVConnectorBase_V1)" in Path(spec.origin).read_text()
+    r = subprocess.run([sys.executable, "-c", "import sys, kvd, kvd.client, kvd.caches, kvd.spec; print('vllm' in sys.modules)"],
+                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr
