@@ -25,8 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.spec import check_request_id
 
 CAPABILITY_BYTES = 32
+# Publications that ended are remembered by (request id, capability) for a
+# lease, so that a rank publishing the same request later (an abort that
+# came first, a rank nobody reads publishing after the read) ends at once
+# instead of holding its blocks to its lease. Bounded: oldest forgotten first.
+MAX_TOMBSTONES = 4096
 RankKey = tuple[int, int]  # (tp_rank, pp_rank)
 PinKey = tuple[str, int, RankKey]  # (request_id, generation, rank)
 
@@ -68,6 +74,7 @@ class PublicationTable:
         self.by_request: dict[str, Publication] = {}
         self._pins: dict[PinKey, int] = {}
         self._held: dict[PinKey, Ended] = {}  # ended while pinned: reported at unpin
+        self._tombstones: dict[tuple[str, bytes], tuple[float, str, str]] = {}  # -> (until, outcome, reason)
 
     def __len__(self) -> int:
         return len(self.by_request)
@@ -84,9 +91,11 @@ class PublicationTable:
         capability: bytes = b"",
         reader_engine_id: str = "",
         lease_s: float = 0.0,
+        block_sizes: Sequence[int] = (),
     ) -> Publication:
-        if not request_id or len(request_id) > 256:
-            raise InvalidArgument("request_id", request_id, "must be 1-256 characters")
+        """Offer ``rank``'s blocks of ``request_id``. With ``block_sizes``
+        (tokens per block, per group), every group must hold ``num_tokens``."""
+        check_request_id("request_id", request_id)
         if capability and len(capability) != CAPABILITY_BYTES:
             raise InvalidArgument("capability", f"<{len(capability)} bytes>", f"must be {CAPABILITY_BYTES} bytes")
         if len(block_ids) != len(num_blocks):
@@ -97,6 +106,11 @@ class PublicationTable:
             if arr.size and (arr.min() < 0 or arr.max() >= n):
                 bad = int(arr[(arr < 0) | (arr >= n)][0])
                 raise InvalidArgument(f"block_ids[{g}]", bad, f"is outside the registered range [0, {n})")
+            check_unique(f"block_ids[{g}]", arr)
+            # Full attention needs every token's block (other group kinds will say otherwise).
+            if g < len(block_sizes) and block_sizes[g] > 0 and arr.size * block_sizes[g] < num_tokens:
+                raise InvalidArgument(f"block_ids[{g}]", f"<{arr.size} blocks>",
+                                      f"of {block_sizes[g]} tokens cannot hold num_tokens={num_tokens}")
             mask = np.zeros(n, dtype=bool)
             mask[arr] = True
             masks.append(mask)
@@ -127,6 +141,25 @@ class PublicationTable:
         pub.block_ids[rank] = arrays
         pub.acked[rank] = set()
         return pub
+
+    def ended_before(self, request_id: str, capability: bytes, rank: RankKey, now: float) -> list[Ended]:
+        """Right after ``rank`` published: if this publication (the same
+        request id and capability) already ended, end the rank now too."""
+        found = self._tombstones.get((request_id, capability))
+        if not capability or found is None or now >= found[0]:
+            return []
+        pub = self.by_request.get(request_id)
+        if pub is None or rank not in pub.masks:
+            return []
+        return self._end_rank(pub, rank, found[1], found[2])
+
+    def bury(self, request_id: str, capability: bytes, outcome: str, reason: str, now: float) -> None:
+        """Remember that this publication ended (or was aborted before any rank published)."""
+        if len(capability) != CAPABILITY_BYTES:
+            return
+        while len(self._tombstones) >= MAX_TOMBSTONES:
+            self._tombstones.pop(next(iter(self._tombstones)))
+        self._tombstones[(request_id, capability)] = (now + self.default_lease_s, outcome, reason)
 
     def authorize(
         self, request_id: str, generation: int, capability: bytes, reader_engine_id: str, rank: RankKey, now: float
@@ -221,6 +254,8 @@ class PublicationTable:
         return True
 
     def expire(self, now: float) -> list[Ended]:
+        for key in [k for k, (until, _, _) in self._tombstones.items() if now >= until]:
+            del self._tombstones[key]
         ended: list[Ended] = []
         for pub in [p for p in self.by_request.values() if not p.live(now)]:
             for rank in list(pub.masks):
@@ -246,11 +281,20 @@ class PublicationTable:
         pub.masks.pop(rank, None)
         pub.block_ids.pop(rank, None)
         pub.acked.pop(rank, None)
-        if not pub.masks:
-            self.by_request.pop(pub.request_id, None)
+        if not pub.masks and self.by_request.get(pub.request_id) is pub:
+            del self.by_request[pub.request_id]
+            self.bury(pub.request_id, pub.capability, outcome, reason or "the request's publication had already ended", pub.expires_at)
         ended = Ended(rank, pub.request_id, outcome, reason)
         key = (pub.request_id, pub.generation, rank)
         if key in self._pins:
             self._held[key] = ended
             return []
         return [ended]
+
+
+def check_unique(field: str, ids: np.ndarray) -> None:
+    """Refuse a block id listed twice, naming it: it would be read (or land) once, silently."""
+    if ids.size > 1:
+        uniq, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            raise InvalidArgument(field, int(uniq[counts > 1][0]), "is listed more than once")

@@ -182,11 +182,29 @@ class Owner:
         """Heartbeat: which of (request id, generation, capability) are still held."""
         return [self.publications.renew(rid, gen, cap, now) for rid, gen, cap in leases]
 
-    def reader_aborted(self, request_id: str, generation: int, capability: bytes, reason: str) -> list[Ended] | None:
+    def publish(self, rank: RankKey, request_id: str, block_ids: Sequence[Sequence[int]], tensors: Sequence[GroupTensors],
+                num_tokens: int, now: float, *, capability: bytes = b"", reader_engine_id: str = "",
+                lease_s: float = 0.0) -> tuple[Publication, list[Ended]]:
+        """Offer ``rank``'s blocks; and what ends at once because this
+        publication already ended (aborted by its reader before we
+        published, or read and finished before this rank published)."""
+        pub = self.publications.publish(
+            rank, request_id, block_ids, [g.spec.num_blocks for g in tensors], num_tokens, now, capability=capability,
+            reader_engine_id=reader_engine_id, lease_s=lease_s,
+            block_sizes=[g.spec.block_size for g in tensors])
+        return pub, self.publications.ended_before(request_id, capability, rank, now)
+
+    def reader_aborted(self, request_id: str, generation: int, capability: bytes, reason: str, now: float) -> list[Ended] | None:
         """The reader will not read: end the publication now (None: no such
         publication). Generation 0 is a reader that had not resolved it yet;
-        the capability names the publication."""
+        the capability names the publication. An abort that comes before
+        any rank published is remembered, and ends their publish at once."""
+        reason = reason or "aborted by the reader"
         pub = self.publications.matching(request_id, capability)
-        if pub is None or generation not in (0, pub.generation):
+        if pub is None:
+            if generation == 0:
+                self.publications.bury(request_id, capability, "aborted", reason, now)
             return None
-        return self.publications.abort(request_id, None, reason or "aborted by the reader")
+        if generation not in (0, pub.generation):
+            return None
+        return self.publications.abort(request_id, None, reason)

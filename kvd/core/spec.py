@@ -220,6 +220,24 @@ class ModelInfo:
     total_num_kv_heads: int
 
 
+MAX_REQUEST_ID = 256  # vLLM's ids are tens of characters; this bounds what a daemon holds per request
+MAX_ENGINE_ID = 128
+
+
+def check_request_id(field: str, value: str) -> str:
+    """The one rule for request ids, on every call that carries one."""
+    if not value or len(value) > MAX_REQUEST_ID:
+        raise InvalidArgument(field, value, f"must be 1-{MAX_REQUEST_ID} characters")
+    return value
+
+
+def check_engine_id(field: str, value: str) -> str:
+    """The one rule for engine ids, on every call that carries one."""
+    if not value or len(value) > MAX_ENGINE_ID or not all(c.isalnum() or c in "-_.:" for c in value):
+        raise InvalidArgument(field, value, f"must be 1-{MAX_ENGINE_ID} chars of [A-Za-z0-9-_.:]")
+    return value
+
+
 @dataclass(frozen=True)
 class WorkerId:
     engine_id: str
@@ -229,10 +247,7 @@ class WorkerId:
     pp_size: int = 1
 
     def __post_init__(self) -> None:
-        if not self.engine_id or len(self.engine_id) > 128 or not all(
-            c.isalnum() or c in "-_.:" for c in self.engine_id
-        ):
-            raise InvalidArgument("worker.engine_id", self.engine_id, "must be 1-128 chars of [A-Za-z0-9-_.:]")
+        check_engine_id("worker.engine_id", self.engine_id)
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument("worker.tp_rank", self.tp_rank, f"must be in [0, tp_size={self.tp_size})")
         if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:

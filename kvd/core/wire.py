@@ -41,7 +41,6 @@ class FrameType(enum.IntEnum):
     DESCS = 8  # server -> client: where every segment lies, for a NIXL READ (DataDescriptors)
 
 
-CONTROL = frozenset(FrameType) - {FrameType.DATA}
 
 
 class ProtocolError(Exception):

@@ -39,7 +39,7 @@ from kvd.core.errors import (
 from kvd.core.leases import Ended, PublicationTable, RankKey
 from kvd.core.relayout import GroupTensors
 from kvd.core.session import Hello
-from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId
+from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId, check_request_id
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.metrics import ActiveClock, Metrics
@@ -304,6 +304,7 @@ class Daemon:
         """Either side: D cancels its pull (and tells P), P ends its publication."""
         worker = worker_from_pb(req.worker)
         self.registered(worker, token)
+        check_request_id("request_id", req.request_id)
         rank = (worker.tp_rank, worker.pp_rank)
         pulled = self.puller.abort(req, rank)
         published = self.publisher.abort(req.request_id, rank)

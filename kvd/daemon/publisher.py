@@ -38,6 +38,7 @@ from kvd.core.pieces import (
 )
 from kvd.core.reads import DataRead
 from kvd.core.session import Hello
+from kvd.core.spec import check_request_id
 from kvd.proto import kvd_pb2 as pb
 
 if TYPE_CHECKING:
@@ -73,12 +74,12 @@ class Publisher:
         if req.num_tokens <= 0:
             raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
         with self.lock:
-            pub = self.publications.publish(
-                (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], [g.spec.num_blocks for g in reg.groups],
+            pub, ended = self.owner.publish(
+                (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], reg.tensors,
                 req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
                 lease_s=req.lease_seconds,
             )
-        d.metrics.leases_held.set(len(self.publications))
+        self.report(ended)
         event = self._published.pop(req.request_id, None)
         if event is not None:
             event.set()
@@ -96,6 +97,7 @@ class Publisher:
         with at least one). Refused like a read if nothing matches."""
         d = self.d
         d.check_engine(req.engine_id)
+        check_request_id("request_id", req.request_id)
         if self._resolves >= d.config.max_pending_resolves:
             raise ResourceExhausted(f"more than {d.config.max_pending_resolves} resolves pending")
         loop = asyncio.get_running_loop()
@@ -124,18 +126,22 @@ class Publisher:
         return pb.ResolveResponse(generation=pub.generation, epoch=d.epoch, ranks_published=len(pub.masks))
 
     def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
+        check_request_id("request_id", req.request_id)
         with self.lock:
-            ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason)
+            ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason, time.monotonic())
         self.report(ended or [])
         return ended is not None
 
     def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
+        for i, lease in enumerate(req.leases):
+            check_request_id(f"leases[{i}].request_id", lease.request_id)
         with self.lock:
             alive = self.owner.renew([(x.request_id, x.generation, x.capability) for x in req.leases], time.monotonic())
         return pb.RenewLeasesResponse(alive=alive)
 
     def abort(self, request_id: str, rank: tuple[int, int]) -> bool:
         """The local worker ends its own publication."""
+        check_request_id("request_id", request_id)
         with self.lock:
             ended = self.publications.abort(request_id, rank)
         self.report(ended)

@@ -25,11 +25,11 @@ from kvd.convert import offer_from_pb, worker_from_pb
 from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
-from kvd.core.leases import RankKey
+from kvd.core.leases import RankKey, check_unique
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
-from kvd.core.spec import WorkerId
+from kvd.core.spec import WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull
 from kvd.proto import kvd_pb2 as pb
@@ -90,8 +90,9 @@ class Puller:
         if d.draining:
             raise Unavailable("daemon is draining")
         p = req.params
-        if not p.remote_engine_id:
-            raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "must be set")
+        check_request_id("request_id", req.request_id)
+        check_request_id("params.request_id", p.request_id)
+        check_engine_id("params.remote_engine_id", p.remote_engine_id)
         if p.remote_engine_id == d.config.engine_id:
             raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "is this daemon's own engine")
         if not p.remote_address or ":" not in p.remote_address:
@@ -104,6 +105,7 @@ class Puller:
             bad = [i for i in ids.ids if i >= g.spec.num_blocks]
             if bad:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}]", bad[0], f"is outside the registered range [0, {g.spec.num_blocks})")
+            check_unique(f"local_block_ids[{g.group_id}]", np.asarray(ids.ids, dtype=np.int64))
         worker = reg.worker
         key = ((worker.tp_rank, worker.pp_rank), req.request_id)
         if key in self.pulls:

@@ -1,0 +1,114 @@
+"""Bad input gets INVALID_ARGUMENT naming the field and the value, on every
+call alike, and exactness holds where a request ends before a rank publishes
+(real daemons, real gRPC)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import grpc
+import pytest
+
+from kvd.errors import InvalidArgument
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+from tests.conftest import make_worker
+from tests.test_e2e import scheduler_params
+
+pytestmark = pytest.mark.security
+
+
+def test_a_block_id_published_twice_is_refused_naming_it(daemons):
+    p = daemons.start("prefill")
+    pw = make_worker(p.grpc, "prefill")
+    with pytest.raises(InvalidArgument, match=r"block_ids\[0\]=3 is listed more than once"):
+        pw.client.publish("r", [[1, 3, 2, 3]], 64)
+    # Negative control: the same blocks once each are accepted.
+    assert pw.client.publish("r", [[1, 3, 2, 4]], 64).generation > 0
+
+
+def test_a_local_block_id_pulled_twice_is_refused_naming_it(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [1, 2, 3])
+    params = pw.client.publish("r", [[1, 2, 3]], 48)
+    with pytest.raises(InvalidArgument, match=r"local_block_ids\[0\]=7 is listed more than once"):
+        dw.client.pull("r", params, [[7, 8, 7]])
+    dw.client.pull("r", params, [[7, 8, 9]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=20)
+    assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(1, [7, 8, 9], 48) is None
+
+
+def test_a_publish_with_too_few_blocks_for_its_tokens_is_refused(daemons):
+    p = daemons.start("prefill")
+    pw = make_worker(p.grpc, "prefill")  # 16 tokens a block
+    with pytest.raises(InvalidArgument, match=r"block_ids\[0\]='<2 blocks>' of 16 tokens cannot hold num_tokens=33"):
+        pw.client.publish("r", [[1, 2]], 33)
+    assert pw.client.publish("r", [[1, 2]], 32).generation > 0
+
+
+@pytest.mark.parametrize("request_id", ["", "x" * (1 << 20)], ids=["empty", "1MiB"])
+def test_request_ids_are_checked_alike_on_every_call_and_long_ones_quoted_short(daemons, request_id):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    params = pw.client.publish("ok", [[1]], 16)
+    calls = {
+        "publish": lambda: pw.client.publish(request_id, [[2]], 16),
+        "pull": lambda: dw.client.pull(request_id, params, [[5]]),
+        "abort": lambda: dw.client.abort(request_id),
+    }
+    for name, call in calls.items():
+        with pytest.raises(InvalidArgument) as e:
+            call()
+        assert "request_id=" in e.value.message and "must be 1-256 characters" in e.value.message, name
+        assert len(e.value.message) < 300, (name, len(e.value.message))  # a prefix and the length, never the whole value
+        if request_id:
+            assert "(1048576 chars)" in e.value.message, name
+    # The peer API applies the same rule.
+    stub = pbg.PeerStub(grpc.insecure_channel(p.grpc))
+    with pytest.raises(grpc.RpcError) as rpc:
+        stub.Abort(pb.PeerAbortRequest(engine_id="prefill", request_id=request_id, capability=params.capability), timeout=10)
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, rpc.value.details()
+    # The daemons keep serving: the good request still moves.
+    pw.fill(2, [1])
+    dw.client.pull("ok", params, [[5]])
+    f = dw.client.wait_finished(recving={"ok"}, timeout=20)
+    assert f.details[("recving", "ok")].outcome == "done" and dw.mismatch(2, [5], 16) is None
+
+
+def test_an_abort_that_comes_before_the_publish_releases_it_at_once(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    cap = secrets.token_bytes(32)
+    # D gives the request up before P's worker published it (vLLM hands D the params first).
+    assert dw.client.abort("d-req", release=scheduler_params(p.grpc, "prefill", "p-req", cap, [1, 2], 32))
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    pw.client.publish("p-req", [[1, 2]], 32, capability=cap, lease_seconds=60)
+    f = pw.client.wait_finished(sending={"p-req"}, timeout=10)
+    assert f.details[("sending", "p-req")].outcome == "aborted"
+    assert time.monotonic() - t0 < 1.0
+    # Negative control: another capability (another request's publication) is held.
+    pw.client.publish("p-req", [[3]], 16, capability=secrets.token_bytes(32), lease_seconds=60)
+    time.sleep(1.0)
+    assert "p-req" not in pw.client.get_finished().finished_sending
+
+
+def test_a_rank_nobody_reads_that_publishes_after_the_read_ends_at_once(daemons):
+    """Replicated KV: P TP2 over 1 KV head; D TP1 reads only rank 0."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = [make_worker(p.grpc, "prefill", tp_rank=r, tp_size=2, heads=1) for r in range(2)]
+    dw = make_worker(d.grpc, "decode", heads=1)
+    cap = secrets.token_bytes(32)
+    pw[0].fill(3, [1, 2])
+    params = pw[0].client.publish("r", [[1, 2]], 32, capability=cap, lease_seconds=60)
+    dw.client.pull("r", params, [[5, 6]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=20)
+    assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(3, [5, 6], 32) is None
+    assert "r" in pw[0].client.wait_finished(sending={"r"}, timeout=10).finished_sending
+    t0 = time.monotonic()
+    pw[1].client.publish("r", [[1, 2]], 32, capability=cap, lease_seconds=60)
+    f1 = pw[1].client.wait_finished(sending={"r"}, timeout=10)
+    assert f1.details[("sending", "r")].outcome == "done"
+    assert time.monotonic() - t0 < 1.0
