@@ -11,10 +11,13 @@ For a vLLM developer, the mapping is:
   reads the blocks straight into your registered memory.
 * ``get_finished`` is ``get_finished`` (finished_sending, finished_recving)
   plus ``get_block_ids_with_load_errors`` (invalid_block_ids), drained per call.
+  Per engine step, use a ``FinishedFeed`` instead: the daemon pushes the same
+  sets and ``take`` reads them with no round trip.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ import grpc
 from kvd.auth import WORKER_TOKEN_HEADER, AuthConfig
 from kvd.caches import KVCacheTensors, describe
 from kvd.convert import worker_to_pb
-from kvd.errors import DeadlineExceeded, from_code
+from kvd.errors import DeadlineExceeded, KvdError, Unavailable, from_code
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, infer_spec
@@ -163,6 +166,15 @@ class KvdClient:
         """This worker's finished_sending / finished_recving / invalid_block_ids since the last call."""
         return _finished(self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid)))
 
+    def watch_finished(self, resume_after: int | None = None) -> FinishedStream:
+        """This worker's finished sets, pushed as they happen: first the backlog
+        (even empty), then each outcome. It drains the box ``get_finished``
+        drains: each outcome arrives once, through one or the other. Reopening
+        a broken stream, ``resume_after`` (its ``last_seq``) has the daemon
+        resend what the break may have lost. Only the newest stream pushes."""
+        req = pb.GetFinishedRequest(worker=self._wid, resume_after=resume_after)
+        return FinishedStream(self._worker.WatchFinished(req, metadata=self._metadata()), resume_after or 0)
+
     def wait_finished(self, recving: set[str] = frozenset(), sending: set[str] = frozenset(), timeout: float = 60.0, poll: float = 0.001) -> Finished:  # type: ignore[assignment]
         """Poll until every id in ``recving``/``sending`` is reported; returns all seen."""
         seen = Finished()
@@ -198,3 +210,129 @@ class KvdClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class FinishedStream:
+    """An open WatchFinished stream: iterate it for the pushed sets (a failure
+    raises its KvdError); ``cancel`` ends it from any thread."""
+
+    def __init__(self, call: grpc.Call, resume_after: int = 0) -> None:
+        self._call = call
+        self.last_seq = resume_after  # the last push received: resume after it
+
+    def __iter__(self) -> FinishedStream:
+        return self
+
+    def __next__(self) -> Finished:
+        try:
+            r = next(self._call)  # type: ignore[call-overload]
+        except grpc.RpcError as e:
+            raise from_code(e.code().name, e.details() or "") from None
+        self.last_seq = r.seq
+        return _finished(r)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class FinishedFeed:
+    """A worker's finished sets, pushed by its daemon and gathered by a
+    background thread, so an engine step reads them (``take``) without a round
+    trip.
+
+    A stream that breaks is reopened, up to ``reconnect_attempts`` times in a
+    row with a doubling pause, resuming after the last push received: the
+    daemon resends what the break may have lost, and what it emitted
+    meanwhile waited in the worker's box, so nothing is lost. A daemon that
+    stays away, or refuses the stream (the worker is no longer registered
+    with it: it restarted), sets ``error`` and stops the thread.
+    """
+
+    def __init__(self, client: KvdClient, *, reconnect_attempts: int = 5, backoff_seconds: float = 0.05) -> None:
+        self._client = client
+        self._reconnect_attempts = reconnect_attempts
+        self._backoff_seconds = backoff_seconds
+        self._cond = threading.Condition()  # guards _pending, _error, _stream
+        self._pending = Finished()
+        self._error: KvdError | None = None
+        self._stream: FinishedStream | None = None
+        self._stop = threading.Event()
+        self.subscribed = threading.Event()  # the first stream's backlog arrived
+        self._thread = threading.Thread(target=self._run, name=f"kvd-finished-{client.worker.tp_rank}-{client.worker.pp_rank}", daemon=True)
+
+    def start(self) -> FinishedFeed:
+        self._thread.start()
+        return self
+
+    @property
+    def error(self) -> KvdError | None:
+        """Why the feed stopped (the daemon went away), or None while it runs.
+        Read it before ``take``: everything received before it was set is then
+        in what ``take`` returns."""
+        return self._error
+
+    def take(self) -> Finished:
+        """What arrived since the last take (no RPC: swaps the gathered sets)."""
+        with self._cond:
+            out, self._pending = self._pending, Finished()
+        return out
+
+    def wait_finished(self, recving: set[str] = frozenset(), sending: set[str] = frozenset(), timeout: float = 60.0) -> Finished:  # type: ignore[assignment]
+        """Take until every id in ``recving``/``sending`` arrived; returns all taken."""
+        seen = Finished()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                seen.merge(self._pending)
+                self._pending = Finished()
+                if recving <= seen.finished_recving and sending <= seen.finished_sending:
+                    return seen
+                if self._error is not None:
+                    raise self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(f"not pushed after {timeout}s: recving={sorted(recving - seen.finished_recving)[:5]} sending={sorted(sending - seen.finished_sending)[:5]}")
+                self._cond.wait(left)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel the stream and join the thread; what was gathered stays takeable."""
+        self._stop.set()
+        with self._cond:
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        failures = 0
+        resume_after: int | None = None  # a new subscription first, then resumed
+        while True:
+            with self._cond:
+                # Checked under the lock close() takes: it either sees this stream or we see the stop.
+                if self._stop.is_set():
+                    return
+                stream = self._stream = self._client.watch_finished(resume_after)
+            try:
+                for f in stream:
+                    failures = 0  # the daemon answered: a later break starts a fresh count
+                    with self._cond:
+                        self._pending.merge(f)
+                        self._cond.notify_all()
+                    self.subscribed.set()
+                # A clean end: the daemon ended our registration's stream; reopening tells why.
+                why: KvdError = Unavailable("the daemon ended the finished stream")
+            except KvdError as e:
+                why = e
+            resume_after = stream.last_seq
+            if self._stop.is_set():
+                return
+            failures += 1
+            # Only a lost connection may heal; a refusal (not registered, bad token) will not.
+            if not isinstance(why, Unavailable | DeadlineExceeded) or failures > self._reconnect_attempts:
+                with self._cond:
+                    self._error = why
+                    self._cond.notify_all()
+                return
+            if self._stop.wait(self._backoff_seconds * 2 ** (failures - 1)):
+                return

@@ -25,8 +25,10 @@ class FaultProxy:
         self.forwarded = 0
         self.resets = 0
         self.stalled = threading.Event()
+        self.refuse = False  # close new connections at once (the target looks down)
         self._release = threading.Event()
         self._closed = False
+        self._open: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -37,6 +39,13 @@ class FaultProxy:
         """Let a stalled stream go on."""
         self.stall_after = None
         self._release.set()
+
+    def cut(self) -> None:
+        """Drop every connection open now (later ones are forwarded, unless ``refuse``)."""
+        open_now, self._open = self._open, []
+        for s in open_now:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes the pipe threads blocked in recv; they close it
 
     def close(self) -> None:
         self._closed = True
@@ -49,8 +58,12 @@ class FaultProxy:
                 client, _ = self.sock.accept()
             except OSError:
                 return
+            if self.refuse:
+                client.close()
+                continue
             assert self.target is not None
             server = socket.create_connection(self.target)
+            self._open += [client, server]
             threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
 

@@ -33,6 +33,28 @@ def test_drain_empties_the_box():
     assert w.drain().sending == {}
 
 
+def test_box_wakes_its_watchers_who_are_not_part_of_its_value():
+    w = WorkerFinished()
+    woken = []
+    w.watchers.append(lambda: woken.append(1))
+    w.add(Outcome("a", "recving", "failed"), [3])
+    assert woken == [1]
+    assert w == out(recving=["a"], invalid=[3], outcome="failed")
+
+
+def test_push_log_resends_what_followed_or_says_it_cannot():
+    from kvd.core.aggregate import PushLog
+
+    log = PushLog(keep=3)
+    assert log.since(0) == [] and log.since(1) is None  # 1 was never pushed
+    pushed = [out(recving=[str(i)]) for i in range(5)]
+    assert [log.push(x) for x in pushed] == [1, 2, 3, 4, 5]
+    assert log.since(5) == [] and log.since(3) == [(4, pushed[3]), (5, pushed[4])]
+    assert log.since(2) == [(3, pushed[2]), (4, pushed[3]), (5, pushed[4])]
+    assert log.since(1) is None  # 2 is no longer kept
+    assert log.claim() == 1 and log.claim() == 2 and log.owner == 2
+
+
 def test_engine_hub_pushes_merged_sets_to_subscribers_and_drains():
     from kvd.core.aggregate import EngineFinishedHub
 

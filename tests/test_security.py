@@ -163,7 +163,8 @@ def test_only_the_registered_worker_acts_for_its_rank(daemons):
         impostor.publish("r", [[1]], 16)
     # rank 1's token does not open rank 0
     impostor.worker_token = other.client.worker_token
-    for call in (lambda: impostor.publish("r", [[1]], 16), lambda: impostor.abort("r"), impostor.get_finished):
+    for call in (lambda: impostor.publish("r", [[1]], 16), lambda: impostor.abort("r"), impostor.get_finished,
+                 lambda: next(impostor.watch_finished())):
         with pytest.raises(PermissionDenied):
             call()
     assert owner.client.publish("r", [[1]], 16).generation > 0

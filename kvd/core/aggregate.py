@@ -9,6 +9,7 @@ it; invalid block ids are unioned.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -29,15 +30,51 @@ class WorkerFinished:
     sending: dict[str, Outcome] = field(default_factory=dict)
     recving: dict[str, Outcome] = field(default_factory=dict)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Woken after every add (a stream that pushes this box); not part of its value.
+    watchers: list[Callable[[], None]] = field(default_factory=list, compare=False, repr=False)
 
     def add(self, outcome: Outcome, invalid_block_ids: Iterable[int] = ()) -> None:
         (self.sending if outcome.direction == "sending" else self.recving)[outcome.request_id] = outcome
         self.invalid_block_ids.update(invalid_block_ids)
+        self.wake()
+
+    def wake(self) -> None:
+        for watcher in list(self.watchers):
+            watcher()
 
     def drain(self) -> WorkerFinished:
         out = WorkerFinished(self.sending, self.recving, self.invalid_block_ids)
         self.sending, self.recving, self.invalid_block_ids = {}, {}, set()
         return out
+
+
+class PushLog:
+    """What one worker registration's WatchFinished streams pushed, numbered
+    from 1. A stream can break with a push in flight: the worker reopens it
+    naming the last number it got, and the daemon resends what followed. Only
+    the newest stream pushes (``claim``), so a broken one the daemon has not
+    noticed yet cannot drain outcomes into a dead connection."""
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.last_seq = 0
+        self.owner = 0  # the stream allowed to push
+        self._kept: collections.deque[tuple[int, WorkerFinished]] = collections.deque(maxlen=keep)
+
+    def claim(self) -> int:
+        self.owner += 1
+        return self.owner
+
+    def push(self, sets: WorkerFinished) -> int:
+        self.last_seq += 1
+        self._kept.append((self.last_seq, sets))
+        return self.last_seq
+
+    def since(self, seq: int) -> list[tuple[int, WorkerFinished]] | None:
+        """What was pushed after ``seq``; None when some of it is no longer kept
+        (or ``seq`` was never pushed): the worker cannot be made whole."""
+        if seq > self.last_seq or (seq < self.last_seq and self._kept[0][0] > seq + 1):
+            return None
+        return [(n, sets) for n, sets in self._kept if n > seq]
 
 
 class KVOutputAggregator:

@@ -28,7 +28,7 @@ from kvd.convert import (
     worker_from_pb,
     worker_to_pb,
 )
-from kvd.core.aggregate import EngineFinishedHub, Outcome, WorkerFinished
+from kvd.core.aggregate import EngineFinishedHub, Outcome, PushLog, WorkerFinished
 from kvd.core.errors import (
     Incompatible,
     InvalidArgument,
@@ -68,6 +68,7 @@ class Registration:
     region_pbs: list[pb.Region]
     worker_token: bytes = b""
     nixl_handles: list[object] = field(default_factory=list)
+    pushed: PushLog = field(default_factory=PushLog)  # what WatchFinished sent this registration
 
     @property
     def nbytes(self) -> int:
@@ -236,7 +237,8 @@ class Daemon:
             # NIXL reads and writes only registered memory: the worker's regions, as mapped here.
             reg.nixl_handles = [self.nixl.register(r.tensor.data_ptr(), r.size) for r in mapped.values() if r.tensor.device.type == "cpu"]
         self.registrations[key] = reg
-        self.finished.setdefault(key, WorkerFinished())
+        # The box outlives registrations; a stream the old registration opened sees it was replaced and ends.
+        self.finished.setdefault(key, WorkerFinished()).wake()
         self.engine_hub.set_expected(self._expected_override or worker.tp_size * worker.pp_size)
         self._update_region_metrics()
         log.info("registered worker=%s regions=%d bytes=%d groups=%d layers=%d", worker, len(mapped), reg.nbytes, len(groups), sum(len(g.layers) for g in groups))
@@ -249,6 +251,7 @@ class Daemon:
         self.puller.cancel_rank(k)
         self.publisher.abort_rank(k, "worker unregistered")
         self._release(self.registrations.pop(k))
+        self.finished[k].wake()  # its WatchFinished streams end
         self.registration_version += 1
         self._update_region_metrics()
 

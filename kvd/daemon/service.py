@@ -84,14 +84,14 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-def finished_to_pb(f: WorkerFinished) -> pb.GetFinishedResponse:
+def finished_to_pb(f: WorkerFinished, seq: int = 0) -> pb.GetFinishedResponse:
     details = [
         pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
         for o in (*f.sending.values(), *f.recving.values())
     ]
     return pb.GetFinishedResponse(
         finished_sending=sorted(f.sending), finished_recving=sorted(f.recving),
-        invalid_block_ids=sorted(f.invalid_block_ids), details=details,
+        invalid_block_ids=sorted(f.invalid_block_ids), details=details, seq=seq,
     )
 
 
@@ -138,6 +138,45 @@ class WorkerService(pbg.WorkerServicer):
     @rpc
     def GetFinished(self, request: pb.GetFinishedRequest, context: Any) -> pb.GetFinishedResponse:
         return finished_to_pb(self.d.get_finished(worker_from_pb(request.worker), self._local(context)))
+
+    async def WatchFinished(self, request: pb.GetFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
+        """GetFinished pushed: the worker's engine step reads what arrived
+        instead of waiting on a round trip. A resumed stream first gets what
+        the broken one may have lost; then the backlog (even empty: it confirms
+        the subscription), then the box each time an outcome lands."""
+        if isinstance(request, BadRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            worker = worker_from_pb(request.worker)
+            reg = self.d.registered(worker, self._local(context))
+        except KvdError as e:
+            await context.abort(grpc_code(e), e.message)
+        key = (worker.tp_rank, worker.pp_rank)
+        box, log = self.d.finished[key], reg.pushed
+        me = log.claim()
+        box.wake()  # an older stream of this worker stops: it may be broken and not know it yet
+        missed = log.since(request.resume_after) if request.HasField("resume_after") else []
+        if missed is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot resume after push {request.resume_after}: "
+                                f"pushes up to {log.last_seq} were made, not all of them are still held")
+        for seq, sets in missed or ():
+            yield finished_to_pb(sets, seq)
+        wake = asyncio.Event()
+        box.watchers.append(wake.set)
+        try:
+            first = True
+            # Another registration of this rank (or none), or a newer stream, owns the box from then on.
+            while self.d.registrations.get(key) is reg and log.owner == me:
+                wake.clear()  # before draining: an outcome added after the drain sets it again
+                out = box.drain()
+                if first or out.sending or out.recving or out.invalid_block_ids:
+                    first = False
+                    # Logged before it is sent: if the send is lost, a resumed stream resends it.
+                    yield finished_to_pb(out, log.push(out))
+                else:
+                    await wake.wait()
+        finally:
+            box.watchers.remove(wake.set)
 
     @rpc
     def GetEngineFinished(self, request: pb.EngineFinishedRequest, context: Any) -> pb.GetFinishedResponse:

@@ -61,7 +61,13 @@ from vllm.v1.request import RequestStatus
 
 from kvd.auth import AuthConfig
 from kvd.caches import adopt_into_shm, layer_index_of, release_all
-from kvd.client import VLLM_NHD_DIMS, KvdClient, daemon_status, infer_spec_from_tensors
+from kvd.client import (
+    VLLM_NHD_DIMS,
+    FinishedFeed,
+    KvdClient,
+    daemon_status,
+    infer_spec_from_tensors,
+)
 from kvd.errors import KvdError
 from kvd.integrations.kv_params import (
     LoadRequest,
@@ -302,6 +308,8 @@ class _WorkerSide:
         self.tp_rank = int(get_tensor_model_parallel_rank())
         self.pp_rank = int(get_pp_group().rank_in_group)
         self.client: KvdClient | None = None
+        # The daemon pushes finished sets to it, so an engine step reads them without a round trip.
+        self.feed: FinishedFeed | None = None
         self._done_sending: set[str] = set()  # failed publishes: free the blocks at once
         self._done_recving: set[str] = set()  # failed pulls
         self._failed_recving: set[str] = set()
@@ -344,6 +352,7 @@ class _WorkerSide:
             groups = {name: t.view(blocks, heads, tokens * width) for name, t in unique.items()}
         resp = client.register(groups, model, spec, dims=dims)
         self.client = client
+        self.feed = FinishedFeed(client).start()
         log.info("kvd: registered %s with %s: %d layers, %d blocks of %d tokens, %.1f MiB (layer order %s)", worker, self.settings.address,
                  len(groups), spec.num_blocks, spec.block_size, resp.registered_bytes / 2**20,
                  [layer_index_of(n, i) for i, n in enumerate(groups)][:4])
@@ -383,20 +392,10 @@ class _WorkerSide:
         self._done_sending.clear()
         self._done_recving.clear()
         self._failed_recving.clear()
-        if self.client is not None:
-            try:
-                f = self.client.get_finished()
-            except KvdError as e:
-                if self._sending or self._loading:
-                    log.error("kvd: daemon at %s failed (%s): ending %d sends and failing %d loads", self.settings.address, e.message,
-                              len(self._sending), len(self._loading))
-                out.finished_sending |= self._sending
-                out.finished_recving |= set(self._loading)
-                out.failed_recving |= set(self._loading)
-                for ids in self._loading.values():
-                    self._invalid |= ids
-                self._sending, self._loading = set(), {}
-                return out
+        if self.feed is not None:
+            # The error first: everything the feed received before it failed is then in this take.
+            error = self.feed.error
+            f = self.feed.take()
             self._sending -= f.finished_sending
             for rid in f.finished_recving:
                 self._loading.pop(rid, None)
@@ -407,6 +406,17 @@ class _WorkerSide:
             for (direction, rid), d in f.details.items():
                 if d.outcome != "done":
                     log.warning("kvd: %s of request %s ended %s: %s", direction, rid, d.outcome, d.reason)
+            if error is not None:
+                # The daemon is gone, and its publications and pulls with it: vLLM must hear so, not wait.
+                if self._sending or self._loading:
+                    log.error("kvd: daemon at %s failed (%s): ending %d sends and failing %d loads", self.settings.address, error.message,
+                              len(self._sending), len(self._loading))
+                out.finished_sending |= self._sending
+                out.finished_recving |= set(self._loading)
+                out.failed_recving |= set(self._loading)
+                for ids in self._loading.values():
+                    self._invalid |= ids
+                self._sending, self._loading = set(), {}
         return out
 
     def take_invalid(self) -> set[int]:
@@ -414,6 +424,9 @@ class _WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.feed is not None:
+            self.feed.close()  # first: unregistering ends the stream, which is no failure here
+            self.feed = None
         if self.client is not None:
             try:
                 self.client.unregister()

@@ -247,22 +247,26 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetFinishedRequest(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "resume_after")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AFTER_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ...) -> None: ...
+    resume_after: int
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., resume_after: _Optional[int] = ...) -> None: ...
 
 class GetFinishedResponse(_message.Message):
-    __slots__ = ("finished_sending", "finished_recving", "invalid_block_ids", "details")
+    __slots__ = ("finished_sending", "finished_recving", "invalid_block_ids", "details", "seq")
     FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
     INVALID_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     finished_sending: _containers.RepeatedScalarFieldContainer[str]
     finished_recving: _containers.RepeatedScalarFieldContainer[str]
     invalid_block_ids: _containers.RepeatedScalarFieldContainer[int]
     details: _containers.RepeatedCompositeFieldContainer[FinishedDetail]
-    def __init__(self, finished_sending: _Optional[_Iterable[str]] = ..., finished_recving: _Optional[_Iterable[str]] = ..., invalid_block_ids: _Optional[_Iterable[int]] = ..., details: _Optional[_Iterable[_Union[FinishedDetail, _Mapping]]] = ...) -> None: ...
+    seq: int
+    def __init__(self, finished_sending: _Optional[_Iterable[str]] = ..., finished_recving: _Optional[_Iterable[str]] = ..., invalid_block_ids: _Optional[_Iterable[int]] = ..., details: _Optional[_Iterable[_Union[FinishedDetail, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class FinishedDetail(_message.Message):
     __slots__ = ("request_id", "direction", "outcome", "reason", "bytes")

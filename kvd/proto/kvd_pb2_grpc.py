@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.SerializeToString,
                 response_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
                 _registered_method=True)
+        self.WatchFinished = channel.unary_stream(
+                '/kvd.v1.Worker/WatchFinished',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
+                _registered_method=True)
         self.GetEngineFinished = channel.unary_unary(
                 '/kvd.v1.Worker/GetEngineFinished',
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.EngineFinishedRequest.SerializeToString,
@@ -120,6 +125,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchFinished(self, request, context):
+        """GetFinished pushed: drains the same box, so each outcome reaches the worker
+        once, through whichever it uses. The first message is the backlog (sent
+        even when empty: the worker is subscribed once it arrives), then each
+        outcome as it happens. Ends when the worker unregisters or re-registers,
+        or opens a newer stream (one pushes at a time).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetEngineFinished(self, request, context):
         """For the engine's scheduler: one call, or a stream that pushes as requests complete.
         """
@@ -169,6 +185,11 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'GetFinished': grpc.unary_unary_rpc_method_handler(
                     servicer.GetFinished,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.SerializeToString,
+            ),
+            'WatchFinished': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchFinished,
                     request_deserializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.FromString,
                     response_serializer=kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.SerializeToString,
             ),
@@ -348,6 +369,33 @@ class Worker:
             request,
             target,
             '/kvd.v1.Worker/GetFinished',
+            kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchFinished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Worker/WatchFinished',
             kvd_dot_proto_dot_kvd__pb2.GetFinishedRequest.SerializeToString,
             kvd_dot_proto_dot_kvd__pb2.GetFinishedResponse.FromString,
             options,
