@@ -78,6 +78,9 @@ class FaultProxy:
                         self.reset_after = None
                         self.resets += 1
                         dst.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        # The other pipe thread is blocked reading dst: wake it, or
+                        # the kernel holds the file open and sends no RST at close.
+                        dst.shutdown(socket.SHUT_RD)
                         dst.close()
                         src.close()
                         return

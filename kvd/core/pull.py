@@ -39,7 +39,9 @@ class PullProgress:
     done: dict[ReadKey, int] = field(default_factory=dict)  # reads that landed whole, with their bytes
 
     def begin(self, reads: Sequence[RankRead], striping: Striping, local_ranks: frozenset[tuple[int, int]] = frozenset()) -> list[int]:
-        """Take an attempt's plan; the indices of the reads still to run."""
+        """Take an attempt's plan; the indices of the reads still to run.
+        Until an attempt plans, what the last one landed stands (a retry that
+        fails before planning still reports exactly what did not land)."""
         self.reads = [part for rr in reads
                       for part in (stripe(rr, striping.stripes)
                                    if striping.stripes > 1 and rr.nbytes >= striping.min_bytes and rr.read.rank not in local_ranks
@@ -76,10 +78,6 @@ class PullProgress:
                 if not ok:
                     bad.update(int(b) for b in np.asarray(sink.local_block_ids))
         return sorted(bad)
-
-    def reset(self) -> None:
-        """A new attempt will plan again; what landed whole stays done."""
-        self.reads, self.landed = [], []
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,6 @@ class Puller:
                             progress: PullProgress) -> int:
         attempt = 0
         while True:
-            progress.reset()
             try:
                 return await self._attempt(reg, req, rank, local_ids, progress)
             except (ConnectionError, OSError, Unavailable) as e:

@@ -132,7 +132,17 @@ class TcpDataClient:
 
     def _read(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
               source: LocalSource | None) -> int:
-        """One whole read, in a worker thread."""
+        """One whole read, in a worker thread. A stall is not retried: the
+        peer is alive enough to hold the connection, and a retry would only
+        wait as long again; the pull fails at the stall, naming the peer."""
+        try:
+            return self._read_stalling(conn, address, read, sinks, landed, source)
+        except TimeoutError:
+            raise errors.DeadlineExceeded(f"data plane stalled: engine {read.owner_engine_id!r} at {address} sent nothing "
+                                          f"for {self.stall_timeout_s:g}s (stall_timeout_seconds)") from None
+
+    def _read_stalling(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+                       source: LocalSource | None) -> int:
         fs = conn.fs
         with fs.stall_bound(self.stall_timeout_s):
             if source is not None:
