@@ -241,7 +241,7 @@ def test_serve_refuses_a_bad_engine_id():
 def test_pull_with_bad_input_gets_invalid_argument(daemons):
     d = daemons.start("decode")
     dw = make_worker(d.grpc, "decode")
-    params = pb.TransferParams(remote_engine_id="prefill", remote_address="127.0.0.1:1", num_tokens=16, block_ids=[pb.BlockIds(ids=[1])])
+    params = pb.TransferParams(remote_engine_id="prefill", remote_address="127.0.0.1:1", request_id="r", num_tokens=16, block_ids=[pb.BlockIds(ids=[1])])
     with pytest.raises(InvalidArgument, match=r"local_block_ids\[0\]=9999"):
         dw.client.pull("r", params, [[9999]])
     with pytest.raises(KvdError):
