@@ -10,6 +10,7 @@ re-points the same tensor objects at it.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import torch
 from kvd.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
 from kvd.regions.shm import ShmRegion
-from kvd.spec import KVCacheSpec, physical_order
+from kvd.spec import KVCacheSpec
 
 KVCacheTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -110,14 +111,16 @@ def layer_index_of(name: str, fallback: int) -> int:
 def describe(
     groups: Sequence[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]],
     *,
-    dims: Sequence[str] | None = None,
+    dims: Sequence[str] | Sequence[Sequence[str]] | None = None,
     layer_indices: Mapping[str, int] | None = None,
 ) -> Described:
     """Regions and group registrations for tensors in this process's shm.
 
     ``dims`` names the tensors' dims in *shape* order when that differs from
-    the spec's physical layout (vLLM shapes HND caches as NHD and permutes the
-    strides); by default the shape is in layout order.
+    the spec's layout (vLLM shapes HND caches as NHD and permutes the
+    strides), or, as one tuple per part, when K and V differ
+    (``CPU_ATTENTION_PARTS``); by default the shape is in layout order.
+    Strides may put a part's memory in any order of the spec's dims.
     """
     regions: dict[str, pb.Region] = {}
     out_groups = []
@@ -128,9 +131,9 @@ def describe(
             idx = (layer_indices or {}).get(name, layer_index_of(name, li))
             layer = g.layers.add(name=name, layer_index=idx)
             for ti, t in enumerate(tensors):
-                tdims = tuple(dims or spec.layout)
-                if physical_order(tdims, t.shape, t.stride()) != spec.layout:
-                    raise InvalidArgument(f"kv_caches[{name}]", list(tdims), f"strides {t.stride()} do not give layout {list(spec.layout)}")
+                tdims = _part_dims(dims, ti) or spec.layout
+                if len(tdims) != t.dim():
+                    raise InvalidArgument(f"kv_caches[{name}]", list(tdims), f"names {len(tdims)} dims of a {t.dim()}-D tensor")
                 if t.is_cuda:
                     from kvd.regions.cuda_ipc import export_storage
 
@@ -155,7 +158,39 @@ def describe(
     return Described(list(regions.values()), out_groups)
 
 
-def local_group_tensors(spec: KVCacheSpec, caches: Mapping[str, KVCacheTensors], *, dims: Sequence[str] | None = None):  # type: ignore[no-untyped-def]
+def _part_dims(dims: Sequence[str] | Sequence[Sequence[str]] | None, part: int) -> tuple[str, ...]:
+    if not dims:
+        return ()
+    if isinstance(dims[0], str):
+        return tuple(dims)  # type: ignore[arg-type]
+    return tuple(dims[part])
+
+
+def allocate_cpu_attention_caches(spec: KVCacheSpec, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """vLLM CPU attention's per-layer tensors, ``[num_blocks, num_kv_heads,
+    block_size, 2 * head_size]``, stacked in one shm buffer, zero-filled."""
+    shape = (len(layer_names), spec.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    region = ShmRegion.create(math.prod(shape) * spec.itemsize)
+    _REGIONS[region.tensor.data_ptr()] = region
+    typed = region.tensor.view(torch_dtype(spec.dtype)).view(shape)
+    return {name: typed[i] for i, name in enumerate(layer_names)}
+
+
+def cpu_attention_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one vLLM CPU attention tensor as strided views, shaped in
+    the orders ``CPU_ATTENTION_PARTS`` names (K transposed inside each
+    (block, head) span, V after it)."""
+    blocks, heads, tokens, width = t.shape
+    head_size = width // 2
+    if width != 2 * head_size or t.stride(3) != 1 or t.stride(2) != width:
+        raise InvalidArgument("kv_cache", list(t.shape), "is not a dense vLLM CPU attention tensor [blocks, heads, tokens, 2*head_size]")
+    sb, sh = t.stride(0), t.stride(1)
+    k = t.as_strided((blocks, heads, head_size, tokens), (sb, sh, tokens, 1), t.storage_offset())
+    v = t.as_strided((blocks, heads, tokens, head_size), (sb, sh, head_size, 1), t.storage_offset() + tokens * head_size)
+    return k, v
+
+
+def local_group_tensors(spec: KVCacheSpec, caches: Mapping[str, KVCacheTensors], *, dims: Sequence[str] | Sequence[Sequence[str]] | None = None):  # type: ignore[no-untyped-def]
     """Canonical views of this process's own caches (for filling and checking)."""
     from kvd.convert import group_from_pb
     from kvd.core.relayout import GroupTensors

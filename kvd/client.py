@@ -118,7 +118,7 @@ class KvdClient:
         model: ModelInfo,
         spec: KVCacheSpec | None = None,
         *,
-        dims: Sequence[str] | None = None,
+        dims: Sequence[str] | Sequence[Sequence[str]] | None = None,
         block_size: int = 0,
         use_mla: bool = False,
     ) -> pb.RegisterResponse:
@@ -128,11 +128,12 @@ class KvdClient:
         inferred from the first tensor's shape, strides and dtype; ``dims``
         names its dims in shape order (vLLM FlashAttention's
         ``(kv, block, token, head, dim)`` by default), and an HND cache shows up
-        through its strides.
+        through its strides. ``dims`` may also name each part's dims (K, V)
+        when they differ, as for vLLM's CPU attention (``CPU_ATTENTION_PARTS``).
         """
         if isinstance(kv_caches, Mapping):
             if spec is None:
-                spec = infer_spec_from_tensors(kv_caches, dims=dims, block_size=block_size, use_mla=use_mla)
+                spec = infer_spec_from_tensors(kv_caches, dims=dims, block_size=block_size, use_mla=use_mla)  # type: ignore[arg-type]
                 dims = dims or VLLM_NHD_DIMS
             groups = [(spec, kv_caches)]
         else:

@@ -14,7 +14,6 @@ from kvd.core.spec import (
     TensorRef,
     WorkerId,
     parse_layout,
-    physical_order,
 )
 from kvd.proto import kvd_pb2 as pb
 
@@ -39,6 +38,7 @@ def spec_from_pb(s: pb.KVCacheSpec, field: str) -> KVCacheSpec:
             num_blocks=s.num_blocks,
             use_mla=s.use_mla,
             span_size=s.span_size,
+            span_format=s.span_format,
         )
     except InvalidArgument as e:
         raise InvalidArgument(e.field.replace("spec", field, 1), e.value, e.message.split(" ", 1)[1]) from None
@@ -47,8 +47,18 @@ def spec_from_pb(s: pb.KVCacheSpec, field: str) -> KVCacheSpec:
 def spec_to_pb(s: KVCacheSpec) -> pb.KVCacheSpec:
     return pb.KVCacheSpec(
         block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size, dtype=s.dtype,
-        layout=list(s.layout), use_mla=s.use_mla, num_blocks=s.num_blocks, span_size=s.span_size,
+        layout=list(s.layout), use_mla=s.use_mla, num_blocks=s.num_blocks, span_size=s.span_size, span_format=s.span_format,
     )
+
+
+def check_no_overlap(field: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    """Refuse strides that give two elements one address: taken from the
+    innermost, each dim must step past everything inside it (padding allowed)."""
+    reach = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride, strict=True) if n > 1):
+        if st < reach:
+            raise InvalidArgument(field, list(stride), f"makes elements overlap: a stride of {st} inside a run of {reach} elements")
+        reach = st * n
 
 
 def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
@@ -78,9 +88,10 @@ def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
                 raise InvalidArgument(f"{tf}.kv_index", kv, f"must be {ti}: separate K and V tensors come in order K, V")
             if spec.parts_per_layer == 1 and kv != -1:
                 raise InvalidArgument(f"{tf}.kv_index", kv, "must be -1 for a tensor holding the whole layer")
-            physical = physical_order(dims, tuple(t.shape), tuple(t.stride))
-            if physical != spec.layout:
-                raise InvalidArgument(f"{tf}.stride", list(t.stride), f"gives physical order {list(physical)}, not the spec's layout {list(spec.layout)}")
+            # The dims and strides say where every element lies; a part stored in
+            # another order than the spec's (wire) layout is gathered, not refused.
+            # But each element must have a place of its own.
+            check_no_overlap(f"{tf}.stride", tuple(t.shape), tuple(t.stride))
             tensors.append(TensorRef(t.region_id, t.offset_bytes, tuple(t.shape), tuple(t.stride), dims, kv))
         layers.append(LayerSpec(layer.name, layer.layer_index, tuple(tensors)))
     idx = [layer.layer_index for layer in layers]

@@ -2,6 +2,7 @@
 
 from kvd.core.spec import (
     CANONICAL,
+    CPU_ATTENTION_PARTS,
     DTYPE_SIZES,
     KNOWN_DIMS,
     NAMED_LAYOUTS,
@@ -22,7 +23,7 @@ from kvd.core.spec import (
 )
 
 __all__ = [
-    "CANONICAL", "DTYPE_SIZES", "KNOWN_DIMS", "NAMED_LAYOUTS", "EngineLayout", "EngineMeta", "GroupSpec", "KVCacheSpec",
+    "CANONICAL", "CPU_ATTENTION_PARTS", "DTYPE_SIZES", "KNOWN_DIMS", "NAMED_LAYOUTS", "EngineLayout", "EngineMeta", "GroupSpec", "KVCacheSpec",
     "LayerSpec", "ModelInfo", "TensorRef", "WorkerId", "compat_fields", "fingerprint", "infer_spec", "layout_name",
     "parse_layout", "physical_order",
 ]

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,13 +52,14 @@ class Daemons:
     tmp: Path
     started: list[DaemonProc] = field(default_factory=list)
 
-    def start(self, engine_id: str, *extra: str, grpc_port: int = 0, same_host: str = "off") -> DaemonProc:
-        """A ``kvd serve`` process. Tests use TCP unless they ask for the same-host path."""
+    def start(self, engine_id: str, *extra: str, grpc_port: int = 0, same_host: str = "off", prefix: Sequence[str] = ()) -> DaemonProc:
+        """A ``kvd serve`` process. Tests use TCP unless they ask for the same-host path.
+        ``prefix`` runs it elsewhere, e.g. inside a network namespace."""
         n = len(self.started)
         ready = self.tmp / f"{engine_id}-{n}.json"
         log_path = self.tmp / f"{engine_id}-{n}.log"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
+            [*prefix, sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
              "--metrics-port", "0", "--ready-file", str(ready), "--same-host", same_host, *extra],
             stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
         )
@@ -75,19 +76,25 @@ class Daemons:
         return d
 
 
+    def kill_all(self) -> None:
+        for d in self.started:
+            if d.proc.poll() is None:
+                d.proc.kill()
+                d.proc.wait()
+
+
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[Daemons]:
     ds = Daemons(tmp_path)
     yield ds
-    for d in ds.started:
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait()
+    ds.kill_all()
 
 
 @dataclass
 class TestWorker:
     """A worker in the test process: shm caches, a client, and pattern checks."""
+
+    __test__ = False  # a helper, not a test class
 
     worker: WorkerId
     spec: KVCacheSpec
@@ -136,3 +143,11 @@ def _release_shm() -> Iterator[None]:
 
 def pytest_configure(config):
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def scrape(metrics_url: str, name: str) -> float:
+    """The sum of a metric's samples on a daemon's /metrics (all label sets)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)

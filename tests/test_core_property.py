@@ -40,7 +40,9 @@ def pairings(draw):
     num_tokens = draw(st.integers(1, 300))
     seed = draw(st.integers(0, 1 << 16))
     return dict(mla=mla, heads=heads, tp_p=tp_p, tp_d=tp_d, pp_p=pp_p, pp_d=pp_d, bs_p=bs_p, bs_d=bs_d, lay_p=lay_p,
-                lay_d=lay_d, dtype=dtype, head_size=head_size, num_tokens=num_tokens, seed=seed, stacked=draw(st.booleans()))
+                lay_d=lay_d, dtype=dtype, head_size=head_size, num_tokens=num_tokens, seed=seed, stacked=draw(st.booleans()),
+                # memory in another order than the wire's (as vLLM's CPU attention stores K), on either side
+                mem_p=draw(st.integers(0, 3)) == 0, mem_d=draw(st.integers(0, 3)) == 0)
 
 
 def spec_for(c, tp, bs, layout, num_blocks):
@@ -59,8 +61,10 @@ def test_any_pairing_reconstructs_exactly(c):
     model = ModelInfo(num_layers=4, total_num_kv_heads=c["heads"])
     n_p, n_d = -(-c["num_tokens"] // c["bs_p"]), -(-c["num_tokens"] // c["bs_d"])
     nb_p, nb_d = n_p + 3, n_d + 3
-    p = make_engine("P", c["tp_p"], c["pp_p"], model, spec_for(c, c["tp_p"], c["bs_p"], c["lay_p"], nb_p), rng, stacked=c["stacked"], use_mla=c["mla"])
-    d = make_engine("D", c["tp_d"], c["pp_d"], model, spec_for(c, c["tp_d"], c["bs_d"], c["lay_d"], nb_d), rng, stacked=True, use_mla=c["mla"])
+    p = make_engine("P", c["tp_p"], c["pp_p"], model, spec_for(c, c["tp_p"], c["bs_p"], c["lay_p"], nb_p), rng, stacked=c["stacked"], use_mla=c["mla"],
+                    shuffle_memory=c["mem_p"])
+    d = make_engine("D", c["tp_d"], c["pp_d"], model, spec_for(c, c["tp_d"], c["bs_d"], c["lay_d"], nb_d), rng, stacked=True, use_mla=c["mla"],
+                    shuffle_memory=c["mem_d"])
     # Block ids: some runs, some scattered.
     p_ids = rng.sample(range(nb_p), n_p) if rng.random() < 0.5 else list(range(1, n_p + 1))
     d_ids = rng.sample(range(nb_d), n_d) if rng.random() < 0.5 else list(range(2, n_d + 2))
@@ -79,15 +83,16 @@ def test_any_pairing_reconstructs_exactly(c):
     assert sum(read.values()) <= unique_needed * d_replication
 
 
-def _two(mla=False, heads=4, bs_p=16, bs_d=16, lay_p="NHD", lay_d="NHD", dtype_p="bfloat16", dtype_d="bfloat16", hs_p=8, hs_d=8):
+def _two(mla=False, heads=4, bs_p=16, bs_d=16, lay_p="NHD", lay_d="NHD", dtype_p="bfloat16", dtype_d="bfloat16", hs_p=8, hs_d=8,
+         sf_p="", sf_d=""):
     rng = random.Random(0)
     model = ModelInfo(2, heads)
 
-    def mk(tp, bs, lay, dt, hs):
+    def mk(tp, bs, lay, dt, hs, sf):
         return lambda r: KVCacheSpec(bs, heads_of_rank(r, tp, heads, mla).count, hs, dt, NAMED_LAYOUTS[lay], 8, mla,
-                                     2 * bs * hs if lay == "OPAQUE" else 0)
-    p = make_engine("P", 1, 1, model, mk(1, bs_p, lay_p, dtype_p, hs_p), rng)
-    d = make_engine("D", 1, 1, model, mk(1, bs_d, lay_d, dtype_d, hs_d), rng)
+                                     2 * bs * hs if lay == "OPAQUE" else 0, sf)
+    p = make_engine("P", 1, 1, model, mk(1, bs_p, lay_p, dtype_p, hs_p, sf_p), rng)
+    d = make_engine("D", 1, 1, model, mk(1, bs_d, lay_d, dtype_d, hs_d, sf_d), rng)
     return p, d
 
 
@@ -98,6 +103,8 @@ def _two(mla=False, heads=4, bs_p=16, bs_d=16, lay_p="NHD", lay_d="NHD", dtype_p
         (dict(hs_d=16), "head_size"),
         (dict(lay_p="OPAQUE", lay_d="OPAQUE", bs_d=32), "block_size"),
         (dict(lay_d="OPAQUE"), "layout"),
+        # spans written by two kernels (vLLM's AMX tiles, NEON's BFMMLA tiles): same size, other places
+        (dict(lay_p="OPAQUE", lay_d="OPAQUE", sf_p="vllm-cpu-amx-bfloat16", sf_d="vllm-cpu-neon-bfloat16"), "span_format"),
         (dict(bs_p=16, bs_d=24), "block_size"),
     ],
 )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.conftest import REPO, make_worker
+from kvd.client import daemon_status
+from tests.conftest import REPO, make_worker, scrape
 
 PAIRINGS = {
     "tp4-pp1-b16-HND_to_tp2-pp2-b64-NHD": "--prefill-tp 4 --prefill-pp 1 --prefill-block-size 16 --prefill-layout HND --decode-tp 2 --decode-pp 2 --decode-block-size 64 --decode-layout NHD",
@@ -16,6 +18,10 @@ PAIRINGS = {
     "replicated_kv_2heads_tp4_to_tp8": "--kv-heads 2 --prefill-tp 4 --decode-tp 8 --dtype float16",
     "flashinfer_split_kv": "--prefill-layout HND_BLOCKS_FIRST --decode-layout NHD_SPLIT --prefill-tp 2 --decode-tp 1 --dtype float32",
     "opaque_cpu_layout_tp2_to_tp1": "--prefill-layout OPAQUE --decode-layout OPAQUE --prefill-tp 2 --decode-tp 1",
+    # vLLM's CPU attention (K transposed beside V in each span) as data: re-blocked both ways, head-gathered, and to other layouts
+    "vllm_cpu_tp2_b128_to_tp1_b64": "--prefill-layout CPU --decode-layout CPU --prefill-tp 2 --decode-tp 1 --prefill-block-size 128 --decode-block-size 64 --dtype float32",
+    "vllm_cpu_tp1_b64_to_tp2_b128": "--prefill-layout CPU --decode-layout CPU --prefill-tp 1 --decode-tp 2 --prefill-block-size 64 --decode-block-size 128",
+    "nhd_b16_to_vllm_cpu_b32_samehost": "--prefill-layout NHD --decode-layout CPU --prefill-block-size 16 --decode-block-size 32 --transport samehost",
 }
 
 
@@ -51,6 +57,7 @@ def test_impossible_pairings_are_refused_before_any_transfer(daemons, p_kwargs, 
     pw = make_worker(p.grpc, "prefill", **p_kwargs)
     dw = make_worker(d.grpc, "decode", **d_kwargs)
     params = pw.client.publish("r", [[1, 2]], 32)
+    assert {x.request_id for x in daemon_status(p.grpc).leases} == {"r"}  # held under its lease until then
     dw.client.pull("r", params, [[3, 4, 5]])
     f = dw.client.wait_finished(recving={"r"}, timeout=30)
     detail = f.details[("recving", "r")]
@@ -58,3 +65,10 @@ def test_impossible_pairings_are_refused_before_any_transfer(daemons, p_kwargs, 
     assert field in detail.reason and "local=" in detail.reason and "remote=" in detail.reason
     # Refused before any byte landed: every local block is reported invalid.
     assert f.invalid_block_ids == {3, 4, 5}
+    # D told P at once: P frees the blocks now, not at its lease's end (120 s), and counts the release.
+    t0 = time.monotonic()
+    while daemon_status(p.grpc).leases and time.monotonic() - t0 < 1.0:
+        time.sleep(0.02)
+    assert not daemon_status(p.grpc).leases, "P still holds the request a second after D's load failed"
+    assert pw.client.wait_finished(sending={"r"}, timeout=5).finished_sending == {"r"}
+    assert scrape(p.metrics_url, "kvd_reader_releases_total") == 1

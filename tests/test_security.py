@@ -6,6 +6,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd.auth import AuthConfig, is_local_peer
-from kvd.client import KvdClient
+from kvd.client import KvdClient, daemon_status
 from kvd.core.errors import PermissionDenied
 from kvd.core.spec import WorkerId
 from kvd.core.wire import HEADER, MAGIC, VERSION, FrameType
@@ -196,11 +197,18 @@ def test_reads_need_the_capability_for_exactly_those_blocks_and_that_reader(daem
     no_cap.CopyFrom(params)
     no_cap.capability = b""
     refused(no_cap, "no capability")
+    # A failed reader tells P to let go, but without the capability that ends nothing.
+    time.sleep(0.5)
+    assert "a" in {x.request_id for x in daemon_status(p.grpc).leases}
     other_blocks = pb.TransferParams()
     other_blocks.CopyFrom(params)
     other_blocks.block_ids[0].ids[:] = [5, 6]
     refused(other_blocks, "a capability for other blocks")
-    assert pw.client.abort("a")
+    # Its holder failed to load: it released the publication, and a replay finds nothing.
+    assert pw.client.wait_finished(sending={"a"}, timeout=10).finished_sending == {"a"}
+    refused(params, "replayed after its reader released it")
+    params = pw.client.publish("a2", [[1, 2]], 32)
+    assert pw.client.abort("a2")
     refused(params, "replayed after abort")
     bound = pw.client.publish("b", [[1, 2]], 32, reader_engine_id="somebody-else")
     refused(bound, "a capability for another engine")

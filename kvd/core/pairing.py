@@ -31,6 +31,8 @@ def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
     ratio = block_ratio(rs.block_size, ls.block_size, opaque=ls.opaque)
     if ls.opaque and ls.span_size != rs.span_size:
         raise Incompatible(f"group[{gid}].span_size", ls.span_size, rs.span_size)
+    if ls.opaque and ls.span_format != rs.span_format:
+        raise Incompatible(f"group[{gid}].span_format", ls.span_format, rs.span_format, "spans written by different kernels hold their bytes in different places")
     if not ls.opaque and ls.head_size != rs.head_size:
         raise Incompatible(f"group[{gid}].head_size", ls.head_size, rs.head_size)
     return ratio

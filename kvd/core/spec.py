@@ -13,9 +13,16 @@ Dim names:
 * ``head``  the KV head, local to the rank
 * ``dim``   the head dim (for MLA: the latent width)
 * ``span``  an opaque per-(block, head) run of elements whose internal order
-  kvd does not know (vLLM's CPU backend keeps K transposed then V in it). It
-  stands in for ``kv``, ``token`` and ``dim`` together, so it can be sliced by
-  head but never re-blocked.
+  kvd does not know. It stands in for ``kv``, ``token`` and ``dim`` together,
+  so it can be sliced by head but never re-blocked. Keep it for layouts that
+  really are unknown.
+
+A group's ``layout`` is the order its bytes take on the wire, and by default
+the order of its memory too. A registered tensor names its own dims and
+strides, so a part may be stored in another order of the same dims (vLLM's
+CPU backend keeps K transposed next to V: ``CPU_ATTENTION_PARTS``); every
+copy is derived from the strides, so such a part costs a strided gather, not
+a special case.
 """
 
 from __future__ import annotations
@@ -43,9 +50,22 @@ NAMED_LAYOUTS: dict[str, tuple[str, ...]] = {
     "HND_SPLIT": ("block", "head", "token", "dim"),
     # MLA: [num_blocks, block_size, latent]
     "MLA": ("block", "token", "dim"),
-    # vLLM CPU backend: [num_blocks, num_kv_heads, span]
+    # A per-(block, head) span of unknown order: [num_blocks, num_kv_heads, span]
     "OPAQUE": ("block", "head", "span"),
+    # vLLM's CPU attention, K and V as the two strided parts CPU_ATTENTION_PARTS
+    # names; on the wire it is HND_SPLIT.
+    "CPU": ("block", "head", "token", "dim"),
 }
+
+# vLLM's CPU attention backend keeps one tensor per layer shaped
+# [num_blocks, num_kv_heads, block_size, 2 * head_size]; inside each
+# (block, head) span K is stored transposed ([head_size][block_size]) and V
+# follows it row-major ([block_size][head_size]). As data: the memory order of
+# each part, K then V, both strided views of that one tensor.
+CPU_ATTENTION_PARTS: tuple[tuple[str, ...], tuple[str, ...]] = (
+    ("block", "head", "dim", "token"),
+    ("block", "head", "token", "dim"),
+)
 
 # Bytes per element for the dtypes kvd moves. Data is moved as same-width
 # integers, so any 1-byte float (fp8 e4m3, e5m2, ...) is just 1 byte here.
@@ -109,6 +129,9 @@ class KVCacheSpec:
     num_blocks: int
     use_mla: bool = False
     span_size: int = 0
+    # Who wrote an opaque span (a kernel's private order): spans of different
+    # formats hold the same numbers in different places, so they never pair.
+    span_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_size", "num_blocks"):
@@ -128,6 +151,10 @@ class KVCacheSpec:
                 raise InvalidArgument("spec.span_size", self.span_size, "must be positive for an opaque layout")
         elif self.span_size:
             raise InvalidArgument("spec.span_size", self.span_size, "is only for opaque layouts")
+        if self.span_format and not self.opaque:
+            raise InvalidArgument("spec.span_format", self.span_format, "is only for opaque layouts")
+        if len(self.span_format) > 64:
+            raise InvalidArgument("spec.span_format", self.span_format, "must be at most 64 characters")
 
     @property
     def opaque(self) -> bool:
@@ -179,7 +206,7 @@ class KVCacheSpec:
 
     def compat_key(self) -> tuple[object, ...]:
         """What must match across engines for bytes to mean the same thing."""
-        return (self.head_size, self.dtype, self.use_mla, self.opaque, self.span_size if self.opaque else 0)
+        return (self.head_size, self.dtype, self.use_mla, self.opaque, self.span_size if self.opaque else 0, self.span_format)
 
 
 @dataclass(frozen=True)
@@ -343,7 +370,7 @@ def fingerprint(model: ModelInfo, groups: Sequence[GroupSpec]) -> str:
     h.update(f"layers={model.num_layers};heads={model.total_num_kv_heads}".encode())
     for g in sorted(groups, key=lambda g: g.group_id):
         s = g.spec
-        h.update(f";g{g.group_id}:hs={s.head_size},dt={s.dtype},mla={s.use_mla},op={s.opaque}".encode())
+        h.update(f";g{g.group_id}:hs={s.head_size},dt={s.dtype},mla={s.use_mla},op={s.opaque},sf={s.span_format}".encode())
     return h.hexdigest()[:16]
 
 
@@ -362,4 +389,5 @@ def compat_fields(model: ModelInfo, groups: Sequence[GroupSpec]) -> Mapping[str,
         fields[f"group[{g.group_id}].opaque"] = s.opaque
         if s.opaque:
             fields[f"group[{g.group_id}].span_size"] = s.span_size
+            fields[f"group[{g.group_id}].span_format"] = s.span_format
     return fields

@@ -129,6 +129,7 @@ class Publisher:
         check_request_id("request_id", req.request_id)
         with self.lock:
             ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason, time.monotonic())
+        self.d.metrics.reader_releases.inc(len(ended or []))
         self.report(ended or [])
         return ended is not None
 

@@ -170,6 +170,10 @@ class Puller:
             d.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
             self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
             d.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
+            if outcome == "failed" and reason != "lease_lost":
+                # The engine recomputes what it could not load: P need not hold
+                # the blocks to its lease. (An abort has told P already.)
+                d.spawn(self._abort_remote(req.params, f"reader {d.config.engine_id} failed to load it: {message}"))
             log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
             if isinstance(e, asyncio.CancelledError):
                 raise

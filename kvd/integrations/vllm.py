@@ -60,7 +60,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvd.auth import AuthConfig
-from kvd.caches import adopt_into_shm, layer_index_of, release_all
+from kvd.caches import (
+    KVCacheTensors,
+    adopt_into_shm,
+    cpu_attention_parts,
+    layer_index_of,
+    release_all,
+)
 from kvd.client import (
     VLLM_NHD_DIMS,
     FinishedFeed,
@@ -79,7 +85,7 @@ from kvd.integrations.kv_params import (
     release_params,
 )
 from kvd.proto import kvd_pb2 as pb
-from kvd.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo, WorkerId
+from kvd.spec import CPU_ATTENTION_PARTS, NAMED_LAYOUTS, KVCacheSpec, ModelInfo, WorkerId
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -248,6 +254,8 @@ class _SchedulerSide:
                 # Already claimed as a load: vLLM must hear it failed, with its blocks.
                 log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
                 self._failed_loads[request.request_id] = tuple(local)
+                with contextlib.suppress(KvdError):  # and P need not hold what we will not read
+                    self._to_release[request.request_id] = release_params(params)
         else:
             # A full local prefix hit: nothing to load, but P still holds the blocks for us.
             with contextlib.suppress(KvdError):
@@ -299,6 +307,41 @@ def _request_amx_permission() -> None:
         ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata)
 
 
+# CPU attention kernels whose span order CPU_ATTENTION_PARTS describes (K
+# transposed, V row-major): vLLM's vec and vec16, and NEON's FMLA path. AMX
+# and NEON's BFMMLA tile K and V for their matrix units.
+_STRIDED_CPU_KERNELS = {"vec", "vec16"}
+
+
+def _cpu_attention_isa(vc: VllmConfig, block_size: int, head_size: int) -> str:
+    """The kernel vLLM's CPU attention picks for these caches (it decides the span's order)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return "unknown"
+    return str(_get_attn_isa(vc.model_config.dtype, block_size, head_size, vc.cache_config.cache_dtype))
+
+
+def _cpu_cache_registration(vc: VllmConfig, caches: Mapping[str, torch.Tensor]) -> tuple[KVCacheSpec, dict[str, KVCacheTensors], Any]:
+    """vLLM's CPU caches, [blocks, heads, tokens, 2*head_size] per layer, as kvd
+    registers them: two strided parts where the kernel's span order is known,
+    so block-size changes and head slices are kvd's ordinary relayout; else an
+    opaque span tagged with its kernel, which pairs only with its own kind."""
+    first = next(iter(caches.values()))
+    blocks, heads, tokens, width = first.shape
+    dtype = str(first.dtype).removeprefix("torch.")
+    isa = _cpu_attention_isa(vc, tokens, width // 2)
+    neon_fmla = isa == "neon" and dtype != "bfloat16"
+    if isa in _STRIDED_CPU_KERNELS or neon_fmla:
+        spec = KVCacheSpec(block_size=tokens, num_kv_heads=heads, head_size=width // 2, dtype=dtype,
+                           layout=NAMED_LAYOUTS["CPU"], num_blocks=blocks)
+        return spec, {name: cpu_attention_parts(t) for name, t in caches.items()}, CPU_ATTENTION_PARTS
+    log.info("kvd: CPU attention kernel %s tiles its cache: moving whole spans (block sizes must match)", isa)
+    spec = KVCacheSpec(block_size=tokens, num_kv_heads=heads, head_size=width // 2, dtype=dtype, layout=NAMED_LAYOUTS["OPAQUE"],
+                       num_blocks=blocks, span_size=tokens * width, span_format=f"vllm-cpu-{isa}-{dtype}")
+    return spec, {name: t.view(blocks, heads, tokens * width) for name, t in caches.items()}, NAMED_LAYOUTS["OPAQUE"]
+
+
 class _WorkerSide:
     def __init__(self, vllm_config: VllmConfig, settings: _Settings) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -338,18 +381,12 @@ class _WorkerSide:
         client.wait_ready()
         if first.is_cuda:
             # FlashAttention [2, blocks, tokens, heads, dim]; FlashInfer puts blocks first.
-            dims: tuple[str, ...] = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
-            spec = infer_spec_from_tensors(unique, dims=dims)
-            groups: Mapping[str, torch.Tensor] = unique
+            dims: tuple[str, ...] | tuple[tuple[str, ...], ...] = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
+            spec = infer_spec_from_tensors(unique, dims=dims)  # type: ignore[arg-type]
+            groups: Mapping[str, KVCacheTensors] = unique
         else:
-            # The CPU backend's [blocks, heads, tokens, K|V dims]: the order inside
-            # a (block, head) span belongs to its kernels, so kvd moves it whole.
             adopt_into_shm(unique)
-            blocks, heads, tokens, width = first.shape
-            dims = NAMED_LAYOUTS["OPAQUE"]
-            spec = KVCacheSpec(block_size=tokens, num_kv_heads=heads, head_size=width // 2, dtype=str(first.dtype).removeprefix("torch."),
-                               layout=dims, num_blocks=blocks, span_size=tokens * width)
-            groups = {name: t.view(blocks, heads, tokens * width) for name, t in unique.items()}
+            spec, groups, dims = _cpu_cache_registration(vc, unique)
         resp = client.register(groups, model, spec, dims=dims)
         self.client = client
         self.feed = FinishedFeed(client).start()
@@ -383,6 +420,8 @@ class _WorkerSide:
                 self._loading[rid] = {i for g in load.local_block_ids for i in g}
             except KvdError as e:
                 log.error("kvd: pull of request %s refused: %s", rid, e.message)
+                with contextlib.suppress(KvdError):  # P need not hold what we will not read
+                    client.abort(rid, release=load.params)
                 self._done_recving.add(rid)
                 self._failed_recving.add(rid)
                 self._invalid.update(i for g in load.local_block_ids for i in g)

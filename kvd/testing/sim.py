@@ -7,13 +7,15 @@ exactly what the daemons do around the data plane.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 from dataclasses import dataclass
 
 import torch
 
-from kvd.core.pieces import serve_segment
+from kvd.core import iov
+from kvd.core.pieces import owner_iov, serve_segment
 from kvd.core.reads import Offer
 from kvd.core.relayout import GroupTensors
 from kvd.core.spec import (
@@ -54,7 +56,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, *, stacked: bool = True, shuffle_dims: bool = True) -> tuple[GroupSpec, GroupTensors]:
+def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, *, stacked: bool = True, shuffle_dims: bool = True,
+                      shuffle_memory: bool = False) -> tuple[GroupSpec, GroupTensors]:
+    """One rank's registered tensors in a fresh buffer. ``shuffle_memory``
+    stores each part in a random order of the spec's dims (not the wire
+    order), as vLLM's CPU attention stores K."""
     part = spec.part_shape()
     numel = math.prod(part)
     nbytes_part = numel * spec.itemsize
@@ -72,6 +78,10 @@ def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, 
         for p in range(parts):
             off += pads[k]
             k += 1
+            if shuffle_memory:  # dim i's stride, when memory holds the dims in `mem` order
+                mem = rng.sample(range(len(part)), len(part))
+                mem_strides = contiguous_strides(tuple(part[i] for i in mem))
+                strides = tuple(mem_strides[mem.index(i)] for i in range(len(part)))
             order = list(range(len(part)))
             if shuffle_dims:
                 rng.shuffle(order)  # shape order need not be physical order
@@ -85,7 +95,8 @@ def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, 
     return group, GroupTensors.build(group, {"r": buf})
 
 
-def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng: random.Random, *, stacked: bool = True, use_mla: bool = False) -> SimEngine:
+def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng: random.Random, *, stacked: bool = True, use_mla: bool = False,
+                shuffle_memory: bool = False) -> SimEngine:
     per = -(-model.num_layers // pp)
     ranks = {}
     layouts = []
@@ -93,7 +104,7 @@ def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng
         layers = list(range(pp_rank * per, min(model.num_layers, (pp_rank + 1) * per)))
         for tp_rank in range(tp):
             spec = spec_of(tp_rank)
-            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked)
+            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked, shuffle_memory=shuffle_memory)
             coords = pattern.RankCoords(heads_of_rank(tp_rank, tp, model.total_num_kv_heads, use_mla).start)
             ranks[(tp_rank, pp_rank)] = SimRank(tp_rank, pp_rank, group, tensors, coords)
             layouts.append(EngineLayout(tp_rank, pp_rank, (group,)))
@@ -116,6 +127,15 @@ def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_id
         for rr in reads:
             owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
             for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                key = (rr.read.tp_rank, rr.read.pp_rank)
+                read_bytes[key] = read_bytes.get(key, 0) + sink.nbytes
+                dst = sink.iov()
+                src = owner_iov(owner.tensors, seg, rr.read.head_start, rr.read.head_count) if dst is not None else None
+                if dst is not None and src is not None and iov.nbytes(src) == sink.nbytes:
+                    # What the same-host path does: piece to piece, from the two templates.
+                    for (d_addr, n), (s_addr, _) in zip(*iov.align(dst, src), strict=True):
+                        ctypes.memmove(int(d_addr), int(s_addr), int(n))
+                    continue
                 payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, staging)
                 assert payload.numel() == sink.nbytes
                 direct = sink.direct()
@@ -123,6 +143,4 @@ def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_id
                     direct.reshape(-1).view(torch.uint8).copy_(payload)
                 else:
                     sink.land(payload.clone())
-                key = (rr.read.tp_rank, rr.read.pp_rank)
-                read_bytes[key] = read_bytes.get(key, 0) + sink.nbytes
     return read_bytes

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.core.spec import CPU_ATTENTION_PARTS, KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.core.topology import heads_of_rank
 
 
@@ -57,6 +57,18 @@ def rank_spec(engine: EngineConfig, model: ModelConfig, tp_rank: int) -> KVCache
     )
 
 
+def allocate_engine_caches(engine: EngineConfig, spec: KVCacheSpec, names: list[str]) -> tuple[dict[str, Any], Any]:
+    """The rank's caches in shm, and the dims to register them with: vLLM's CPU
+    attention tensors (K and V as strided parts) for layout CPU, else tensors
+    in the spec's layout order."""
+    from kvd.caches import allocate_cpu_attention_caches, allocate_kv_caches, cpu_attention_parts
+
+    if engine.layout.upper() == "CPU":
+        full = allocate_cpu_attention_caches(spec, names)
+        return {n: cpu_attention_parts(t) for n, t in full.items()}, CPU_ATTENTION_PARTS
+    return dict(allocate_kv_caches(spec, names)), None
+
+
 def stage_layers(model: ModelConfig, pp: int, pp_rank: int) -> list[int]:
     per = -(-model.layers // pp)
     return list(range(pp_rank * per, min(model.layers, (pp_rank + 1) * per)))
@@ -69,7 +81,7 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
     """One engine rank: owns its caches in shm, obeys the driver's commands."""
     import torch
 
-    from kvd.caches import allocate_kv_caches, local_group_tensors, release_all
+    from kvd.caches import local_group_tensors, release_all
     from kvd.client import KvdClient
     from kvd.testing import pattern
 
@@ -78,11 +90,11 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
         spec = rank_spec(engine, model, worker.tp_rank)
         layers = stage_layers(model, worker.pp_size, worker.pp_rank)
         names = [f"model.layers.{i}.self_attn.attn" for i in layers]
-        caches = allocate_kv_caches(spec, names)
+        caches, dims = allocate_engine_caches(engine, spec, names)
         client = KvdClient(address, worker)
         client.wait_ready()
-        client.register(caches, ModelInfo(model.layers, model.kv_heads), spec)
-        tensors = local_group_tensors(spec, caches)
+        client.register(caches, ModelInfo(model.layers, model.kv_heads), spec, dims=dims)
+        tensors = local_group_tensors(spec, caches, dims=dims)
         coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
         conn.send(("ready", None))
         while True:
