@@ -11,7 +11,7 @@ from kvd.integrations.pd_proxy import decode_request, prefill_request
 
 def _params(block_ids=(3, 4, 5), num_tokens=300) -> dict:
     pub = Publication("cmpl-1-abcd", (tuple(block_ids),), num_tokens, bytes(range(32)), 30.0)
-    return make_params(pub, engine_id="prefill", address="10.0.0.7:50051", tp_size=2, pp_size=1)
+    return make_params(pub, engine_id="prefill", address="10.0.0.7:50051", tp_size=2, pp_size=1, block_size=128)
 
 
 def test_params_round_trip_into_a_pull():
@@ -30,6 +30,22 @@ def test_a_local_prefix_hit_reads_only_the_tail_of_p_blocks():
     load = load_request("d", _params(), [[9]], block_size=128)
     assert list(load.params.block_ids[0].ids) == [5]
     assert load.params.num_tokens == 300 - 2 * 128
+
+
+def test_other_block_sizes_pair_by_tokens_from_d_prefix_hit():
+    # P: 3 blocks of 128 for 300 tokens. D with 64-token blocks holds 128 tokens already:
+    # it reads P's blocks from the second on, 172 tokens, into ceil(172 / 64) = 3 blocks.
+    load = load_request("d", _params(), [[20, 21, 22, 23]], block_size=64, hit_tokens=128)
+    assert list(load.params.block_ids[0].ids) == [4, 5] and load.params.num_tokens == 172
+    assert load.local_block_ids == ((20, 21, 22),)
+    # D with 256-token blocks and no hit: all of P's blocks into two of D's.
+    load = load_request("d", _params(), [[30, 31]], block_size=256, hit_tokens=0)
+    assert list(load.params.block_ids[0].ids) == [3, 4, 5] and load.local_block_ids == ((30, 31),)
+    # A hit that ends inside one of P's blocks cannot be read from P (it would write D's cached blocks).
+    with pytest.raises(InvalidArgument, match="hit_tokens=64 ends inside a remote block of 128"):
+        load_request("d", _params(), [[20, 21, 22, 23]], block_size=64, hit_tokens=64)
+    with pytest.raises(InvalidArgument, match="hit_tokens"):  # block sizes differ: the hit must be given
+        load_request("d", _params(), [[20, 21, 22]], block_size=64)
 
 
 def test_blocks_allocated_past_the_prompt_are_not_written():

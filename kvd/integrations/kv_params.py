@@ -39,7 +39,7 @@ class LoadRequest:
     params: pb.TransferParams
 
 
-def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int) -> dict[str, Any]:
+def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int, block_size: int) -> dict[str, Any]:
     """The JSON-safe dict P returns from ``request_finished``."""
     host, _, port = address.rpartition(":")
     return {
@@ -53,6 +53,7 @@ def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int,
         "tp_size": tp_size,
         "pp_size": pp_size,
         "remote_num_tokens": pub.num_tokens,
+        "remote_block_size": block_size,
         "kvd_capability": pub.capability.hex(),
         "kvd_lease_seconds": pub.lease_seconds,
     }
@@ -75,21 +76,24 @@ def check_params(params: Mapping[str, Any]) -> None:
     groups = params.get("remote_block_ids")
     if not isinstance(groups, list) or not groups:
         raise InvalidArgument("remote_block_ids", groups, "must be a non-empty list of per-group block id lists")
-    load_request("check", params, [[0] * max(1, len(g)) for g in groups], 1)
+    load_request("check", params, [[0] * max(1, len(g)) for g in groups], int(params.get("remote_block_size", 1) or 1))
 
 
-def load_request(request_id: str, params: Mapping[str, Any], local_block_ids: Sequence[Sequence[int]], block_size: int) -> LoadRequest:
-    """D's pull for ``params``, pairing its newly allocated blocks with the
-    tail of P's.
+def load_request(request_id: str, params: Mapping[str, Any], local_block_ids: Sequence[Sequence[int]], block_size: int, *,
+                 hit_tokens: int | None = None) -> LoadRequest:
+    """D's pull for ``params``: the prompt from token ``hit_tokens`` on, read
+    from P's blocks into D's newly allocated ones (block sizes may differ).
 
-    D may already hold a prefix of the prompt in its own prefix cache; then it
-    allocates blocks only for the rest, and reads the matching tail of P's
-    blocks (NixlConnector does the same). ``num_tokens`` shrinks by the
-    skipped whole blocks.
+    D may already hold a prefix of the prompt in its own prefix cache
+    (``hit_tokens``, a multiple of D's block size); it allocates blocks only
+    for the rest, and reads P's blocks from there (NixlConnector does the
+    same). Without ``hit_tokens``, D's blocks pair with the tail of P's,
+    which needs one block size on both sides.
     """
     try:
         remote = [list(map(int, g)) for g in params["remote_block_ids"]]
         num_tokens = int(params["remote_num_tokens"])
+        remote_block_size = int(params.get("remote_block_size", block_size))
         capability = bytes.fromhex(str(params["kvd_capability"]))
         address = f"{params['remote_host']}:{int(params['remote_port'])}"
         engine_id, request_id = str(params["remote_engine_id"]), str(params["remote_request_id"])
@@ -99,22 +103,25 @@ def load_request(request_id: str, params: Mapping[str, Any], local_block_ids: Se
         raise InvalidArgument("kv_transfer_params", dict(params), f"has a malformed value: {e}") from None
     if len(remote) != len(local_block_ids):
         raise InvalidArgument("remote_block_ids", f"<{len(remote)} groups>", f"must match the {len(local_block_ids)} local KV cache groups")
+    if remote_block_size <= 0:
+        raise InvalidArgument("remote_block_size", remote_block_size, "must be positive")
+    if hit_tokens is None:
+        if remote_block_size != block_size:
+            raise InvalidArgument("hit_tokens", None, f"must be given when block sizes differ (local {block_size}, remote {remote_block_size})")
+        hit_tokens = max(0, len(remote[0]) - len(local_block_ids[0])) * block_size if remote else 0
+    if hit_tokens % remote_block_size:
+        raise InvalidArgument("hit_tokens", hit_tokens, f"ends inside a remote block of {remote_block_size} tokens")
+    tokens = num_tokens - hit_tokens
+    if tokens <= 0:
+        raise InvalidArgument("remote_num_tokens", num_tokens, f"leaves nothing after the {hit_tokens} tokens D already holds")
+    skip, need = hit_tokens // remote_block_size, -(-tokens // block_size)
     local: list[list[int]] = []
     trimmed_remote: list[list[int]] = []
-    skipped = 0
     for g, (r, l_ids) in enumerate(zip(remote, local_block_ids, strict=True)):
-        if len(l_ids) > len(r):
-            l_ids = list(l_ids)[: len(r)]  # blocks allocated past the prompt hold nothing of P's
         if not l_ids:
             raise InvalidArgument(f"local_block_ids[{g}]", [], "is empty: nothing to load")
-        cut = len(r) - len(l_ids)
-        if g == 0:
-            skipped = cut
-        trimmed_remote.append(r[cut:])
-        local.append(list(l_ids))
-    tokens = num_tokens - skipped * block_size
-    if tokens <= 0:
-        raise InvalidArgument("remote_num_tokens", num_tokens, f"leaves nothing after the {skipped} blocks D already holds")
+        local.append(list(l_ids)[:need])  # blocks allocated past the prompt hold nothing of P's
+        trimmed_remote.append(r[skip:])
     tp = pb.TransferParams(
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
         block_ids=[pb.BlockIds(ids=ids) for ids in trimmed_remote], num_tokens=tokens,

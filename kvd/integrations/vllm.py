@@ -217,6 +217,7 @@ class _SchedulerSide:
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._to_release: dict[str, pb.TransferParams] = {}
+        self._hit_tokens: dict[str, int] = {}  # D's own prefix-cache hit, from matching to allocation
 
     @property
     def engine_id(self) -> str:
@@ -236,6 +237,14 @@ class _SchedulerSide:
             # Compute the prompt here instead of waiting for a load that cannot happen.
             log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
             return 0, False
+        remote_block_size = int(params.get("remote_block_size", self.block_size))
+        if num_computed_tokens % remote_block_size:
+            # D's own prefix ends inside one of P's (larger) blocks: reading from
+            # there would write into D's cached blocks. Prefill here; P is released.
+            log.info("kvd: request %s: local prefix of %d tokens ends inside a remote block of %d, prefilling locally",
+                     request.request_id, num_computed_tokens, remote_block_size)
+            return 0, False
+        self._hit_tokens[request.request_id] = num_computed_tokens
         # D loads the whole prompt (less its own prefix-cache hits); vLLM then
         # recomputes the last prompt token for the logits.
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -249,7 +258,8 @@ class _SchedulerSide:
         if num_external_tokens > 0:
             local = blocks.get_unhashed_block_ids()
             try:
-                self._to_load[request.request_id] = load_request(request.request_id, params, [local], self.block_size)
+                self._to_load[request.request_id] = load_request(request.request_id, params, [local], self.block_size,
+                                                                 hit_tokens=self._hit_tokens.pop(request.request_id, None))
             except KvdError as e:
                 # Already claimed as a load: vLLM must hear it failed, with its blocks.
                 log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
@@ -258,6 +268,7 @@ class _SchedulerSide:
                     self._to_release[request.request_id] = release_params(params)
         else:
             # A full local prefix hit: nothing to load, but P still holds the blocks for us.
+            self._hit_tokens.pop(request.request_id, None)
             with contextlib.suppress(KvdError):
                 self._to_release[request.request_id] = release_params(params)
         # One load per request, even if vLLM calls this again after the load.
@@ -269,6 +280,7 @@ class _SchedulerSide:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._hit_tokens.pop(request.request_id, None)  # matched, but ended before its blocks were allocated
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not block_ids:
             return False, None
@@ -283,7 +295,8 @@ class _SchedulerSide:
         lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
         pub = Publication(request.request_id, (tuple(block_ids),), num_tokens, secrets.token_bytes(32), lease)
         self._to_publish[request.request_id] = pub
-        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size)
+        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
+                          block_size=self.block_size)
         # Keep P's blocks until its daemon reports the request in finished_sending.
         return True, out
 
