@@ -214,12 +214,15 @@ class Server:
     log: Path
 
 
-def _serve(py: Path, model: Path, log: Path, *extra: str) -> Server:
-    """A ``vllm serve`` OpenAI server (through the launcher: the wheel's own command cannot start)."""
+def _serve(py: Path, model: Path, log: Path, *extra: str, cpus: str = "0") -> Server:
+    """A ``vllm serve`` OpenAI server (through the launcher: the wheel's own command cannot start),
+    its OpenMP threads bound to ``cpus``: unbound, vLLM puts P's and D's threads on the same
+    cores, and D's engine loop starves P's prefill for seconds."""
     port = _free_port()
     proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_launcher.py"), "serve", str(model), "--port", str(port), "--enforce-eager",
                              "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024", *extra],
-                            env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": cpus}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
 
@@ -248,10 +251,10 @@ def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
     try:
         p, d = ds.start("prefill"), ds.start("decode")
         servers = {}
-        for name, daemon, role in (("prefill", p, "kv_producer"), ("decode", d, "kv_consumer")):
+        for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
                       "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            servers[name] = _serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config))
+            servers[name] = _serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
             procs.append(servers[name].proc)
         for s in servers.values():
             _wait_http(f"{s.url}/health", s.proc, 300, s.log)
@@ -291,10 +294,11 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
     prefill's kv_transfer_params go to decode unread, streamed or not."""
     url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
     before = _received_bytes(openai_pd.d_metrics)
-    assert _complete(url, model_dir, PROMPTS[1]) == baseline[1]
-    assert _complete(url, model_dir, PROMPTS[2], stream=True) == baseline[2]
+    # Prompts D has not seen (the kvd proxy test sent the first two): no prefix hit.
+    assert _complete(url, model_dir, PROMPTS[2]) == baseline[2]
+    assert _complete(url, model_dir, PROMPTS[3], stream=True) == baseline[3]
     # The decode really loaded both prompts through kvd (and did not prefill them itself).
-    assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[1])) + _blocks(len(PROMPTS[2]))) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[2])) + _blocks(len(PROMPTS[3]))) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
 def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path) -> dict:
@@ -318,13 +322,24 @@ def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_
     assert (pd["completed"], pd.get("failed", 0)) == (32, 0), pd
     # 256-token prompts: two 128-token blocks each, every one read from P (random prompts share no prefix).
     assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
-    one = _serve(vllm_python, model_dir, tmp_path / "one-server.log")
+    # One plain engine, and the same engine with the connector loaded but moving
+    # nothing (kv_both, its daemon up): what the connector costs every step.
+    rows = {"P/D through kvd": pd}
+    idle = Daemons(tmp_path / "idle")
+    (tmp_path / "idle").mkdir()
     try:
-        _wait_http(f"{one.url}/health", one.proc, 300, one.log)
-        single = _bench_serve(vllm_python, one.url, model_dir, tmp_path / "one.json", tmp_path / "bench-one.log")
+        both = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kvd_address": idle.start("idle").grpc}}
+        for name, extra in (("one engine", ()), ("+ idle connector", ("--kv-transfer-config", json.dumps(both)))):
+            one = _serve(vllm_python, model_dir, tmp_path / f"{name[:3]}-server.log", *extra)
+            try:
+                _wait_http(f"{one.url}/health", one.proc, 300, one.log)
+                rows[name] = _bench_serve(vllm_python, one.url, model_dir, tmp_path / f"{name[:3]}.json", tmp_path / f"bench-{name[:3]}.log")
+            finally:
+                _kill_group(one.proc)
+            assert (rows[name]["completed"], rows[name].get("failed", 0)) == (32, 0), rows[name]
     finally:
-        _kill_group(one.proc)
-    assert (single["completed"], single.get("failed", 0)) == (32, 0), single
+        idle.kill_all()
     print("\nvllm bench serve, 32 prompts x 256 tokens, 16 out, concurrency 4 (ms):")
-    for name, r in (("P/D through kvd", pd), ("one engine", single)):
+    for name, r in rows.items():
         print(f"  {name:16} TTFT median {r['median_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f}   ITL median {r['median_itl_ms']:.1f} p99 {r['p99_itl_ms']:.1f}")
