@@ -22,7 +22,7 @@ import torch
 from kvd.core import iov as iovec
 from kvd.core.errors import Incompatible, InvalidArgument
 from kvd.core.reads import MAX_BATCH_BLOCKS, DataSegment
-from kvd.core.relayout import GroupTensors, move_dtype, physical, select, wire_shape
+from kvd.core.relayout import GroupTensors, gather_blocks, move_dtype, physical, select, wire_shape
 from kvd.core.spec import KVCacheSpec
 
 # Hands out a gather buffer of n bytes, on the device whose memory is being
@@ -132,11 +132,7 @@ def _serve_batched(
     for j, p in enumerate(parts):
         for i, c, view in group.layer_runs(p, positions):
             v = physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), head, joined_kv), spec)
-            dst = out[i : i + c, j]
-            if dst.is_contiguous() and v.device == dst.device:
-                torch.index_select(v, block_dim, idx.to(v.device), out=dst)
-            else:
-                dst.copy_(v.index_select(block_dim, idx.to(v.device)))
+            gather_blocks(v, block_dim, idx.to(v.device), out=out[i : i + c, j])
     return buf
 
 
@@ -281,7 +277,7 @@ def copy_blocks(
                 s_runs = [v[j : j + 1] for v in s_runs for j in range(v.shape[0])]
                 d_runs = [v[j : j + 1] for v in d_runs for j in range(v.shape[0])]
             for sv, dv in zip(s_runs, d_runs, strict=True):
-                block = sv.index_select(2, s_idx)
+                block = gather_blocks(sv, 2, s_idx)
                 dv.index_copy_(2, d_idx, block)
                 moved += block.numel() * block.element_size()
     return moved

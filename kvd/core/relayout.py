@@ -163,6 +163,26 @@ class GroupTensors:
             i = j
 
 
+def gather_blocks(view: torch.Tensor, dim: int, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``view.index_select(dim, idx)``, fast for any memory order.
+
+    torch gathers element by element when a view's dims are not in memory
+    order (vLLM's CPU attention keeps K transposed: 0.006 GB/s here). So
+    gather in the view's own memory order, along dim 0 (torch's fast path
+    for a strided source: 1 GB/s), and permute to the asked order in one
+    strided copy."""
+    order = sorted(range(view.dim()), key=lambda d: -view.stride(d) if view.shape[d] > 1 else 0)
+    dense_order = [d for d in order if view.shape[d] > 1] == [d for d in range(view.dim()) if view.shape[d] > 1]
+    if dense_order:
+        if out is not None and out.is_contiguous() and out.device == view.device:
+            return torch.index_select(view, dim, idx, out=out)
+        got = view.index_select(dim, idx)
+        return got if out is None else out.copy_(got)
+    gathered = view.permute(order).movedim(order.index(dim), 0).index_select(0, idx).movedim(0, order.index(dim))
+    back = gathered.permute([order.index(d) for d in range(view.dim())])
+    return back if out is None else out.copy_(back)
+
+
 def select(
     view: torch.Tensor, block: tuple[int, int], token: tuple[int, int], head: tuple[int, int], kv: tuple[int, int] | None = None
 ) -> torch.Tensor:
