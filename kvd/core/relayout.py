@@ -164,21 +164,22 @@ class GroupTensors:
 
 
 def gather_blocks(view: torch.Tensor, dim: int, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``view.index_select(dim, idx)``, fast for any memory order.
+    """``view.index_select(dim, idx)``, fast for any strides.
 
-    torch gathers element by element when a view's dims are not in memory
-    order (vLLM's CPU attention keeps K transposed: 0.006 GB/s here). So
-    gather in the view's own memory order, along dim 0 (torch's fast path
-    for a strided source: 1 GB/s), and permute to the asked order in one
-    strided copy."""
-    order = sorted(range(view.dim()), key=lambda d: -view.stride(d) if view.shape[d] > 1 else 0)
-    dense_order = [d for d in order if view.shape[d] > 1] == [d for d in range(view.dim()) if view.shape[d] > 1]
-    if dense_order:
+    torch gathers element by element from a source that is not contiguous
+    unless it gathers along dim 0 (vLLM's CPU K, transposed and interleaved
+    with V: 0.006 GB/s). So a strided source is gathered in its own memory
+    order along dim 0, where each block is a run of dense pieces, and
+    permuted to the asked order in one strided copy."""
+    if view.is_contiguous():
         if out is not None and out.is_contiguous() and out.device == view.device:
             return torch.index_select(view, dim, idx, out=out)
         got = view.index_select(dim, idx)
         return got if out is None else out.copy_(got)
-    gathered = view.permute(order).movedim(order.index(dim), 0).index_select(0, idx).movedim(0, order.index(dim))
+    strides = view.stride()
+    order = sorted(range(view.dim()), key=lambda d: -strides[d] if view.shape[d] > 1 else 0)
+    at = order.index(dim)
+    gathered = view.permute(order).movedim(at, 0).index_select(0, idx).movedim(0, at)
     back = gathered.permute([order.index(d) for d in range(view.dim())])
     return back if out is None else out.copy_(back)
 
