@@ -45,8 +45,14 @@ def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1
     if block_size:
         kw["block_size"] = block_size
     # One OpenMP thread bound per rank, or some models diverge; each engine's
-    # processes are spawned now and take the binding with them.
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    # processes are spawned now and take the binding with them. Every rank of
+    # every engine goes on core 0, leaving core 1 to the daemons and the kernel:
+    # an idle vLLM worker spins on sched_yield (its message queue's busy loop,
+    # renewed by every engine step while P holds a request), and with spinners
+    # pinned to both cores this kernel starved its own RCU and workqueue threads
+    # for up to a minute (dmesg: "workqueue lockup", "rcu_preempt kthread
+    # starved"), stalling every socket on the machine, kvd's included.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("0" for _ in range(tp))
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype=dtype,
                kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, **kw)
 
