@@ -145,9 +145,13 @@ def pytest_configure(config):
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
-def scrape(metrics_url: str, name: str) -> float:
-    """The sum of a metric's samples on a daemon's /metrics (all label sets)."""
+def scrape(metrics_url: str, name: str, **labels: str) -> float:
+    """The sum of a sample's values on a daemon's /metrics, over the label
+    sets that carry ``labels`` (all of them by default)."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split("{")[0].split(" ")[0] == name)
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

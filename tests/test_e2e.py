@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -18,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.core.errors import InvalidArgument, KvdError
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from tests.conftest import REPO, make_worker
+from tests.conftest import REPO, make_worker, scrape
 
 
 def transfer(p_workers, d_workers, rid, seed, p_ids, d_ids, ntok, timeout=30):
@@ -49,9 +47,7 @@ def test_full_path_is_byte_exact_and_reports_finished_sets(daemons):
         assert {"a", "b", "c"} <= f.finished_sending
     # Bytes crossed the data plane, not gRPC: the counters match the blocks moved.
     expected = sum(len(r[3]) for r in requests) * dw[0].spec.bytes_per_block_per_layer * 4 * 2
-    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
-    got = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('kvd_received_bytes_total{transport="tcp"}'))
-    assert got == expected
+    assert scrape(d.metrics_url, "kvd_received_bytes_total", transport="tcp") == expected
 
 
 def test_a_wrong_seed_is_detected(daemons):
@@ -305,10 +301,9 @@ def test_every_transport_is_byte_exact_with_several_connections(daemons, same_ho
     for w in pw:
         sent = w.client.wait_finished(sending={rid for rid, *_ in rids}, timeout=30)
         assert all(sent.details[("sending", rid)].outcome == "done" for rid, *_ in rids)
-    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
     label = "tcp" if same_host == "off" else "samehost"
-    assert f'kvd_received_bytes_total{{transport="{label}"}}' in text
-    reads = float(re.search(rf'kvd_data_reads_total{{transport="{label}"}} (\S+)', text).group(1))
+    assert scrape(d.metrics_url, "kvd_received_bytes_total", transport=label) > 0
+    reads = scrape(d.metrics_url, "kvd_data_reads_total", transport=label)
     assert reads > 2 * len(rids) if flags else reads == 2 * len(rids)  # two P ranks each; striped reads are several
 
 

@@ -16,7 +16,7 @@ import torch
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.transport.nixl import available as nixl_available
-from tests.conftest import REPO, make_worker
+from tests.conftest import REPO, make_worker, scrape
 from tests.faultproxy import prefill_behind_proxy
 
 pytestmark = pytest.mark.faults
@@ -168,8 +168,7 @@ def test_a_retry_reads_only_the_ranks_that_did_not_land(daemons):
     assert dw.mismatch(12, ids, len(ids) * 16) is None
     for w in pw:
         assert w.client.wait_finished(sending={"r"}, timeout=10).details[("sending", "r")].outcome == "done"
-    text = __import__("urllib.request").request.urlopen(d.metrics_url, timeout=5).read().decode()
-    assert 'kvd_data_reads_total{transport="tcp"} 2.0' in text  # rank A once, rank B on the retry
+    assert scrape(d.metrics_url, "kvd_data_reads_total", transport="tcp") == 2  # rank A once, rank B on the retry
     assert_no_leaks(p.grpc, d.grpc)
 
 
@@ -205,8 +204,7 @@ def test_read_of_an_expired_request_is_refused_and_returns_no_bytes(daemons, sam
     f = dw.client.wait_finished(recving={"r"}, timeout=10)
     assert f.details[("recving", "r")].outcome == "failed" and f.invalid_block_ids == {3, 4}
     assert dw.mismatch(99, [3, 4], 32) is None
-    text = __import__("urllib.request").request.urlopen(p.metrics_url, timeout=5).read().decode()
-    assert "kvd_leases_expired_total 1.0" in text
+    assert scrape(p.metrics_url, "kvd_leases_expired_total") == 1
 
 
 @pytest.mark.parametrize("same_host", ["off", "auto"])
@@ -227,8 +225,7 @@ def test_a_reused_block_id_never_serves_the_old_request(daemons, same_host):
     dw.client.pull("new", new, [[3, 4]])
     dw.client.wait_finished(recving={"new"}, timeout=10)
     assert dw.mismatch(2, [3, 4], 32) is None
-    text = __import__("urllib.request").request.urlopen(d.metrics_url, timeout=5).read().decode()
-    assert f'kvd_data_reads_total{{transport="{"tcp" if same_host == "off" else "samehost"}"}} 1.0' in text
+    assert scrape(d.metrics_url, "kvd_data_reads_total", transport="tcp" if same_host == "off" else "samehost") == 1
 
 
 def test_abort_mid_read_stops_the_stream_and_releases_both_sides(daemons):
@@ -314,5 +311,4 @@ def test_blocks_an_abort_frees_are_never_read_after_it_is_reported(daemons, path
             f"abort after {delay * 1e3:.0f} ms: {outcome}, and a block not reported invalid holds reused bytes"
     print("outcomes by abort delay:", outcomes)
     assert_no_leaks(p.grpc, d.grpc)
-    text = __import__("urllib.request").request.urlopen(p.metrics_url, timeout=5).read().decode()
-    assert "kvd_pinned_ranks 0.0" in text and status(p.grpc).pinned_ranks == 0
+    assert scrape(p.metrics_url, "kvd_pinned_ranks") == 0 and status(p.grpc).pinned_ranks == 0

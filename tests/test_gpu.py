@@ -6,8 +6,6 @@ Every test needs a CUDA device and is skipped without one.
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from kvd.core.relayout import GroupTensors
 from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
 from kvd.transport.device import DeviceToHost, device_copies
+from tests.conftest import scrape
 from tests.test_registration import local_group_tensors_plain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -63,8 +62,7 @@ def test_gpu_memory_moves_byte_exact(daemons, same_host: str, p_device: str, d_d
     assert f.details[("recving", "r")].outcome == "done", f.details
     # Landed means landed: no torch.cuda.synchronize() before looking.
     assert pattern.mismatch(d_tensors, 11, d_ids, pattern.RankCoords(0), tokens) is None
-    text = urllib.request.urlopen(d.metrics_url, timeout=5).read().decode()
-    assert f'kvd_data_reads_total{{transport="{"tcp" if same_host == "off" else "samehost"}"}} 1.0' in text
+    assert scrape(d.metrics_url, "kvd_data_reads_total", transport="tcp" if same_host == "off" else "samehost") == 1
 
 
 def test_device_to_host_keeps_two_segments_in_flight_and_their_bytes() -> None:

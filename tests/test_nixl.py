@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 
 from kvd.transport.nixl import available
-from tests.conftest import REPO, make_worker
+from tests.conftest import REPO, make_worker, scrape
 from tests.test_e2e import transfer
 
 pytestmark = pytest.mark.skipif(bool(available()), reason=f"NIXL NOT TESTED: {available()}")
@@ -32,11 +31,6 @@ def test_pairing_over_nixl_is_byte_exact(flags):
     assert "finished_sending reported by all" in r.stdout
 
 
-def _counter(url: str, name: str, transport: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f'{name}{{transport="{transport}"}}'))
-
-
 def test_bytes_cross_by_nixl_and_new_registrations_reach_the_reader(daemons):
     p, d = daemons.start("prefill", "--transport", "nixl"), daemons.start("decode", "--transport", "nixl")
     pw0 = make_worker(p.grpc, "prefill", tp_rank=0, tp_size=2)
@@ -52,9 +46,9 @@ def test_bytes_cross_by_nixl_and_new_registrations_reach_the_reader(daemons):
         assert w.mismatch(4, [9, 10], 32) is None
     per_block = dw.spec.bytes_per_block_per_layer * 4
     moved = (3 + 2 * 2) * per_block
-    assert _counter(d.metrics_url, "kvd_received_bytes_total", "nixl") == moved
-    assert _counter(p.metrics_url, "kvd_sent_bytes_total", "nixl") == moved
-    assert _counter(d.metrics_url, "kvd_received_bytes_total", "tcp") == 0
+    assert scrape(d.metrics_url, "kvd_received_bytes_total", transport="nixl") == moved
+    assert scrape(p.metrics_url, "kvd_sent_bytes_total", transport="nixl") == moved
+    assert scrape(d.metrics_url, "kvd_received_bytes_total", transport="tcp") == 0
     # Leases end on the ACK, as on TCP.
     for w in (pw0, pw1):
         assert "r1" in w.client.wait_finished(sending={"r1"}, timeout=10).finished_sending

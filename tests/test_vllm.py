@@ -98,8 +98,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _received_bytes(metrics_url: str) -> float:
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith('kvd_received_bytes_total{transport="tcp"}'))
+    return scrape(metrics_url, "kvd_received_bytes_total", transport="tcp")
 
 
 def _blocks(n_tokens: int) -> int:
