@@ -13,6 +13,7 @@ from kvd.core.spec import (
     ModelInfo,
     TensorRef,
     WorkerId,
+    check_no_overlap,
     parse_layout,
 )
 from kvd.proto import kvd_pb2 as pb
@@ -49,16 +50,6 @@ def spec_to_pb(s: KVCacheSpec) -> pb.KVCacheSpec:
         block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size, dtype=s.dtype,
         layout=list(s.layout), use_mla=s.use_mla, num_blocks=s.num_blocks, span_size=s.span_size, span_format=s.span_format,
     )
-
-
-def check_no_overlap(field: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
-    """Refuse strides that give two elements one address: taken from the
-    innermost, each dim must step past everything inside it (padding allowed)."""
-    reach = 1
-    for st, n in sorted((st, n) for n, st in zip(shape, stride, strict=True) if n > 1):
-        if st < reach:
-            raise InvalidArgument(field, list(stride), f"makes elements overlap: a stride of {st} inside a run of {reach} elements")
-        reach = st * n
 
 
 def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:

@@ -288,6 +288,16 @@ class WorkerId:
         return f"{self.engine_id}[tp{self.tp_rank}/{self.tp_size},pp{self.pp_rank}/{self.pp_size}]"
 
 
+def check_no_overlap(field: str, shape: Sequence[int], stride: Sequence[int]) -> None:
+    """Refuse strides that give two elements one address: taken from the
+    innermost, each dim must step past everything inside it (padding allowed)."""
+    reach = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride, strict=True) if n > 1):
+        if st < reach:
+            raise InvalidArgument(field, list(stride), f"makes elements overlap: a stride of {st} inside a run of {reach} elements")
+        reach = st * n
+
+
 def physical_order(dims: Sequence[str], shape: Sequence[int], stride: Sequence[int]) -> tuple[str, ...]:
     """Dim names sorted outermost first by stride; size-1 dims keep their place."""
     order = sorted(range(len(dims)), key=lambda i: (-stride[i] if shape[i] > 1 else 0, i))
