@@ -8,6 +8,7 @@ absolute path nor a symlink can reach another file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.core.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument, ResourceExhausted
 
 SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
@@ -53,6 +54,24 @@ def prefault(mm: mmap.mmap, *, write: bool) -> None:
         view[::PAGE].sum()  # a read fault on tmpfs allocates the page
 
 
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Allocate the region's pages now. tmpfs grants any ftruncate and kills
+    the process with SIGBUS at the first page past its limit (a container's
+    /dev/shm is 64 MiB unless given more); fallocate fails cleanly instead."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, name))
+        st = os.statvfs(SHM_DIR)
+        raise ResourceExhausted(
+            f"{SHM_DIR} has no room for a {size / 2**20:.0f} MiB KV cache region ({st.f_bavail * st.f_frsize / 2**20:.0f} MiB free "
+            f"of {st.f_blocks * st.f_frsize / 2**20:.0f}); give it more (docker run --shm-size, a Memory emptyDir in Kubernetes)"
+        ) from None
+
+
 @dataclass
 class ShmRegion:
     region_id: str
@@ -69,6 +88,7 @@ class ShmRegion:
         fd = _open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.ftruncate(fd, size)
+            _reserve(fd, name, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

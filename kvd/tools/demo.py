@@ -87,15 +87,19 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
 
     torch.set_num_threads(1)
     try:
-        spec = rank_spec(engine, model, worker.tp_rank)
-        layers = stage_layers(model, worker.pp_size, worker.pp_rank)
-        names = [f"model.layers.{i}.self_attn.attn" for i in layers]
-        caches, dims = allocate_engine_caches(engine, spec, names)
-        client = KvdClient(address, worker)
-        client.wait_ready()
-        client.register(caches, ModelInfo(model.layers, model.kv_heads), spec, dims=dims)
-        tensors = local_group_tensors(spec, caches, dims=dims)
-        coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
+        try:
+            spec = rank_spec(engine, model, worker.tp_rank)
+            layers = stage_layers(model, worker.pp_size, worker.pp_rank)
+            names = [f"model.layers.{i}.self_attn.attn" for i in layers]
+            caches, dims = allocate_engine_caches(engine, spec, names)
+            client = KvdClient(address, worker)
+            client.wait_ready()
+            client.register(caches, ModelInfo(model.layers, model.kv_heads), spec, dims=dims)
+            tensors = local_group_tensors(spec, caches, dims=dims)
+            coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
+        except Exception as e:  # the driver says why this rank could not start
+            conn.send(("error", f"{worker}: {type(e).__name__}: {getattr(e, 'message', e)}"))
+            return
         conn.send(("ready", None))
         while True:
             cmd, arg = conn.recv()

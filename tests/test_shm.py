@@ -1,0 +1,34 @@
+"""POSIX shm regions: a /dev/shm too small for a cache fails at creation with a
+clear error, not with SIGBUS at the first page past the limit (a container's
+/dev/shm is 64 MiB unless given more)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+CREATE = "from kvd.regions.shm import ShmRegion; r = ShmRegion.create({size}); r.tensor[-1] = 7; r.unlink(); print('created')"
+
+
+def _in_small_shm(size: int) -> subprocess.CompletedProcess[str]:
+    """Create a region in a private mount namespace whose /dev/shm is an 8 MiB tmpfs."""
+    script = f"mount -t tmpfs -o size=8m kvd-test /dev/shm && exec {sys.executable} -c \"{CREATE.format(size=size)}\""
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a private /dev/shm")
+def test_a_region_larger_than_dev_shm_is_refused_clearly():
+    r = _in_small_shm(64 << 20)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # an exception, not a signal (SIGBUS is -7)
+    assert "ResourceExhausted" in r.stderr and "/dev/shm has no room for a 64 MiB KV cache region" in r.stderr, r.stderr[-2000:]
+    assert "--shm-size" in r.stderr
+    # Control: one that fits is created and written to the last byte.
+    ok = _in_small_shm(4 << 20)
+    assert ok.returncode == 0 and "created" in ok.stdout, ok.stderr[-2000:]
