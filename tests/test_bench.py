@@ -13,7 +13,7 @@ KEYS = ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "vs_nixl", "v
 
 def test_bench_json_prints_every_ratio_from_one_real_run():
     r = subprocess.run(
-        [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "1", "--latency-requests", "20",
+        [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "2", "--latency-requests", "20",
          "--tokens", "256", "--layers", "2"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )
@@ -27,6 +27,18 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert 0 < out["small_request_floor_ms"] == out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
     for peer in ("vs_nixl", "vs_mooncake"):
         assert out[peer] is None or out[peer] > 0
+    # The verdict: each target's worst round beside its limit, computed from the rounds.
+    assert len(out["rounds"]) == 2
+    verdict = {row["figure"]: row for row in out["verdict"]}
+    for key in ("relayout_vs_memcpy_min", "samehost_vs_memcpy", "tcp_16k_vs_1m", "tcp_vs_socket_1m", "small_request_p50_vs_floor",
+                "small_request_p99_vs_floor"):
+        row = verdict[key]
+        each = [r[key] for r in out["rounds"]]
+        assert row["rounds"] == each and out[key] == row["worst"]
+        assert row["worst"] == (max(each) if key.startswith("small_request") else min(each))
+        assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
+    p50 = out["rounds"][-1]
+    assert p50["small_request_p50_vs_floor"] == p50["small_request_p50_ms"] / p50["small_request_floor_ms"]
     if "gpu_tcp_1m_gbps" in out:  # a CUDA machine
         assert out["gpu_tcp_1m_gbps"] > 0 and out["gpu_samehost_1m_gbps"] > 0
     else:

@@ -1,4 +1,5 @@
-"""Peer engines measured the way kvd is: one request of scattered blocks.
+"""The baselines kvd bench measures beside kvd: peer engines moving the same
+request of scattered blocks, and a plain socket moving its bytes.
 
 Mooncake Transfer Engine (when importable) moves the same shape with its
 ``tcp`` protocol and P2P handshake: one batch READ of every unit, by the
@@ -12,6 +13,10 @@ processes, so UCX cannot cheat through shared address space. ``ucx_tls``
 pins UCX's transports (``tcp`` to compare with kvd's TCP path); empty lets
 UCX pick (shared memory / CMA on one host, to compare with kvd's same-host
 path).
+
+The plain socket baselines: a sender/receiver pair moving one request's
+bytes (throughput), and an echo pair answering a one-byte ask with a small
+request's bytes (the data part of its latency floor).
 """
 
 from __future__ import annotations
@@ -235,3 +240,96 @@ def _reap(*procs: Any) -> None:
     for p in procs:
         if p.is_alive():
             p.kill()
+
+
+# ---------------------------------------------------------------- plain sockets
+
+def _socket_receiver(port_q: Any, nbytes: int, out_q: Any) -> None:
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    # Receive into request-sized memory, as kvd must: reusing one small
+    # buffer would keep it in cache and flatter the baseline.
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    t0 = time.perf_counter()
+    while got < nbytes:
+        k = conn.recv_into(view[got : got + (1 << 20)])
+        if not k:
+            break
+        got += k
+    out_q.put((got, time.perf_counter() - t0))
+
+
+def socket_baseline(nbytes: int, repeat: int) -> float:
+    """GB/s of a plain sender/receiver pair: sendall and recv_into, 1 MiB at a
+    time, from and into request-sized buffers (distinct memory, like kvd's)."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    best = 0.0
+    payload = memoryview(bytearray(nbytes))
+    for _ in range(repeat):
+        port_q, out_q = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=_socket_receiver, args=(port_q, nbytes, out_q))
+        proc.start()
+        sock = socket.create_connection(("127.0.0.1", port_q.get(timeout=30)))
+        for off in range(0, nbytes, 1 << 20):
+            sock.sendall(payload[off : off + (1 << 20)])
+        got, seconds = out_q.get(timeout=120)
+        sock.close()
+        proc.join(timeout=30)
+        best = max(best, got / seconds / 1e9)
+    return best
+
+
+def _echo_server(port_q: Any, nbytes: int) -> None:
+    """Answers each one-byte request with ``nbytes``, as an owner answers a READ."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = memoryview(bytearray(nbytes))
+    while conn.recv(1):
+        conn.sendall(payload)
+
+
+def socket_round_trip(nbytes: int, count: int) -> list[float]:
+    """Seconds for a plain socket to ask for ``nbytes`` and receive them all,
+    ``count`` times: the data part of a small request with nothing around it."""
+    import multiprocessing as mp
+    import socket
+
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    proc = ctx.Process(target=_echo_server, args=(port_q, nbytes), daemon=True)
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", port_q.get(timeout=30)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = memoryview(bytearray(nbytes))
+    out = []
+    try:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            sock.sendall(b"r")
+            got = 0
+            while got < nbytes:
+                k = sock.recv_into(view[got:])
+                if not k:
+                    raise SystemExit("socket round-trip baseline: the echo server went away")
+                got += k
+            out.append(time.perf_counter() - t0)
+    finally:
+        sock.close()
+        proc.join(timeout=10)
+    return out

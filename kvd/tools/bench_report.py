@@ -1,0 +1,89 @@
+"""``kvd bench``'s verdict: each figure's worst value over the rounds of one
+run, beside its limit.
+
+A ratio holds only when both sides are measured in the same round, and a
+target holds only if it holds in every round: this machine's speed moves by
+up to 3x between hours, so the best round says little. The limits are the
+performance issue's targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    what: str
+    higher_is_better: bool
+    limit: float | None  # None: reported, no target set
+
+    def worst(self, values: Sequence[float]) -> float:
+        return min(values) if self.higher_is_better else max(values)
+
+    def met(self, value: float) -> bool | None:
+        if self.limit is None:
+            return None
+        return value >= self.limit if self.higher_is_better else value <= self.limit
+
+    @property
+    def limit_text(self) -> str:
+        if self.limit is None:
+            return "-"
+        return f"{'>=' if self.higher_is_better else '<='} {self.limit:g}"
+
+
+TARGETS = (
+    Target("relayout_vs_memcpy_min", "relayout / memcpy, worst pairing", True, 0.7),
+    Target("samehost_vs_memcpy", "same-host 1 MiB units / memcpy", True, 0.85),
+    Target("tcp_16k_vs_1m", "TCP 16 KiB units / 1 MiB units", True, 0.95),
+    Target("tcp_vs_socket_1m", "TCP 1 MiB units / plain socket", True, 1.0),
+    Target("small_request_p50_vs_floor", "small request p50 / its floor", False, 1.25),
+    Target("small_request_p99_vs_floor", "small request p99 / its floor", False, 2.0),
+    Target("vs_nixl", "kvd / NIXL, worst unit size", True, 1.5),
+    Target("vs_mooncake", "kvd TCP / Mooncake TE tcp, worst unit size", True, 1.5),
+    Target("gpu_tcp_vs_socket_1m", "GPU to GPU over TCP / slower of socket and PCIe", True, None),
+    Target("gpu_samehost_vs_d2d_1m", "GPU same-host / device memcpy", True, None),
+)
+
+
+def add_derived(out: dict[str, Any]) -> None:
+    """Ratios computed from one round's figures (in place)."""
+    floor = out.get("small_request_floor_ms")
+    if floor:
+        out["small_request_p50_vs_floor"] = out["small_request_p50_ms"] / floor
+        out["small_request_p99_vs_floor"] = out["small_request_p99_ms"] / floor
+
+
+def verdict(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per target measured in every round: its worst value, each round's, the limit, met."""
+    rows = []
+    for t in TARGETS:
+        values = [r.get(t.key) for r in rounds]
+        if not values or any(v is None for v in values):
+            continue
+        worst = t.worst([float(v) for v in values])  # type: ignore[arg-type]
+        rows.append({"figure": t.key, "what": t.what, "worst": worst, "rounds": [float(v) for v in values],  # type: ignore[arg-type]
+                     "limit": t.limit_text, "met": t.met(worst)})
+    return rows
+
+
+def worst_of(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run's figures: the last round's, with every target's key replaced by its worst round."""
+    out = dict(rounds[-1])
+    for row in verdict(rounds):
+        out[row["figure"]] = row["worst"]
+    return out
+
+
+def print_verdict(rows: Sequence[dict[str, Any]], rounds: int, say: Callable[[str], None]) -> None:
+    say("")
+    say(f"verdict: each figure's worst of {rounds} round{'s' if rounds > 1 else ''}, beside its limit")
+    say(f"  {'figure':<28} {'worst':>6}  {'limit':<8} {'':<6}  {'each round':<24} what")
+    for row in rows:
+        mark = {True: "ok", False: "MISSED", None: ""}[row["met"]]
+        each = " ".join(f"{v:.2f}" for v in row["rounds"])
+        say(f"  {row['figure']:<28} {row['worst']:6.2f}  {row['limit']:<8} {mark:<6}  {each:<24} {row['what']}")
