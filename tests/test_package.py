@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -89,4 +88,3 @@ def test_kvd_installs_into_a_vllm_environment_without_moving_its_torch():
     # And the installed copy runs: the daemon's entry point, from that environment alone.
     r = subprocess.run([str(py.parent / "kvd"), "serve", "--help"], capture_output=True, text=True, timeout=120, cwd="/")
     assert r.returncode == 0 and "--engine-id" in r.stdout, r.stderr[-2000:]
-    assert sys.executable != str(py)
