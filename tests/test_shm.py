@@ -13,7 +13,9 @@ import pytest
 
 from tests.conftest import REPO
 
-CREATE = "from kvd.regions.shm import ShmRegion; r = ShmRegion.create({size}); r.tensor[-1] = 7; r.unlink(); print('created')"
+CREATE = ("import os, atexit; from kvd.regions.shm import ShmRegion; "
+          "atexit.register(lambda: print('left in /dev/shm:', sorted(os.listdir('/dev/shm')))); "
+          "r = ShmRegion.create({size}); r.tensor[-1] = 7; r.unlink(); print('created')")
 
 
 def _in_small_shm(size: int) -> subprocess.CompletedProcess[str]:
@@ -29,6 +31,7 @@ def test_a_region_larger_than_dev_shm_is_refused_clearly():
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])  # an exception, not a signal (SIGBUS is -7)
     assert "ResourceExhausted" in r.stderr and "/dev/shm has no room for a 64 MiB KV cache region" in r.stderr, r.stderr[-2000:]
     assert "--shm-size" in r.stderr
+    assert "left in /dev/shm: []" in r.stdout, r.stdout  # the half-made region was unlinked
     # Control: one that fits is created and written to the last byte.
     ok = _in_small_shm(4 << 20)
     assert ok.returncode == 0 and "created" in ok.stdout, ok.stderr[-2000:]

@@ -63,8 +63,6 @@ def _reserve(fd: int, name: str, size: int) -> None:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(SHM_DIR, name))
         st = os.statvfs(SHM_DIR)
         raise ResourceExhausted(
             f"{SHM_DIR} has no room for a {size / 2**20:.0f} MiB KV cache region ({st.f_bavail * st.f_frsize / 2**20:.0f} MiB free "
@@ -85,14 +83,20 @@ class ShmRegion:
     @classmethod
     def create(cls, size: int, name: str | None = None, region_id: str | None = None) -> ShmRegion:
         name = check_name(name or f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        if size <= 0:
+            raise InvalidArgument("size", size, "must be positive")
         fd = _open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             os.ftruncate(fd, size)
             _reserve(fd, name, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            prefault(mm, write=True)
+        except BaseException:
+            with contextlib.suppress(OSError):  # a half-made region holds pages nobody would free
+                os.unlink(os.path.join(SHM_DIR, name))
+            raise
         finally:
             os.close(fd)
-        prefault(mm, write=True)
         return cls(region_id or name, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=True)
 
     @classmethod

@@ -137,6 +137,8 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
             except Exception as e:
                 conn.send(("error", f"{type(e).__name__}: {e}"))
         client.close()
+    except (BrokenPipeError, EOFError):
+        pass  # the driver is gone (or gave up on us): nobody to answer
     finally:
         release_all()
 
@@ -220,6 +222,7 @@ def run_demo(args: argparse.Namespace) -> int:
     daemons = Daemons()
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
+    pipes: list[Connection] = []  # the driver's end of every worker's pipe
     try:
         same_host = ["--same-host", "auto" if args.transport == "samehost" else "off"]
         if args.transport == "nixl":
@@ -238,6 +241,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     proc = ctx.Process(target=worker_main, args=(info["grpc"], w, engine, model, child), daemon=True)
                     proc.start()
                     procs.append(proc)
+                    pipes.append(parent)
                     conns.append(parent)
             for c in conns:
                 if not c.poll(120):
@@ -323,7 +327,12 @@ def run_demo(args: argparse.Namespace) -> int:
             ok = False
         return 0 if ok else 1
     finally:
+        # Closing a worker's pipe ends it through its own finally, which unlinks
+        # its shm caches; a killed worker would leave them in /dev/shm.
+        for c in pipes:
+            c.close()
         for p in procs:
+            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
         for p in daemons.procs:
