@@ -1,7 +1,8 @@
 # kvd sidecar image. One file for every base and variant:
 #   docker build -t kvd:0.1.0 .                                         (python:3.11-slim, CPU torch)
 #   docker build -t kvd:0.1.0-cuda --build-arg VARIANT=cuda \
-#       --build-arg BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 .       (CUDA torch, for CUDA IPC regions)
+#       --build-arg BASE=<a CUDA runtime image with python3 and venv> .  (CUDA torch, for CUDA IPC regions;
+#       nvidia/cuda's own images have no Python: add python3 and python3-venv to one first)
 #   deploy/image-test                     (a locally bootstrapped base and a wheelhouse, no registry)
 # BASE needs python3 (3.11+) with venv. Packages come from the index, pinned by
 # constraints.txt (the versions the test suite ran with), unless the build

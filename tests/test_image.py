@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -35,9 +36,16 @@ def test_the_image_builds_and_runs_as_a_prefill_and_decode_sidecar_pair():
     if why:
         pytest.skip(f"DOCKER NOT TESTED: {why}")
     args = os.environ.get("KVD_IMAGE_TEST_ARGS", "--local").split()
-    r = subprocess.run([str(REPO / "deploy" / "image-test"), *args], capture_output=True, text=True, timeout=3500)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-6000:]
+    # Its own session, so a timeout stops the script with SIGTERM (it removes its containers), then the rest.
+    proc = subprocess.Popen([str(REPO / "deploy" / "image-test"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=3500)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"deploy/image-test did not finish in 3500 s:\n{out[-6000:]}") from None
+    assert proc.returncode == 0, out[-6000:]
     # The demo verified every byte on the decode side, through the containers.
     assert "verified       every valid token of every block matches" in out, out[-3000:]
     assert "exit codes: 0 0" in out and "image-test: passed" in out
