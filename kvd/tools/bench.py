@@ -326,10 +326,10 @@ def bench_gpu(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
     nbytes, layers = args.transfer_mib << 20, 4
     out: dict[str, Any] = _device_copy_baselines(nbytes, args.repeat)
     torch.cuda.empty_cache()
-    out["socket_gbps"] = socket_baseline(nbytes, args.repeat)
+    out["gpu_socket_gbps"] = socket_baseline(nbytes, args.repeat)
     say(f"gpu: one request of {args.transfer_mib} MiB, scattered block ids, {layers} layers, GPU caches on both sides, best of {args.repeat}")
     for key, label in (("gpu_d2h_gbps", "pinned D2H copy"), ("gpu_h2d_gbps", "pinned H2D copy"), ("gpu_d2d_gbps", "device memcpy"),
-                       ("socket_gbps", "plain socket, 1 MiB sendall")):
+                       ("gpu_socket_gbps", "plain socket, 1 MiB sendall")):
         say(f"  {label:<34} {out[key]:6.2f} GB/s")
     rng = random.Random(0)
     for mode in ("tcp", "samehost"):
@@ -341,7 +341,7 @@ def bench_gpu(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
         finally:
             pair.close()
     # Staging is hidden when the wire, not PCIe, sets the pace.
-    out["gpu_tcp_vs_socket_1m"] = out["gpu_tcp_1m_gbps"] / min(out["socket_gbps"], out["gpu_d2h_gbps"], out["gpu_h2d_gbps"])
+    out["gpu_tcp_vs_socket_1m"] = out["gpu_tcp_1m_gbps"] / min(out["gpu_socket_gbps"], out["gpu_d2h_gbps"], out["gpu_h2d_gbps"])
     out["gpu_samehost_vs_d2d_1m"] = out["gpu_samehost_1m_gbps"] / out["gpu_d2d_gbps"]
     say(f"    gpu_tcp_vs_socket_1m    {out['gpu_tcp_vs_socket_1m']:.2f}  (kvd GPU to GPU over TCP / the slower of socket and PCIe)")
     say(f"    gpu_samehost_vs_d2d_1m  {out['gpu_samehost_vs_d2d_1m']:.2f}  (kvd same-host GPU to GPU / device memcpy)")
@@ -357,6 +357,8 @@ def run_bench(args: argparse.Namespace) -> int:
     """``--repeat`` rounds, each measuring every figure beside its baseline;
     the verdict is each figure's worst round."""
     torch.set_num_threads(1)
+    if args.repeat < 1:
+        raise SystemExit(f"kvd bench: --repeat={args.repeat} must be at least 1 (rounds)")
 
     def say(line: str) -> None:
         if not args.json:
