@@ -72,7 +72,7 @@ def local_group_tensors_plain(spec, caches):
     from kvd.core.spec import GroupSpec, LayerSpec, TensorRef
 
     base = next(iter(caches.values())).untyped_storage()
-    region = torch.empty(0, dtype=torch.uint8).set_(base)
+    region = torch.empty(0, dtype=torch.uint8, device=base.device).set_(base)
     layers = []
     for i, (name, t) in enumerate(caches.items()):
         off = t.data_ptr() - region.data_ptr()

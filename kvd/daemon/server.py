@@ -11,6 +11,7 @@ everything is reported before the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -111,6 +112,9 @@ def run(config: DaemonConfig, ready_file: str | None = None) -> int:
     from kvd.logs import setup
 
     setup(config.log_format, config.log_level)
+    # A crash in native code (a driver, CUDA IPC, NIXL) leaves its Python stack
+    # in the log instead of a bare exit status.
+    faulthandler.enable()
     uvloop.run(Server(config, ready_file).serve())
     if config.transport == "nixl":
         # Everything is closed and logged. NIXL 1.5's UCX crashes in its exit-time

@@ -51,6 +51,9 @@ class CudaIpcRegion:
             raise InvalidArgument(f"{field}.device", src.device, f"is not one of {torch.cuda.device_count()} devices")
         if size > src.storage_size_bytes:
             raise InvalidArgument(f"regions[{region_id}].size_bytes", size, f"exceeds the allocation's {src.storage_size_bytes} bytes")
+        # Opening a handle needs CUDA's state up: without it the call below
+        # segfaults (torch.multiprocessing's own rebuild does the same first).
+        torch.cuda.init()
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
                 src.device,
