@@ -20,7 +20,7 @@ import torch
 from kvd.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
 from kvd.regions.shm import ShmRegion
-from kvd.spec import KVCacheSpec
+from kvd.spec import FULL_ATTENTION, GroupKind, KVCacheSpec
 
 KVCacheTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -113,6 +113,7 @@ def describe(
     *,
     dims: Sequence[str] | Sequence[Sequence[str]] | None = None,
     layer_indices: Mapping[str, int] | None = None,
+    kinds: Sequence[GroupKind] = (),
 ) -> Described:
     """Regions and group registrations for tensors in this process's shm.
 
@@ -121,11 +122,14 @@ def describe(
     strides), or, as one tuple per part, when K and V differ
     (``CPU_ATTENTION_PARTS``); by default the shape is in layout order.
     Strides may put a part's memory in any order of the spec's dims.
+    ``kinds`` says what each group attends to (full attention by default).
+    Groups may overlay one another's memory (vLLM's hybrid allocator does).
     """
     regions: dict[str, pb.Region] = {}
     out_groups = []
     for gid, (spec, caches) in enumerate(groups):
-        g = pb.KVCacheGroup(group_id=gid)
+        kind = kinds[gid] if gid < len(kinds) else FULL_ATTENTION
+        g = pb.KVCacheGroup(group_id=gid, kind=kind.name, window_tokens=kind.window)
         for li, (name, value) in enumerate(caches.items()):
             tensors = value if isinstance(value, tuple) else (value,)
             idx = (layer_indices or {}).get(name, layer_index_of(name, li))

@@ -30,7 +30,7 @@ from kvd.convert import worker_to_pb
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable, from_code
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, infer_spec
+from kvd.spec import GroupKind, KVCacheSpec, ModelInfo, WorkerId, infer_spec
 
 VLLM_NHD_DIMS = ("kv", "block", "token", "head", "dim")
 
@@ -121,6 +121,7 @@ class KvdClient:
         dims: Sequence[str] | Sequence[Sequence[str]] | None = None,
         block_size: int = 0,
         use_mla: bool = False,
+        kinds: Sequence[GroupKind] = (),
     ) -> pb.RegisterResponse:
         """Register one group (``kv_caches`` + ``spec``) or several ``(spec, kv_caches)`` groups.
 
@@ -138,7 +139,7 @@ class KvdClient:
             groups = [(spec, kv_caches)]
         else:
             groups = list(kv_caches)
-        described = describe(groups, dims=dims)  # type: ignore[arg-type]
+        described = describe(groups, dims=dims, kinds=kinds)  # type: ignore[arg-type]
         resp = self._call(self._worker.Register, pb.RegisterRequest(
             worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),
             regions=described.regions, groups=described.groups,
@@ -146,16 +147,21 @@ class KvdClient:
         self.worker_token = resp.worker_token
         return resp
 
-    def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "", lease_seconds: float = 0.0) -> pb.TransferParams:
+    def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "",
+                lease_seconds: float = 0.0, first_tokens: Sequence[int] = ()) -> pb.TransferParams:
+        """Offer this worker's blocks of ``request_id``, per group; a group's
+        ids hold the tokens from its ``first_tokens`` entry on (0 if none)."""
         resp = self._call(self._worker.Publish, pb.PublishRequest(
-            worker=self._wid, request_id=request_id, block_ids=[pb.BlockIds(ids=list(b)) for b in block_ids],
+            worker=self._wid, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
             num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
         ))
         return resp.params
 
-    def pull(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]]) -> None:
+    def pull(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]], *, first_tokens: Sequence[int] = ()) -> None:
+        """Read ``params``' blocks into ours, per group from its ``first_tokens``
+        entry on (0 if none); each group moves only what decode needs of it."""
         self._call(self._worker.Pull, pb.PullRequest(
-            worker=self._wid, request_id=request_id, params=params, local_block_ids=[pb.BlockIds(ids=list(b)) for b in local_block_ids],
+            worker=self._wid, request_id=request_id, params=params, local_block_ids=_block_ids(local_block_ids, first_tokens),
         ))
 
     def abort(self, request_id: str, *, release: pb.TransferParams | None = None) -> bool:
@@ -337,3 +343,7 @@ class FinishedFeed:
                 return
             if self._stop.wait(self._backoff_seconds * 2 ** (failures - 1)):
                 return
+
+
+def _block_ids(block_ids: Sequence[Sequence[int]], first_tokens: Sequence[int]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(ids=list(b), first_token=first_tokens[g] if g < len(first_tokens) else 0) for g, b in enumerate(block_ids)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.groups import FULL, GroupKind
 from kvd.core.reads import DataRead, DataSegment, Offer
 from kvd.core.spec import (
     EngineLayout,
@@ -88,11 +89,18 @@ def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
     idx = [layer.layer_index for layer in layers]
     if len(set(idx)) != len(idx):
         raise InvalidArgument(f"{field}.layers.layer_index", idx, "repeats a layer")
-    return GroupSpec(g.group_id, spec, tuple(layers))
+    return GroupSpec(g.group_id, spec, tuple(layers), kind_from_pb(g, field))
+
+
+def kind_from_pb(g: pb.KVCacheGroup, field: str) -> GroupKind:
+    try:
+        return GroupKind(g.kind or FULL, g.window_tokens)
+    except InvalidArgument as e:
+        raise InvalidArgument(e.field.replace("group", field, 1), e.value, e.message.split(" ", 1)[1]) from None
 
 
 def group_to_pb(g: GroupSpec, *, with_tensors: bool = True) -> pb.KVCacheGroup:
-    out = pb.KVCacheGroup(group_id=g.group_id, spec=spec_to_pb(g.spec))
+    out = pb.KVCacheGroup(group_id=g.group_id, spec=spec_to_pb(g.spec), kind=g.kind.name, window_tokens=g.kind.window)
     for layer in g.layers:
         lp = out.layers.add(name=layer.name, layer_index=layer.layer_index)
         if with_tensors:
@@ -129,7 +137,7 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
         for i, g in enumerate(r.groups):
             spec = spec_from_pb(g.spec, f"ranks[{r.tp_rank},{r.pp_rank}].groups[{i}].spec")
             layers = tuple(LayerSpec(layer.name, layer.layer_index, ()) for layer in g.layers)
-            groups.append(GroupSpec(g.group_id, spec, layers))
+            groups.append(GroupSpec(g.group_id, spec, layers, kind_from_pb(g, f"ranks[{r.tp_rank},{r.pp_rank}].groups[{i}]")))
         ranks.append(EngineLayout(r.tp_rank, r.pp_rank, tuple(groups)))
     return EngineMeta(
         engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
@@ -139,7 +147,8 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
 
 
 def offer_from_pb(p: pb.TransferParams) -> Offer:
-    return Offer(p.request_id, p.generation, p.capability, tuple(tuple(b.ids) for b in p.block_ids), p.num_tokens)
+    return Offer(p.request_id, p.generation, p.capability, tuple(tuple(b.ids) for b in p.block_ids), p.num_tokens,
+                 tuple(int(b.first_token) for b in p.block_ids))
 
 
 def segment_to_pb(s: DataSegment) -> pb.DataSegment:

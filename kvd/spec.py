@@ -1,5 +1,6 @@
-"""KV cache specs and engine shapes, for workers: ``kvd.core.spec`` is their home."""
+"""KV cache specs and engine shapes, for workers: ``kvd.core.spec`` and ``kvd.core.groups`` are their home."""
 
+from kvd.core.groups import CHUNKED_LOCAL, FULL, FULL_ATTENTION, SLIDING_WINDOW, GroupKind
 from kvd.core.spec import (
     CANONICAL,
     CPU_ATTENTION_PARTS,
@@ -23,7 +24,28 @@ from kvd.core.spec import (
 )
 
 __all__ = [
-    "CANONICAL", "CPU_ATTENTION_PARTS", "DTYPE_SIZES", "KNOWN_DIMS", "NAMED_LAYOUTS", "EngineLayout", "EngineMeta", "GroupSpec", "KVCacheSpec",
-    "LayerSpec", "ModelInfo", "TensorRef", "WorkerId", "compat_fields", "fingerprint", "infer_spec", "layout_name",
-    "parse_layout", "physical_order",
+    "CANONICAL",
+    "CHUNKED_LOCAL",
+    "CPU_ATTENTION_PARTS",
+    "DTYPE_SIZES",
+    "FULL",
+    "FULL_ATTENTION",
+    "KNOWN_DIMS",
+    "NAMED_LAYOUTS",
+    "SLIDING_WINDOW",
+    "EngineLayout",
+    "EngineMeta",
+    "GroupKind",
+    "GroupSpec",
+    "KVCacheSpec",
+    "LayerSpec",
+    "ModelInfo",
+    "TensorRef",
+    "WorkerId",
+    "compat_fields",
+    "fingerprint",
+    "infer_spec",
+    "layout_name",
+    "parse_layout",
+    "physical_order",
 ]

@@ -92,9 +92,11 @@ class PublicationTable:
         reader_engine_id: str = "",
         lease_s: float = 0.0,
         block_sizes: Sequence[int] = (),
+        first_tokens: Sequence[int] = (),
     ) -> Publication:
         """Offer ``rank``'s blocks of ``request_id``. With ``block_sizes``
-        (tokens per block, per group), every group must hold ``num_tokens``."""
+        (tokens per block, per group), every group must hold the prompt up to
+        ``num_tokens``, from its ``first_tokens`` entry on (0 if none)."""
         check_request_id("request_id", request_id)
         if capability and len(capability) != CAPABILITY_BYTES:
             raise InvalidArgument("capability", f"<{len(capability)} bytes>", f"must be {CAPABILITY_BYTES} bytes")
@@ -107,10 +109,14 @@ class PublicationTable:
                 bad = int(arr[(arr < 0) | (arr >= n)][0])
                 raise InvalidArgument(f"block_ids[{g}]", bad, f"is outside the registered range [0, {n})")
             check_unique(f"block_ids[{g}]", arr)
-            # Full attention needs every token's block (other group kinds will say otherwise).
-            if g < len(block_sizes) and block_sizes[g] > 0 and arr.size * block_sizes[g] < num_tokens:
-                raise InvalidArgument(f"block_ids[{g}]", f"<{arr.size} blocks>",
-                                      f"of {block_sizes[g]} tokens cannot hold num_tokens={num_tokens}")
+            first = first_tokens[g] if g < len(first_tokens) else 0
+            if g < len(block_sizes) and block_sizes[g] > 0:
+                if first < 0 or first % block_sizes[g] or first >= num_tokens:
+                    raise InvalidArgument(f"block_ids[{g}].first_token", first,
+                                          f"must be a multiple of the block size {block_sizes[g]} below num_tokens={num_tokens}")
+                if first + arr.size * block_sizes[g] < num_tokens:
+                    raise InvalidArgument(f"block_ids[{g}]", f"<{arr.size} blocks>",
+                                          f"of {block_sizes[g]} tokens from token {first} cannot hold num_tokens={num_tokens}")
             mask = np.zeros(n, dtype=bool)
             mask[arr] = True
             masks.append(mask)

@@ -184,14 +184,14 @@ class Owner:
 
     def publish(self, rank: RankKey, request_id: str, block_ids: Sequence[Sequence[int]], tensors: Sequence[GroupTensors],
                 num_tokens: int, now: float, *, capability: bytes = b"", reader_engine_id: str = "",
-                lease_s: float = 0.0) -> tuple[Publication, list[Ended]]:
+                lease_s: float = 0.0, first_tokens: Sequence[int] = ()) -> tuple[Publication, list[Ended]]:
         """Offer ``rank``'s blocks; and what ends at once because this
         publication already ended (aborted by its reader before we
         published, or read and finished before this rank published)."""
         pub = self.publications.publish(
             rank, request_id, block_ids, [g.spec.num_blocks for g in tensors], num_tokens, now, capability=capability,
             reader_engine_id=reader_engine_id, lease_s=lease_s,
-            block_sizes=[g.spec.block_size for g in tensors])
+            block_sizes=[g.spec.block_size for g in tensors], first_tokens=first_tokens)
         return pub, self.publications.ended_before(request_id, capability, rank, now)
 
     def reader_aborted(self, request_id: str, generation: int, capability: bytes, reason: str, now: float) -> list[Ended] | None:

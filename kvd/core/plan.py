@@ -69,30 +69,47 @@ def plan_extents(
     num_tokens: int,
     *,
     max_units: int = 0,
+    remote_first: int = 0,
+    local_first: int = 0,
+    start: int | None = None,
 ) -> Extents:
     """Coalesce a request's block ids into rectangular extents.
 
+    Each side's ids hold the tokens from its ``*_first`` token on (a multiple
+    of its block size); tokens ``[start, num_tokens)`` are moved, ``start``
+    being ``local_first`` unless the group needs less (a sliding window).
     ``max_units`` (0 = unbounded) caps the units one extent moves, so the data
     plane can pipeline chunks of a bounded size.
     """
     r_ids = np.asarray(remote_ids, dtype=np.int64)
     l_ids = np.asarray(local_ids, dtype=np.int64)
+    start = local_first if start is None else start
     if num_tokens <= 0:
         raise InvalidArgument("num_tokens", num_tokens, "must be positive")
-    need_r, need_l = blocks_needed(num_tokens, remote_block_size), blocks_needed(num_tokens, local_block_size)
-    if r_ids.shape[0] < need_r:
-        raise InvalidArgument("remote block_ids", len(r_ids), f"cover fewer than num_tokens={num_tokens} (need {need_r} blocks of {remote_block_size})")
-    if l_ids.shape[0] < need_l:
-        raise InvalidArgument("local block_ids", len(l_ids), f"cover fewer than num_tokens={num_tokens} (need {need_l} blocks of {local_block_size})")
     big, small = max(remote_block_size, local_block_size), min(remote_block_size, local_block_size)
     if big % small:
         raise InvalidArgument("block_size", (remote_block_size, local_block_size), "one must divide the other")
+    for name, first, bs in (("remote first_token", remote_first, remote_block_size), ("local first_token", local_first, local_block_size)):
+        if first < 0 or first % bs:
+            raise InvalidArgument(name, first, f"must be a multiple of the block size {bs}")
+        if first > start:
+            raise InvalidArgument(name, first, f"starts after token {start}, the first this transfer needs")
+    if start % small or start >= num_tokens:
+        raise InvalidArgument("start", start, f"must be a multiple of {small} below num_tokens={num_tokens}")
+    need_r = blocks_needed(num_tokens - remote_first, remote_block_size)
+    need_l = blocks_needed(num_tokens - local_first, local_block_size)
+    if r_ids.shape[0] < need_r:
+        raise InvalidArgument("remote block_ids", len(r_ids), f"cover fewer than num_tokens={num_tokens} from token {remote_first} (need {need_r} blocks of {remote_block_size})")
+    if l_ids.shape[0] < need_l:
+        raise InvalidArgument("local block_ids", len(l_ids), f"cover fewer than num_tokens={num_tokens} from token {local_first} (need {need_l} blocks of {local_block_size})")
     k_r, k_l = remote_block_size // small, local_block_size // small
     k = big // small
-    units = blocks_needed(num_tokens, small)
+    units = blocks_needed(num_tokens - start, small)
     u_idx = np.arange(units, dtype=np.int64)
-    r_block, r_slot = r_ids[u_idx // k_r], u_idx % k_r
-    l_block, l_slot = l_ids[u_idx // k_l], u_idx % k_l
+    # Each side's unit index counts from its own first token.
+    r_u, l_u = u_idx + (start - remote_first) // small, u_idx + (start - local_first) // small
+    r_block, r_slot = r_ids[r_u // k_r], r_u % k_r
+    l_block, l_slot = l_ids[l_u // k_l], l_u % k_l
     r_addr, l_addr = r_block * k_r + r_slot, l_block * k_l + l_slot
 
     # Runs of units contiguous on both sides.

@@ -71,3 +71,8 @@ class Offer:
     capability: bytes
     block_ids: tuple[tuple[int, ...], ...]  # per KV cache group
     num_tokens: int
+    # per group: the token its first block starts at (empty: all 0)
+    first_tokens: tuple[int, ...] = ()
+
+    def first_token(self, group: int) -> int:
+        return self.first_tokens[group] if group < len(self.first_tokens) else 0

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.groups import FULL_ATTENTION, GroupKind
 
 CANONICAL: tuple[str, ...] = ("kv", "block", "token", "head", "dim")
 KNOWN_DIMS = frozenset(CANONICAL) | {"span"}
@@ -235,6 +236,7 @@ class GroupSpec:
     group_id: int
     spec: KVCacheSpec
     layers: tuple[LayerSpec, ...]
+    kind: GroupKind = FULL_ATTENTION
 
     @property
     def layer_indices(self) -> tuple[int, ...]:
@@ -380,7 +382,7 @@ def fingerprint(model: ModelInfo, groups: Sequence[GroupSpec]) -> str:
     h.update(f"layers={model.num_layers};heads={model.total_num_kv_heads}".encode())
     for g in sorted(groups, key=lambda g: g.group_id):
         s = g.spec
-        h.update(f";g{g.group_id}:hs={s.head_size},dt={s.dtype},mla={s.use_mla},op={s.opaque},sf={s.span_format}".encode())
+        h.update(f";g{g.group_id}:hs={s.head_size},dt={s.dtype},mla={s.use_mla},op={s.opaque},sf={s.span_format},k={g.kind}".encode())
     return h.hexdigest()[:16]
 
 
@@ -397,6 +399,9 @@ def compat_fields(model: ModelInfo, groups: Sequence[GroupSpec]) -> Mapping[str,
         fields[f"group[{g.group_id}].dtype"] = s.dtype
         fields[f"group[{g.group_id}].use_mla"] = s.use_mla
         fields[f"group[{g.group_id}].opaque"] = s.opaque
+        # Groups that attend differently need different tokens: never paired.
+        fields[f"group[{g.group_id}].kind"] = g.kind.name
+        fields[f"group[{g.group_id}].window_tokens"] = g.kind.window
         if s.opaque:
             fields[f"group[{g.group_id}].span_size"] = s.span_size
             fields[f"group[{g.group_id}].span_format"] = s.span_format

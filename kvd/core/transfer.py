@@ -200,8 +200,12 @@ def plan_pull(
     local_block_ids: Sequence[Sequence[int]],
     segment_bytes: int = DEFAULT_SEGMENT_BYTES,
     zero_copy_min_bytes: int = 0,
+    local_first_tokens: Sequence[int] = (),
 ) -> list[RankRead]:
-    """Every read one local rank makes for one request."""
+    """Every read one local rank makes for one request.
+
+    Each group moves only the tokens decode needs of it (see ``core.groups``),
+    from the later of that and the token its local ids start at."""
     if len(local_block_ids) != len(local_group_specs):
         raise InvalidArgument("local_block_ids", f"<{len(local_block_ids)} groups>", f"must give one list per KV cache group ({len(local_group_specs)})")
     if len(params.block_ids) != len(local_group_specs):
@@ -223,8 +227,9 @@ def plan_pull(
             layers = [idx for idx in lspec.layer_indices if idx in wanted and idx in rgroup.layer_indices]
             if not layers:
                 continue
-            remote_ids = list(params.block_ids[gi])
-            _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, params.num_tokens, remote_ids, local_block_ids[gi], target,
+            tokens = TokenRange(params.num_tokens, params.first_token(gi), local_first_tokens[gi] if gi < len(local_first_tokens) else 0,
+                                group_start(lspec, params.num_tokens, local_first_tokens[gi] if gi < len(local_first_tokens) else 0))
+            _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, tokens, list(params.block_ids[gi]), local_block_ids[gi], target,
                         segment_bytes, zero_copy_min_bytes or segment_bytes)
         if sinks:
             read = DataRead(
@@ -235,6 +240,31 @@ def plan_pull(
             )
             reads.append(RankRead(target, read, sinks))
     return reads
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """One group's tokens in one pull: each side's ids start at its
+    ``*_first`` token, and ``[start, num_tokens)`` moves."""
+
+    num_tokens: int
+    remote_first: int
+    local_first: int
+    start: int
+
+
+def group_start(group: GroupSpec, num_tokens: int, local_first: int) -> int:
+    """The first token a pull moves for ``group``: what decode needs of it,
+    from the reader's first block on."""
+    return max(local_first, group.kind.first_needed_block_token(num_tokens, group.spec.block_size))
+
+
+def skipped_bytes(group: GroupSpec, num_tokens: int, local_first: int, held: int) -> int:
+    """Bytes of ``group`` (this rank's heads, all its layers) that full
+    attention would have moved, from the ``held`` tokens decode already has,
+    and its kind does not (a window's leading tokens)."""
+    skipped = max(0, group_start(group, num_tokens, local_first) - held)
+    return skipped * group.spec.bytes_per_block_per_layer // group.spec.block_size * len(group.layers)
 
 
 # By default a contiguous extent gets segments of its own only when it fills
@@ -251,7 +281,7 @@ def _plan_group(
     ltensors: GroupTensors,
     rgroup: GroupSpec,
     layers: list[int],
-    num_tokens: int,
+    tokens: TokenRange,
     remote_ids: Sequence[int],
     local_ids: Sequence[int],
     target: ReadTarget,
@@ -272,7 +302,8 @@ def _plan_group(
     kv_outer = rspec.parts_per_layer == 2 or ("kv" in rspec.layout and rspec.layout.index("kv") < rspec.layout.index("block"))
     planes = num_kv if kv_outer else 1
     fine_max_units = max(1, segment_bytes // (unit_plane_bytes * (num_kv // planes)))
-    ext: Extents = plan_extents(remote_ids, rspec.block_size, list(local_ids), lspec.block_size, num_tokens, max_units=fine_max_units)
+    ext: Extents = plan_extents(remote_ids, rspec.block_size, list(local_ids), lspec.block_size, tokens.num_tokens, max_units=fine_max_units,
+                                remote_first=tokens.remote_first, local_first=tokens.local_first, start=tokens.start)
     coarse_layers = max(1, min(len(layers), segment_bytes // max(1, unit_plane_bytes * num_kv)))
     r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
     l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}

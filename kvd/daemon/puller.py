@@ -25,13 +25,14 @@ from kvd.convert import offer_from_pb, worker_from_pb
 from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
+from kvd.core.groups import FULL
 from kvd.core.leases import RankKey, check_unique
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
 from kvd.core.spec import WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
-from kvd.core.transfer import plan_pull
+from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
@@ -106,6 +107,9 @@ class Puller:
             if bad:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}]", bad[0], f"is outside the registered range [0, {g.spec.num_blocks})")
             check_unique(f"local_block_ids[{g.group_id}]", np.asarray(ids.ids, dtype=np.int64))
+            if ids.first_token % g.spec.block_size or ids.first_token >= p.num_tokens:
+                raise InvalidArgument(f"local_block_ids[{g.group_id}].first_token", ids.first_token,
+                                      f"must be a multiple of the block size {g.spec.block_size} below params.num_tokens={p.num_tokens}")
         worker = reg.worker
         key = ((worker.tp_rank, worker.pp_rank), req.request_id)
         if key in self.pulls:
@@ -221,6 +225,7 @@ class Puller:
                     local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                     local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
                     local_block_ids=local_ids, segment_bytes=d.config.segment_bytes,
+                    local_first_tokens=[b.first_token for b in req.local_block_ids],
                 )
                 break
             except Incompatible as e:
@@ -229,6 +234,10 @@ class Puller:
                 # Our view of the remote engine predates a rank it registered since: look again.
                 d.handshakes.drop_peer(req.params.remote_engine_id)
                 peer = await d.handshakes.peer_for(req.params)
+        firsts = [b.first_token for b in req.local_block_ids]
+        for g, first in zip(reg.groups, firsts, strict=True):
+            if g.kind.name != FULL:
+                d.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, offer.num_tokens, first, min(firsts)))
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)

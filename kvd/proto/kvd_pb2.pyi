@@ -55,14 +55,18 @@ class LayerRegistration(_message.Message):
     def __init__(self, name: _Optional[str] = ..., layer_index: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorView, _Mapping]]] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("group_id", "spec", "layers")
+    __slots__ = ("group_id", "spec", "layers", "kind", "window_tokens")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     spec: KVCacheSpec
     layers: _containers.RepeatedCompositeFieldContainer[LayerRegistration]
-    def __init__(self, group_id: _Optional[int] = ..., spec: _Optional[_Union[KVCacheSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerRegistration, _Mapping]]] = ...) -> None: ...
+    kind: str
+    window_tokens: int
+    def __init__(self, group_id: _Optional[int] = ..., spec: _Optional[_Union[KVCacheSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerRegistration, _Mapping]]] = ..., kind: _Optional[str] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("region_id", "size_bytes", "shm", "cuda_ipc")
@@ -159,10 +163,12 @@ class UnregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockIds(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "first_token")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    first_token: int
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
     __slots__ = ("remote_engine_id", "remote_address", "remote_epoch", "request_id", "generation", "capability", "block_ids", "num_tokens", "remote_tp_size", "remote_pp_size", "lease_seconds")

@@ -42,12 +42,14 @@ def expected(
     head_start: int,
     dim: int,
     dtype: torch.dtype,
+    first_token: int = 0,
 ) -> torch.Tensor:
-    """(layer, kv, block, token, head, dim) values, as ``dtype`` bits."""
+    """(layer, kv, block, token, head, dim) values, as ``dtype`` bits; the
+    first block holds the request's tokens from ``first_token`` on."""
     i64 = torch.int64
     layer = torch.tensor(list(layers), dtype=i64).view(-1, 1, 1, 1, 1, 1)
     kv = torch.arange(num_kv, dtype=i64).view(1, -1, 1, 1, 1, 1)
-    tok = (torch.arange(nblocks, dtype=i64).view(-1, 1) * tokens_per_block + torch.arange(tokens_per_block, dtype=i64)).view(1, 1, nblocks, tokens_per_block, 1, 1)
+    tok = (first_token + torch.arange(nblocks, dtype=i64).view(-1, 1) * tokens_per_block + torch.arange(tokens_per_block, dtype=i64)).view(1, 1, nblocks, tokens_per_block, 1, 1)
     head = (torch.arange(heads, dtype=i64) + head_start).view(1, 1, 1, 1, -1, 1)
     d = torch.arange(dim, dtype=i64).view(1, 1, 1, 1, 1, -1)
     v = seed * _P[0] + layer * _P[1] + kv * _P[2] + tok * _P[3] + head * _P[4] + d * _P[5]
@@ -66,19 +68,20 @@ def _views(group: GroupTensors) -> list[tuple[int | None, list[tuple[int, torch.
     return out
 
 
-def _expected_for(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords) -> torch.Tensor:
+def _expected_for(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, first_token: int = 0) -> torch.Tensor:
     spec = group.spec
     tokens = 1 if spec.opaque else spec.block_size
     dim = spec.span_size if spec.opaque else spec.head_size
     return expected(
         seed, group.layer_indices, spec.num_kv, len(block_ids), tokens, spec.num_kv_heads, coords.head_start, dim,
-        move_dtype(spec.dtype),
+        move_dtype(spec.dtype), first_token,
     )
 
 
-def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords) -> None:
-    """Write the request's values into its blocks of every layer."""
-    exp = _expected_for(group, seed, block_ids, coords)
+def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, first_token: int = 0) -> None:
+    """Write the request's values into its blocks of every layer (the
+    first block holding the tokens from ``first_token`` on)."""
+    exp = _expected_for(group, seed, block_ids, coords, first_token)
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
     for kv, runs in _views(group):
         plane = exp if kv is None else exp[:, kv : kv + 1]
@@ -87,13 +90,14 @@ def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankC
             view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
 
 
-def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int) -> str | None:
-    """None when every valid token of every block matches; else the first difference."""
+def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int, first_token: int = 0) -> str | None:
+    """None when every valid token of every block matches; else the first
+    difference. The first block holds the tokens from ``first_token`` on."""
     spec = group.spec
-    exp = _expected_for(group, seed, block_ids, coords)
+    exp = _expected_for(group, seed, block_ids, coords, first_token)
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
     tokens = 1 if spec.opaque else spec.block_size
-    valid = (torch.arange(len(block_ids)).view(-1, 1) * tokens + torch.arange(tokens)) < (num_tokens if not spec.opaque else len(block_ids))
+    valid = (first_token + torch.arange(len(block_ids)).view(-1, 1) * tokens + torch.arange(tokens)) < (num_tokens if not spec.opaque else len(block_ids))
     for kv, runs in _views(group):
         plane = exp if kv is None else exp[:, kv : kv + 1]
         for i, view in runs:
