@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvd.core.errors import InvalidArgument
-from kvd.integrations.kv_params import Publication, is_kvd_load, load_request, make_params
+from kvd.integrations.kv_params import (
+    GroupBlocks,
+    Publication,
+    group_blocks,
+    is_kvd_load,
+    load_request,
+    make_params,
+)
 from kvd.integrations.pd_proxy import decode_request, prefill_request
 
 
@@ -17,39 +24,45 @@ def _params(block_ids=(3, 4, 5), num_tokens=300) -> dict:
 def test_params_round_trip_into_a_pull():
     params = _params()
     assert is_kvd_load(params)
-    load = load_request("d-req", params, [[7, 8, 9]], block_size=128)
+    load = load_request("d-req", params, [GroupBlocks(0, (7, 8, 9))], [128])
     p = load.params
     assert (p.remote_engine_id, p.remote_address, p.request_id) == ("prefill", "10.0.0.7:50051", "cmpl-1-abcd")
-    assert list(p.block_ids[0].ids) == [3, 4, 5] and p.num_tokens == 300
+    assert list(p.block_ids[0].ids) == [3, 4, 5] and p.block_ids[0].first_token == 0 and p.num_tokens == 300
     assert p.capability == bytes(range(32)) and p.generation == 0 and p.remote_epoch == ""
     assert (p.remote_tp_size, p.lease_seconds) == (2, 30.0)
-    assert load.local_block_ids == ((7, 8, 9),)
+    assert load.local_block_ids == ((7, 8, 9),) and load.local_first_tokens == (0,)
 
 
-def test_a_local_prefix_hit_reads_only_the_tail_of_p_blocks():
-    load = load_request("d", _params(), [[9]], block_size=128)
-    assert list(load.params.block_ids[0].ids) == [5]
-    assert load.params.num_tokens == 300 - 2 * 128
+def test_a_local_prefix_hit_starts_decode_later_and_p_stays_whole():
+    # D holds 256 tokens already: its one block starts there; tokens are the
+    # prompt's own positions, so P's list is not cut.
+    load = load_request("d", _params(), [GroupBlocks(256, (9,))], [128])
+    assert list(load.params.block_ids[0].ids) == [3, 4, 5] and load.params.num_tokens == 300
+    assert load.local_first_tokens == (256,)
+    # Other block sizes: D of 64-token blocks from token 128 needs 3 blocks for the 172 tokens left.
+    load = load_request("d", _params(), [GroupBlocks(128, (20, 21, 22, 23))], [64])
+    assert load.local_block_ids == ((20, 21, 22),) and load.local_first_tokens == (128,)
 
 
-def test_other_block_sizes_pair_by_tokens_from_d_prefix_hit():
-    # P: 3 blocks of 128 for 300 tokens. D with 64-token blocks holds 128 tokens already:
-    # it reads P's blocks from the second on, 172 tokens, into ceil(172 / 64) = 3 blocks.
-    load = load_request("d", _params(), [[20, 21, 22, 23]], block_size=64, hit_tokens=128)
-    assert list(load.params.block_ids[0].ids) == [4, 5] and load.params.num_tokens == 172
-    assert load.local_block_ids == ((20, 21, 22),)
-    # D with 256-token blocks and no hit: all of P's blocks into two of D's.
-    load = load_request("d", _params(), [[30, 31]], block_size=256, hit_tokens=0)
-    assert list(load.params.block_ids[0].ids) == [3, 4, 5] and load.local_block_ids == ((30, 31),)
-    # A hit that ends inside one of P's blocks cannot be read from P (it would write D's cached blocks).
-    with pytest.raises(InvalidArgument, match="hit_tokens=64 ends inside a remote block of 128"):
-        load_request("d", _params(), [[20, 21, 22, 23]], block_size=64, hit_tokens=64)
-    with pytest.raises(InvalidArgument, match="hit_tokens"):  # block sizes differ: the hit must be given
-        load_request("d", _params(), [[20, 21, 22]], block_size=64)
+def test_vllm_group_lists_drop_null_blocks_before_a_window_and_blocks_past_the_prompt():
+    # A sliding-window group of 16-token blocks: vLLM nulled the first 14.
+    assert group_blocks([0] * 14 + [41, 42, 43, 44, 45], 16, 300) == GroupBlocks(224, (41, 42, 43, 44, 45))
+    assert group_blocks([5, 6, 7, 8], 128, 300) == GroupBlocks(0, (5, 6, 7))
+    assert group_blocks([0, 0], 16, 32) == GroupBlocks(32, ())
+
+
+def test_window_groups_round_trip_their_first_tokens():
+    pub = Publication("r", ((1, 2, 3), (41, 42)), 300, bytes(32), 0.0, (0, 224))
+    params = make_params(pub, engine_id="p", address="h:1", tp_size=1, pp_size=1, block_size=128)
+    load = load_request("d", params, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(256, (50,))], [128, 128])
+    assert [b.first_token for b in load.params.block_ids] == [0, 224]
+    assert load.local_first_tokens == (0, 256)
+    with pytest.raises(InvalidArgument, match="first_token"):
+        load_request("d", params, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(384, (50,))], [128, 128])
 
 
 def test_blocks_allocated_past_the_prompt_are_not_written():
-    load = load_request("d", _params(), [[1, 2, 3, 4]], block_size=128)
+    load = load_request("d", _params(), [GroupBlocks(0, (1, 2, 3, 4))], [128])
     assert load.local_block_ids == ((1, 2, 3),)
 
 
@@ -62,7 +75,7 @@ def test_bad_params_name_the_field(mutate, field):
     params = _params()
     mutate(params)
     with pytest.raises(InvalidArgument) as e:
-        load_request("d", params, [[1, 2, 3]], block_size=128)
+        load_request("d", params, [GroupBlocks(0, (1, 2, 3))], [128])
     assert field in str(e.value)
 
 

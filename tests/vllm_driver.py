@@ -87,6 +87,13 @@ def wait_until(cond: Any, timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+def received_bytes(metrics_url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kvd_received_bytes_total"))
+
+
 def corrupt_prefill_cache(p_address: str) -> int:
     """Zero every shm region P's workers registered (valid numbers, wrong KV)."""
     import numpy as np
@@ -107,12 +114,17 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16"}
 
 
-def make_model(d: Path) -> None:
-    """Config and seeded N(0, sigma) weights, scaled so attention matters."""
+def make_model(d: Path, sliding_window: int = 0) -> None:
+    """Config and seeded N(0, sigma) weights, scaled so attention matters.
+    With ``sliding_window``, layer 0 attends to a window and layer 1 to
+    everything (vLLM's Llama reads ``layer_types``), a Gemma/gpt-oss-style
+    hybrid whose two KV cache groups vLLM's hybrid allocator keeps apart."""
     import torch
     from safetensors.torch import save_file
 
-    c = LLAMA
+    c = dict(LLAMA)
+    if sliding_window:
+        c |= {"sliding_window": sliding_window, "layer_types": ["sliding_attention", "full_attention"]}
     hidden, inter, vocab, heads, kv_heads, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     g = torch.Generator().manual_seed(0)
 
@@ -199,13 +211,16 @@ def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     p = engine(args.model, args.p_kvd, "kv_producer", tp=args.p_tp, block_size=args.p_block_size, dtype=args.dtype)
     # D recomputes a load that failed: its tokens must then still match.
     d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, block_size=args.d_block_size, dtype=args.dtype, failure_policy="recompute")
-    out: dict[str, Any] = {"tokens": []}
+    out: dict[str, Any] = {"tokens": [], "params": [], "received_bytes": []}
     *pd_prompts, control = prompts
     for prompt in pd_prompts:
         pre = generate(p, prompt, sampling(1, {"do_remote_decode": True}))
         rid = pre.kv_transfer_params["remote_request_id"]
+        out["params"].append(pre.kv_transfer_params)
         out["tokens"].append(list(generate(d, prompt, sampling(args.max_tokens, pre.kv_transfer_params)).outputs[0].token_ids))
         wait_until(lambda rid=rid: rid not in leases(args.p_kvd), 10, f"release of {rid}")
+        if args.d_metrics:  # D's bytes received so far, request by request
+            out["received_bytes"].append(received_bytes(args.d_metrics))
     # A load that fails: D asks for a block P never published, P refuses the
     # read, and D must tell P at once instead of leaving it to the lease (120 s).
     pre = generate(p, pd_prompts[0], sampling(1, {"do_remote_decode": True}))
@@ -213,7 +228,7 @@ def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     rid = params["remote_request_id"]
     wait_until(lambda: rid in leases(args.p_kvd), 10, f"publication of {rid}")
     ids = list(params["remote_block_ids"][0])
-    params["remote_block_ids"] = [[*ids[:-1], max(ids) + 1]]
+    params["remote_block_ids"] = [[*ids[:-1], max(ids) + 1], *params["remote_block_ids"][1:]]
     held = rid in leases(args.p_kvd)
     dec = generate(d, pd_prompts[0], sampling(args.max_tokens, params))
     out["failed_load"] = {"held_before": held, "tokens": list(dec.outputs[0].token_ids),
@@ -241,9 +256,11 @@ def main() -> None:
     ap.add_argument("--d-tp", type=int, default=1)
     ap.add_argument("--p-block-size", type=int, default=0)
     ap.add_argument("--d-block-size", type=int, default=0)
+    ap.add_argument("--d-metrics", default="", help="hetero: D daemon's /metrics URL, read after each request")
+    ap.add_argument("--sliding-window", type=int, default=0, help="make-model: a hybrid of a windowed and a full layer")
     args = ap.parse_args()
     if args.mode == "make-model":
-        make_model(Path(args.model))
+        make_model(Path(args.model), args.sliding_window)
         return
     prompts = json.loads(Path(args.prompts).read_text())
     t0 = time.monotonic()

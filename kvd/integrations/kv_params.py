@@ -20,6 +20,24 @@ BlockIds = tuple[tuple[int, ...], ...]  # per KV cache group
 
 
 @dataclass(frozen=True)
+class GroupBlocks:
+    """One KV cache group's blocks of a request: the ids that hold tokens,
+    from ``first_token`` on (vLLM's null blocks before a window dropped)."""
+
+    first_token: int
+    ids: tuple[int, ...]
+
+
+def group_blocks(ids: Sequence[int], block_size: int, num_tokens: int) -> GroupBlocks:
+    """A vLLM block list of one group, as kvd moves it: null blocks (id 0,
+    which vLLM puts before a sliding window or a chunk) are never read or
+    written, and blocks past ``num_tokens`` hold nothing of the prompt."""
+    ids = list(ids)[: -(-num_tokens // block_size)]
+    lead = next((i for i, b in enumerate(ids) if b != 0), len(ids))
+    return GroupBlocks(lead * block_size, tuple(ids[lead:]))
+
+
+@dataclass(frozen=True)
 class Publication:
     """What P's worker publishes for one finished prefill."""
 
@@ -28,6 +46,7 @@ class Publication:
     num_tokens: int
     capability: bytes
     lease_seconds: float
+    first_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,6 +56,7 @@ class LoadRequest:
     request_id: str
     local_block_ids: BlockIds
     params: pb.TransferParams
+    local_first_tokens: tuple[int, ...] = ()
 
 
 def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int, block_size: int) -> dict[str, Any]:
@@ -54,6 +74,7 @@ def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int,
         "pp_size": pp_size,
         "remote_num_tokens": pub.num_tokens,
         "remote_block_size": block_size,
+        "kvd_first_tokens": list(pub.first_tokens) or [0] * len(pub.block_ids),
         "kvd_capability": pub.capability.hex(),
         "kvd_lease_seconds": pub.lease_seconds,
     }
@@ -76,56 +97,45 @@ def check_params(params: Mapping[str, Any]) -> None:
     groups = params.get("remote_block_ids")
     if not isinstance(groups, list) or not groups:
         raise InvalidArgument("remote_block_ids", groups, "must be a non-empty list of per-group block id lists")
-    load_request("check", params, [[0] * max(1, len(g)) for g in groups], int(params.get("remote_block_size", 1) or 1))
+    load_request("check", params, [GroupBlocks(0, (1,)) for _ in groups], [1] * len(groups))
 
 
-def load_request(request_id: str, params: Mapping[str, Any], local_block_ids: Sequence[Sequence[int]], block_size: int, *,
-                 hit_tokens: int | None = None) -> LoadRequest:
-    """D's pull for ``params``: the prompt from token ``hit_tokens`` on, read
-    from P's blocks into D's newly allocated ones (block sizes may differ).
+def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[GroupBlocks], block_sizes: Sequence[int]) -> LoadRequest:
+    """D's pull for ``params``: per group, P's blocks into D's ``local`` ones.
 
-    D may already hold a prefix of the prompt in its own prefix cache
-    (``hit_tokens``, a multiple of D's block size); it allocates blocks only
-    for the rest, and reads P's blocks from there (NixlConnector does the
-    same). Without ``hit_tokens``, D's blocks pair with the tail of P's,
-    which needs one block size on both sides.
+    Tokens are the prompt's own positions on both sides, so D may start
+    later than P in any group: after a prefix it holds in its own cache, or
+    at a window (block sizes may differ). Only the blocks up to the prompt's
+    end are read into.
     """
     try:
         remote = [list(map(int, g)) for g in params["remote_block_ids"]]
         num_tokens = int(params["remote_num_tokens"])
-        remote_block_size = int(params.get("remote_block_size", block_size))
+        firsts = [int(x) for x in params.get("kvd_first_tokens", [0] * len(remote))]
         capability = bytes.fromhex(str(params["kvd_capability"]))
         address = f"{params['remote_host']}:{int(params['remote_port'])}"
         engine_id, request_id = str(params["remote_engine_id"]), str(params["remote_request_id"])
     except KeyError as e:
         raise InvalidArgument("kv_transfer_params", sorted(params), f"lacks {e.args[0]!r}") from None
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise InvalidArgument("kv_transfer_params", dict(params), f"has a malformed value: {e}") from None
-    if len(remote) != len(local_block_ids):
-        raise InvalidArgument("remote_block_ids", f"<{len(remote)} groups>", f"must match the {len(local_block_ids)} local KV cache groups")
-    if remote_block_size <= 0:
-        raise InvalidArgument("remote_block_size", remote_block_size, "must be positive")
-    if hit_tokens is None:
-        if remote_block_size != block_size:
-            raise InvalidArgument("hit_tokens", None, f"must be given when block sizes differ (local {block_size}, remote {remote_block_size})")
-        hit_tokens = max(0, len(remote[0]) - len(local_block_ids[0])) * block_size if remote else 0
-    if hit_tokens % remote_block_size:
-        raise InvalidArgument("hit_tokens", hit_tokens, f"ends inside a remote block of {remote_block_size} tokens")
-    tokens = num_tokens - hit_tokens
-    if tokens <= 0:
-        raise InvalidArgument("remote_num_tokens", num_tokens, f"leaves nothing after the {hit_tokens} tokens D already holds")
-    skip, need = hit_tokens // remote_block_size, -(-tokens // block_size)
-    local: list[list[int]] = []
-    trimmed_remote: list[list[int]] = []
-    for g, (r, l_ids) in enumerate(zip(remote, local_block_ids, strict=True)):
-        if not l_ids:
+    if len(remote) != len(local):
+        raise InvalidArgument("remote_block_ids", f"<{len(remote)} groups>", f"must match the {len(local)} local KV cache groups")
+    if len(firsts) != len(remote):
+        raise InvalidArgument("kvd_first_tokens", firsts, f"must give one token per group ({len(remote)})")
+    if num_tokens <= 0:
+        raise InvalidArgument("remote_num_tokens", num_tokens, "must be positive")
+    ids: list[tuple[int, ...]] = []
+    for g, (mine, bs) in enumerate(zip(local, block_sizes, strict=True)):
+        if not mine.ids:
             raise InvalidArgument(f"local_block_ids[{g}]", [], "is empty: nothing to load")
-        local.append(list(l_ids)[:need])  # blocks allocated past the prompt hold nothing of P's
-        trimmed_remote.append(r[skip:])
+        if mine.first_token >= num_tokens:
+            raise InvalidArgument(f"local_block_ids[{g}].first_token", mine.first_token, f"leaves nothing of remote_num_tokens={num_tokens} to load")
+        ids.append(mine.ids[: -(-(num_tokens - mine.first_token) // bs)])  # blocks past the prompt hold nothing of P's
     tp = pb.TransferParams(
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
-        block_ids=[pb.BlockIds(ids=ids) for ids in trimmed_remote], num_tokens=tokens,
+        block_ids=[pb.BlockIds(ids=r, first_token=f) for r, f in zip(remote, firsts, strict=True)], num_tokens=num_tokens,
         remote_tp_size=int(params.get("tp_size", 1)), remote_pp_size=int(params.get("pp_size", 1)),
         lease_seconds=float(params.get("kvd_lease_seconds", 0.0)),
     )
-    return LoadRequest(request_id, tuple(tuple(g) for g in local), tp)
+    return LoadRequest(request_id, tuple(ids), tp, tuple(m.first_token for m in local))

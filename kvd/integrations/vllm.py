@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.request import RequestStatus
 
@@ -63,7 +64,6 @@ from kvd.auth import AuthConfig
 from kvd.caches import (
     KVCacheTensors,
     adopt_into_shm,
-    cpu_attention_parts,
     layer_index_of,
     release_all,
 )
@@ -76,16 +76,27 @@ from kvd.client import (
 )
 from kvd.errors import KvdError
 from kvd.integrations.kv_params import (
+    GroupBlocks,
     LoadRequest,
     Publication,
     check_params,
+    group_blocks,
     is_kvd_load,
     load_request,
     make_params,
     release_params,
 )
+from kvd.integrations.vllm_caches import (
+    cpu_cache_registration,
+    layer_groups,
+    request_amx_permission,
+)
 from kvd.proto import kvd_pb2 as pb
-from kvd.spec import CPU_ATTENTION_PARTS, NAMED_LAYOUTS, KVCacheSpec, ModelInfo, WorkerId
+from kvd.spec import (
+    KVCacheSpec,
+    ModelInfo,
+    WorkerId,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,14 +139,18 @@ class _Settings:
         return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth)
 
 
-class KvdConnector(KVConnectorBase_V1):
-    """vLLM's connector API on top of a kvd daemon; one object per role."""
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector API on top of a kvd daemon; one object per role.
+
+    It supports vLLM's hybrid allocator (HMA), so a model whose layers attend
+    differently keeps one block table per KV cache group: a sliding-window
+    group holds, and kvd moves, only its last window."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = _Settings.from_vllm(vllm_config)
-        self._scheduler = _SchedulerSide(vllm_config, settings) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = _WorkerSide(vllm_config, settings) if role == KVConnectorRole.WORKER else None
+        self._scheduler = _SchedulerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -152,8 +167,16 @@ class KvdConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A load restores the request's own blocks in every group.
+        assert self._scheduler is not None
+        return tuple(range(len(self._scheduler.block_sizes)))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -206,10 +229,30 @@ class KvdConnector(KVConnectorBase_V1):
             self._worker.shutdown()
 
 
+def _group_block_sizes(vllm_config: VllmConfig, kv_cache_config: Any) -> list[int]:
+    """Tokens per block of each KV cache group, in vLLM's group order."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups:
+        return [int(g.kv_cache_spec.block_size) for g in groups]
+    return [int(vllm_config.cache_config.block_size)]
+
+
+def _loadable(blocks: Any, block_size: int) -> GroupBlocks:
+    """D's blocks of one group that a load fills: neither in its own prefix
+    cache (hashed) nor null (before a window); they run to the end."""
+    kept = [(i, b.block_id) for i, b in enumerate(blocks) if b.block_hash is None and not b.is_null]
+    if not kept:
+        return GroupBlocks(len(blocks) * block_size, ())
+    if [i for i, _ in kept] != list(range(kept[0][0], kept[0][0] + len(kept))):
+        raise KvdError(f"blocks to load are not one run: positions {[i for i, _ in kept][:8]}")
+    return GroupBlocks(kept[0][0] * block_size, tuple(b for _, b in kept))
+
+
 class _SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, settings: _Settings) -> None:
+    def __init__(self, vllm_config: VllmConfig, settings: _Settings, kv_cache_config: Any = None) -> None:
         self.settings = settings
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_sizes = _group_block_sizes(vllm_config, kv_cache_config)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self._engine_id = ""
@@ -256,14 +299,15 @@ class _SchedulerSide:
             return
         assert params is not None
         if num_external_tokens > 0:
-            local = blocks.get_unhashed_block_ids()
+            self._hit_tokens.pop(request.request_id, None)
+            mine = [b for g in blocks.get_unhashed_block_ids_all_groups() for b in g]
             try:
-                self._to_load[request.request_id] = load_request(request.request_id, params, [local], self.block_size,
-                                                                 hit_tokens=self._hit_tokens.pop(request.request_id, None))
-            except KvdError as e:
+                local = [_loadable(g, bs) for g, bs in zip(blocks.blocks, self.block_sizes, strict=True)]
+                self._to_load[request.request_id] = load_request(request.request_id, params, local, self.block_sizes)
+            except (KvdError, ValueError) as e:
                 # Already claimed as a load: vLLM must hear it failed, with its blocks.
-                log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, e.message)
-                self._failed_loads[request.request_id] = tuple(local)
+                log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, getattr(e, "message", e))
+                self._failed_loads[request.request_id] = tuple(mine)
                 with contextlib.suppress(KvdError):  # and P need not hold what we will not read
                     self._to_release[request.request_id] = release_params(params)
         else:
@@ -279,10 +323,10 @@ class _SchedulerSide:
         self._to_publish, self._to_load, self._failed_loads, self._to_release = {}, {}, {}, {}
         return meta
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         self._hit_tokens.pop(request.request_id, None)  # matched, but ended before its blocks were allocated
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not block_ids:
+        if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not any(block_ids):
             return False, None
         try:
             engine_id = self.engine_id
@@ -290,10 +334,13 @@ class _SchedulerSide:
             # No daemon, no transfer: free the blocks now; D will find nothing to load.
             log.error("kvd: daemon at %s unreachable, request %s is not offered to decode: %s", self.settings.address, request.request_id, e.message)
             return False, None
-        num_tokens = min(int(request.num_computed_tokens), len(block_ids) * self.block_size)
+        num_tokens = min(int(request.num_computed_tokens), *(len(ids) * bs for ids, bs in zip(block_ids, self.block_sizes, strict=True)))
+        # Each group from its first real block: a window's null blocks hold nothing.
+        groups = [group_blocks(ids, bs, num_tokens) for ids, bs in zip(block_ids, self.block_sizes, strict=True)]
         # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
         lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
-        pub = Publication(request.request_id, (tuple(block_ids),), num_tokens, secrets.token_bytes(32), lease)
+        pub = Publication(request.request_id, tuple(g.ids for g in groups), num_tokens, secrets.token_bytes(32), lease,
+                          tuple(g.first_token for g in groups))
         self._to_publish[request.request_id] = pub
         out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
                           block_size=self.block_size)
@@ -301,66 +348,14 @@ class _SchedulerSide:
         return True, out
 
 
-def _request_amx_permission() -> None:
-    """Ask Linux for AMX tile state now, before kvd's gRPC client starts threads.
-
-    vLLM's CPU attention uses AMX for bfloat16 and asks for the permission
-    lazily (arch_prctl ARCH_REQ_XCOMP_PERM). The kernel refuses it once the
-    process has a thread whose signal stack is too small for AMX state, and
-    the first AMX instruction then dies with SIGILL. Asking first is harmless
-    where there is no AMX (the call just fails).
-    """
-    import ctypes
-    import platform
-
-    if platform.machine() != "x86_64":
-        return
-    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata)
-
-
-# CPU attention kernels whose span order CPU_ATTENTION_PARTS describes (K
-# transposed, V row-major): vLLM's vec and vec16, and NEON's FMLA path. AMX
-# and NEON's BFMMLA tile K and V for their matrix units.
-_STRIDED_CPU_KERNELS = {"vec", "vec16"}
-
-
-def _cpu_attention_isa(vc: VllmConfig, block_size: int, head_size: int) -> str:
-    """The kernel vLLM's CPU attention picks for these caches (it decides the span's order)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:
-        return "unknown"
-    return str(_get_attn_isa(vc.model_config.dtype, block_size, head_size, vc.cache_config.cache_dtype))
-
-
-def _cpu_cache_registration(vc: VllmConfig, caches: Mapping[str, torch.Tensor]) -> tuple[KVCacheSpec, dict[str, KVCacheTensors], Any]:
-    """vLLM's CPU caches, [blocks, heads, tokens, 2*head_size] per layer, as kvd
-    registers them: two strided parts where the kernel's span order is known,
-    so block-size changes and head slices are kvd's ordinary relayout; else an
-    opaque span tagged with its kernel, which pairs only with its own kind."""
-    first = next(iter(caches.values()))
-    blocks, heads, tokens, width = first.shape
-    dtype = str(first.dtype).removeprefix("torch.")
-    isa = _cpu_attention_isa(vc, tokens, width // 2)
-    neon_fmla = isa == "neon" and dtype != "bfloat16"
-    if isa in _STRIDED_CPU_KERNELS or neon_fmla:
-        spec = KVCacheSpec(block_size=tokens, num_kv_heads=heads, head_size=width // 2, dtype=dtype,
-                           layout=NAMED_LAYOUTS["CPU"], num_blocks=blocks)
-        return spec, {name: cpu_attention_parts(t) for name, t in caches.items()}, CPU_ATTENTION_PARTS
-    log.info("kvd: CPU attention kernel %s tiles its cache: moving whole spans (block sizes must match)", isa)
-    spec = KVCacheSpec(block_size=tokens, num_kv_heads=heads, head_size=width // 2, dtype=dtype, layout=NAMED_LAYOUTS["OPAQUE"],
-                       num_blocks=blocks, span_size=tokens * width, span_format=f"vllm-cpu-{isa}-{dtype}")
-    return spec, {name: t.view(blocks, heads, tokens * width) for name, t in caches.items()}, NAMED_LAYOUTS["OPAQUE"]
-
-
 class _WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, settings: _Settings) -> None:
+    def __init__(self, vllm_config: VllmConfig, settings: _Settings, kv_cache_config: Any = None) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.settings = settings
         self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self._num_groups = 1
         self.tp_rank = int(get_tensor_model_parallel_rank())
         self.pp_rank = int(get_pp_group().rank_in_group)
         self.client: KvdClient | None = None
@@ -376,36 +371,33 @@ class _WorkerSide:
         self._loading: dict[str, set[int]] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        _request_amx_permission()
+        request_amx_permission()
         vc = self.vllm_config
         engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
         worker = WorkerId(engine_id, self.tp_rank, vc.parallel_config.tensor_parallel_size, self.pp_rank, vc.parallel_config.pipeline_parallel_size)
-        # Layers that share one cache (KV sharing) are moved once.
-        unique: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, tuple[int, ...]]] = set()
-        for name, t in kv_caches.items():
-            key = (t.data_ptr(), tuple(t.shape))
-            if key not in seen:
-                seen.add(key)
-                unique[name] = t
-        first = next(iter(unique.values()))
+        by_group = layer_groups(self.kv_cache_config, kv_caches)
+        self._num_groups = len(by_group)
+        first = next(iter(by_group[0][1].values()))
         model = ModelInfo(vc.model_config.get_total_num_hidden_layers(), vc.model_config.get_total_num_kv_heads())
         client = KvdClient(self.settings.address, worker, auth=self.settings.auth)
         client.wait_ready()
+        groups: list[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]] = []
         if first.is_cuda:
             # FlashAttention [2, blocks, tokens, heads, dim]; FlashInfer puts blocks first.
             dims: tuple[str, ...] | tuple[tuple[str, ...], ...] = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
-            spec = infer_spec_from_tensors(unique, dims=dims)  # type: ignore[arg-type]
-            groups: Mapping[str, KVCacheTensors] = unique
+            groups = [(infer_spec_from_tensors(caches, dims=dims), caches) for _, caches in by_group]  # type: ignore[arg-type]
         else:
-            adopt_into_shm(unique)
-            spec, groups, dims = _cpu_cache_registration(vc, unique)
-        resp = client.register(groups, model, spec, dims=dims)
+            adopt_into_shm({f"{g}:{n}": t for g, (_, caches) in enumerate(by_group) for n, t in caches.items()})
+            for _, caches in by_group:
+                spec, parts, dims = cpu_cache_registration(vc, caches)
+                groups.append((spec, parts))
+        resp = client.register(groups, model, dims=dims, kinds=[kind for kind, _ in by_group])
         self.client = client
         self.feed = FinishedFeed(client).start()
-        log.info("kvd: registered %s with %s: %d layers, %d blocks of %d tokens, %.1f MiB (layer order %s)", worker, self.settings.address,
-                 len(groups), spec.num_blocks, spec.block_size, resp.registered_bytes / 2**20,
-                 [layer_index_of(n, i) for i, n in enumerate(groups)][:4])
+        for (kind, _), (spec, registered) in zip(by_group, groups, strict=True):
+            log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d tokens (layer order %s)", worker, self.settings.address,
+                     kind, len(registered), spec.num_blocks, spec.block_size, [layer_index_of(n, i) for i, n in enumerate(registered)][:4])
+        log.info("kvd: %.1f MiB registered", resp.registered_bytes / 2**20)
 
     def start(self, meta: KvdConnectorMetadata) -> None:
         client = self.client
@@ -413,7 +405,8 @@ class _WorkerSide:
             return
         for rid, pub in meta.to_publish.items():
             try:
-                client.publish(rid, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds)
+                client.publish(rid, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
+                               first_tokens=pub.first_tokens)
                 self._sending.add(rid)
             except KvdError as e:
                 log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
@@ -429,7 +422,7 @@ class _WorkerSide:
             self._invalid.update(ids)
         for rid, load in meta.to_load.items():
             try:
-                client.pull(rid, load.params, load.local_block_ids)
+                client.pull(rid, load.params, load.local_block_ids, first_tokens=load.local_first_tokens)
                 self._loading[rid] = {i for g in load.local_block_ids for i in g}
             except KvdError as e:
                 log.error("kvd: pull of request %s refused: %s", rid, e.message)
@@ -473,6 +466,11 @@ class _WorkerSide:
 
     def take_invalid(self) -> set[int]:
         out, self._invalid = self._invalid, set()
+        if self._num_groups > 1:
+            # Block ids repeat across groups, so vLLM takes a failed load with
+            # several groups only as a request in failed_recving (already
+            # there): it then recomputes the whole prompt.
+            return set()
         return out
 
     def shutdown(self) -> None:
