@@ -108,37 +108,38 @@ def _blocks(first: int, bs: int, start: int) -> list[int]:
     return list(range(start, start + -(-(N - first) // bs)))
 
 
-@pytest.mark.parametrize("d_block", [16, 32])
-def test_a_sliding_window_group_moves_only_its_last_window(daemons, d_block):
+@pytest.mark.parametrize(("kind", "d_block"), [
+    (GroupKind(SLIDING_WINDOW, WINDOW), 16), (GroupKind(SLIDING_WINDOW, WINDOW), 32), (GroupKind(CHUNKED_LOCAL, 128), 32),
+], ids=["window-b16", "window-b32", "chunk128-b32"])
+def test_a_window_group_moves_only_what_decode_needs(daemons, kind, d_block):
     p, d = daemons.start("prefill"), daemons.start("decode")
-    window = GroupKind(SLIDING_WINDOW, WINDOW)
-    pc, p_full, p_sw = _hybrid_worker(p.grpc, "prefill", 16, window)
-    dc, d_full, d_sw = _hybrid_worker(d.grpc, "decode", d_block, window)
-    # P holds every token of the full group, and of the window group what
-    # vLLM keeps (from token 224, its null blocks dropped).
-    p_ids_full, p_first_sw = _blocks(0, 16, 1), 224
-    p_ids_sw = _blocks(p_first_sw, 16, 30)
+    pc, p_full, p_win = _hybrid_worker(p.grpc, "prefill", 16, kind)
+    dc, d_full, d_win = _hybrid_worker(d.grpc, "decode", d_block, kind)
+    start = kind.first_needed_block_token(N, d_block)  # 224 for the window, 256 for the chunk
+    # P holds every token of the full group, and of the other what vLLM
+    # keeps (its null blocks dropped): here from the same token.
+    p_ids_full, p_first = _blocks(0, 16, 1), kind.first_needed_block_token(N, 16)
+    p_ids_win = _blocks(p_first, 16, 30)
     pattern.fill(p_full, 5, p_ids_full, pattern.RankCoords(0))
-    pattern.fill(p_sw, 5, p_ids_sw, pattern.RankCoords(0), first_token=p_first_sw)
-    params = pc.publish("r", [p_ids_full, p_ids_sw], N, first_tokens=[0, p_first_sw])
-    # D offers every block of both groups; kvd fills the window group's only from the window on.
-    d_ids_full, d_ids_sw = _blocks(0, d_block, 1), _blocks(0, d_block, 30)
-    dc.pull("r", params, [d_ids_full, d_ids_sw])
+    pattern.fill(p_win, 5, p_ids_win, pattern.RankCoords(0), first_token=p_first)
+    params = pc.publish("r", [p_ids_full, p_ids_win], N, first_tokens=[0, p_first])
+    # D offers every block of both groups; kvd fills the window group's only from what decode needs.
+    d_ids_full, d_ids_win = _blocks(0, d_block, 1), _blocks(0, d_block, 30)
+    dc.pull("r", params, [d_ids_full, d_ids_win])
     f = dc.wait_finished(recving={"r"}, timeout=60)
     assert f.details[("recving", "r")].outcome == "done", f.details
-    start = window.first_needed_block_token(N, d_block)  # 224
     skip = start // d_block
     assert pattern.mismatch(d_full, 5, d_ids_full, pattern.RankCoords(0), N) is None
-    assert pattern.mismatch(d_sw, 5, d_ids_sw[skip:], pattern.RankCoords(0), N, first_token=start) is None
+    assert pattern.mismatch(d_win, 5, d_ids_win[skip:], pattern.RankCoords(0), N, first_token=start) is None
     # Negative control: the blocks before the window were not written, and
     # the check above would have seen a block that was.
-    assert pattern.mismatch(d_sw, 5, d_ids_sw[:skip], pattern.RankCoords(0), N) is not None
-    assert all(bool((view[:, :, d_ids_sw[:skip]] == 0).all()) for _kv, runs in pattern._views(d_sw) for _i, view in runs)
+    assert pattern.mismatch(d_win, 5, d_ids_win[:skip], pattern.RankCoords(0), N) is not None
+    assert all(bool((view[:, :, d_ids_win[:skip]] == 0).all()) for _kv, runs in pattern._views(d_win) for _i, view in runs)
     per_token = 2 * HEADS * 16 * 2  # K and V, heads, head size, bf16
-    full_bytes, sw_bytes = N * per_token * 2, (N - start) * per_token * 2
+    full_bytes, win_bytes = N * per_token * 2, (N - start) * per_token * 2
     moved = scrape(d.metrics_url, "kvd_received_bytes_total")
-    assert full_bytes + sw_bytes <= moved < full_bytes + sw_bytes + 2 * d_block * per_token * 2  # the last block's tail rides along
-    assert scrape(d.metrics_url, "kvd_window_skipped_bytes_total", kind=SLIDING_WINDOW) == start * per_token * 2
+    assert full_bytes + win_bytes <= moved < full_bytes + win_bytes + 2 * d_block * per_token * 2  # the last block's tail rides along
+    assert scrape(d.metrics_url, "kvd_window_skipped_bytes_total", kind=kind.name) == start * per_token * 2
 
 
 def test_decode_may_offer_only_the_window_and_prefill_must_hold_it(daemons):
@@ -161,6 +162,22 @@ def test_decode_may_offer_only_the_window_and_prefill_must_hold_it(daemons):
     detail = f.details[("recving", "r2")]
     assert detail.outcome == "failed" and "first_token" in detail.reason, detail
     assert f.invalid_block_ids == set(_blocks(0, 16, 1)) | set(_blocks(224, 16, 40))
+
+
+def test_a_window_that_would_part_fill_decodes_first_block_is_refused(daemons):
+    """P (16-token blocks) kept the window from token 224; D's 64-token block
+    from 192 would be left part written, and vLLM caches it by prefix hash."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    window = GroupKind(SLIDING_WINDOW, WINDOW)
+    pc, _, _ = _hybrid_worker(p.grpc, "prefill", 16, window)
+    dc, _, _ = _hybrid_worker(d.grpc, "decode", 64, window)
+    params = pc.publish("r", [_blocks(0, 16, 1), _blocks(224, 16, 30)], N, first_tokens=[0, 224])
+    d_ids = [_blocks(0, 64, 1), _blocks(192, 64, 30)]
+    dc.pull("r", params, d_ids, first_tokens=[0, 192])
+    f = dc.wait_finished(recving={"r"}, timeout=30)
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and "group[1].block_size" in detail.reason and "part filled" in detail.reason, detail.reason
+    assert f.invalid_block_ids == set(d_ids[0]) | set(d_ids[1])
 
 
 def test_groups_that_attend_differently_are_refused_naming_the_group_and_both_values(daemons):

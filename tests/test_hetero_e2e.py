@@ -22,6 +22,9 @@ PAIRINGS = {
     "vllm_cpu_tp2_b128_to_tp1_b64": "--prefill-layout CPU --decode-layout CPU --prefill-tp 2 --decode-tp 1 --prefill-block-size 128 --decode-block-size 64 --dtype float32",
     "vllm_cpu_tp1_b64_to_tp2_b128": "--prefill-layout CPU --decode-layout CPU --prefill-tp 1 --decode-tp 2 --prefill-block-size 64 --decode-block-size 128",
     "nhd_b16_to_vllm_cpu_b32_samehost": "--prefill-layout NHD --decode-layout CPU --prefill-block-size 16 --decode-block-size 32 --transport samehost",
+    # A hybrid (a 64-token window on every other layer): each group moves what decode needs of it
+    "sliding_window_tp2_pp2_b32_cpu_to_tp1_b16": "--sliding-window 64 --prefill-tp 2 --prefill-pp 2 --decode-tp 1 --prefill-block-size 32 --decode-block-size 16 --prefill-layout CPU --decode-layout CPU",
+    "sliding_window_samehost_tp1_to_tp2": "--sliding-window 96 --full-every 4 --prefill-tp 1 --decode-tp 2 --transport samehost",
 }
 
 

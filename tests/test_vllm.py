@@ -187,42 +187,46 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
     assert result["corrupted_tokens"] != baseline_f32[-1]
 
 
-SW_WINDOW, SW_BLOCK = 64, 32  # CPU attention block sizes are multiples of 32
+SW_WINDOW, SW_BLOCK, SW_P_BLOCK = 64, 32, 64  # CPU attention block sizes are multiples of 32
 
 
 @pytest.fixture(scope="module")
 def sliding_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
-    """The tiny Llama with layer 0 on a 64-token window, and its one-engine tokens."""
+    """The tiny Llama with layer 0 on a 64-token window, and its one-engine
+    tokens (float32, to compare with a TP2 prefill)."""
     d = tmp_path_factory.mktemp("tiny-llama-sw")
     r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--model", str(d), "--sliding-window", str(SW_WINDOW)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-sw"), "baseline", d, "--block-size", str(SW_BLOCK))
+    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-sw"), "baseline", d, "--block-size", str(SW_BLOCK), "--dtype", "float32")
     return d, result["tokens"]
 
 
-def test_a_sliding_window_model_moves_only_the_window_and_matches_one_engine(vllm_python, sliding_model, baseline, daemons, tmp_path):
+def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_engine(vllm_python, sliding_model, baseline_f32, daemons, tmp_path):
     """vLLM's hybrid allocator stays on with KvdConnector (it supports HMA):
-    the windowed layer's group holds, and kvd moves, only its last window."""
+    the windowed layer's group holds, and kvd moves, only its last window,
+    here from a TP2 prefill of 64-token blocks to a TP1 decode of 32."""
     model, sw_baseline = sliding_model
     # The window matters: the model's tokens are not the full-attention model's.
-    assert sw_baseline != baseline
+    assert sw_baseline != baseline_f32
     p, d = daemons.start("prefill"), daemons.start("decode")
     result, log = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--d-metrics", d.metrics_url,
-                         "--p-block-size", str(SW_BLOCK), "--d-block-size", str(SW_BLOCK))
+                         "--dtype", "float32", "--p-tp", "2", "--p-block-size", str(SW_P_BLOCK), "--d-block-size", str(SW_BLOCK))
     assert "group sliding_window(64)" in log and "group full" in log, "the hybrid allocator was turned off"
     assert result["tokens"] == sw_baseline[:-1]
-    # Two groups in the params; the window's starts at its first kept block.
+    # Two groups in the params; the window's starts at P's first kept block.
     n = len(PROMPTS[0])
     params = result["params"][0]
-    first_sw = (n - SW_WINDOW + 1) // SW_BLOCK * SW_BLOCK  # what vLLM keeps of a 64-token window
-    assert sorted(params["kvd_first_tokens"]) == [0, first_sw], params  # vLLM orders the groups, here the window's first
-    # Bytes of the first request: every block of the full layer, the window's of the other.
-    per_block = KV_HEADS * SW_BLOCK * 2 * HEAD_DIM * 2
-    full, window = -(-n // SW_BLOCK), -(-n // SW_BLOCK) - first_sw // SW_BLOCK
+    kept_from = n - SW_WINDOW + 1  # vLLM drops the blocks wholly before it
+    assert sorted(params["kvd_first_tokens"]) == [0, kept_from // SW_P_BLOCK * SW_P_BLOCK], params
+    # Bytes of the first request: every block of the full layer, and of the
+    # window's, D's blocks from the one holding token n - 64 (float32).
+    per_block = KV_HEADS * SW_BLOCK * 2 * HEAD_DIM * 4
+    full, window = -(-n // SW_BLOCK), -(-n // SW_BLOCK) - (n - SW_WINDOW) // SW_BLOCK
     assert result["received_bytes"][0] == (full + window) * per_block, (result["received_bytes"], full, window)
     assert scrape(d.metrics_url, "kvd_window_skipped_bytes_total", kind="sliding_window") > 0
     print(f"\nsliding window: a {n}-token request moved {result['received_bytes'][0]:.0f} bytes; full attention would move {2 * full * per_block}")
+    assert scrape(d.metrics_url, "kvd_pull_failures_total") == 1  # the failed load below; nothing else failed
     # A failed load is exact: D recomputes and still gives one engine's tokens.
     assert result["failed_load"]["tokens"] == sw_baseline[0]
     assert result["failed_load"]["released_after_s"] < 1.0

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvd.core.errors import Incompatible, InvalidArgument
+from kvd.core.groups import FULL
 from kvd.core.pairing import check_group_pairing, engine_shape
 from kvd.core.pieces import PieceTemplate, cached_template, pieces_iov, template_of, tensor_iov
 from kvd.core.plan import Extents, plan_extents
@@ -227,8 +228,8 @@ def plan_pull(
             layers = [idx for idx in lspec.layer_indices if idx in wanted and idx in rgroup.layer_indices]
             if not layers:
                 continue
-            tokens = TokenRange(params.num_tokens, params.first_token(gi), local_first_tokens[gi] if gi < len(local_first_tokens) else 0,
-                                group_start(lspec, params.num_tokens, local_first_tokens[gi] if gi < len(local_first_tokens) else 0))
+            local_first = local_first_tokens[gi] if gi < len(local_first_tokens) else 0
+            tokens = token_range(lspec, rgroup.spec.block_size, params.num_tokens, params.first_token(gi), local_first)
             _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, tokens, list(params.block_ids[gi]), local_block_ids[gi], target,
                         segment_bytes, zero_copy_min_bytes or segment_bytes)
         if sinks:
@@ -253,17 +254,39 @@ class TokenRange:
     start: int
 
 
-def group_start(group: GroupSpec, num_tokens: int, local_first: int) -> int:
-    """The first token a pull moves for ``group``: what decode needs of it,
-    from the reader's first block on."""
-    return max(local_first, group.kind.first_needed_block_token(num_tokens, group.spec.block_size))
+def needed_from(group: GroupSpec, num_tokens: int, local_first: int) -> int:
+    """The first token decode needs of ``group`` and does not hold itself."""
+    return max(local_first, group.kind.first_needed_token(num_tokens))
+
+
+def token_range(local: GroupSpec, remote_block_size: int, num_tokens: int, remote_first: int, local_first: int) -> TokenRange:
+    """What one group's pull moves: from the first token decode needs, down
+    to a unit boundary, and never from before what prefill still holds.
+
+    Prefill must hold everything decode needs. And a window group's first
+    block on decode must be filled whole: vLLM caches it by prefix hash, and
+    a later request hitting that prefix would read the part left unwritten.
+    """
+    gid = local.group_id
+    small = min(remote_block_size, local.spec.block_size)
+    needed = needed_from(local, num_tokens, local_first)
+    if remote_first > needed:
+        raise Incompatible(f"group[{gid}].first_token", needed, remote_first,
+                           f"prefill's blocks of this {local.kind} group start after the first token decode needs")
+    start = max(needed // small * small, remote_first)
+    if local.kind.name != FULL and start % local.spec.block_size:
+        raise Incompatible(f"group[{gid}].block_size", local.spec.block_size, remote_block_size,
+                           f"decode's block from token {start // local.spec.block_size * local.spec.block_size} would be part filled: "
+                           f"prefill kept this {local.kind} group only from token {remote_first}")
+    return TokenRange(num_tokens, remote_first, local_first, start)
 
 
 def skipped_bytes(group: GroupSpec, num_tokens: int, local_first: int, held: int) -> int:
     """Bytes of ``group`` (this rank's heads, all its layers) that full
     attention would have moved, from the ``held`` tokens decode already has,
     and its kind does not (a window's leading tokens)."""
-    skipped = max(0, group_start(group, num_tokens, local_first) - held)
+    start = needed_from(group, num_tokens, local_first) // group.spec.block_size * group.spec.block_size
+    skipped = max(0, start - held)
     return skipped * group.spec.bytes_per_block_per_layer // group.spec.block_size * len(group.layers)
 
 

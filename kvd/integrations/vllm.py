@@ -260,7 +260,6 @@ class _SchedulerSide:
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._to_release: dict[str, pb.TransferParams] = {}
-        self._hit_tokens: dict[str, int] = {}  # D's own prefix-cache hit, from matching to allocation
 
     @property
     def engine_id(self) -> str:
@@ -280,16 +279,9 @@ class _SchedulerSide:
             # Compute the prompt here instead of waiting for a load that cannot happen.
             log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
             return 0, False
-        remote_block_size = int(params.get("remote_block_size", self.block_size))
-        if num_computed_tokens % remote_block_size:
-            # D's own prefix ends inside one of P's (larger) blocks: reading from
-            # there would write into D's cached blocks. Prefill here; P is released.
-            log.info("kvd: request %s: local prefix of %d tokens ends inside a remote block of %d, prefilling locally",
-                     request.request_id, num_computed_tokens, remote_block_size)
-            return 0, False
-        self._hit_tokens[request.request_id] = num_computed_tokens
-        # D loads the whole prompt (less its own prefix-cache hits); vLLM then
-        # recomputes the last prompt token for the logits.
+        # D loads the whole prompt less its own prefix-cache hit, from wherever
+        # that ends (inside one of P's blocks too: tokens are positions on both
+        # sides); vLLM then recomputes the last prompt token for the logits.
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -299,7 +291,6 @@ class _SchedulerSide:
             return
         assert params is not None
         if num_external_tokens > 0:
-            self._hit_tokens.pop(request.request_id, None)
             mine = [b for g in blocks.get_unhashed_block_ids_all_groups() for b in g]
             try:
                 local = [_loadable(g, bs) for g, bs in zip(blocks.blocks, self.block_sizes, strict=True)]
@@ -312,7 +303,6 @@ class _SchedulerSide:
                     self._to_release[request.request_id] = release_params(params)
         else:
             # A full local prefix hit: nothing to load, but P still holds the blocks for us.
-            self._hit_tokens.pop(request.request_id, None)
             with contextlib.suppress(KvdError):
                 self._to_release[request.request_id] = release_params(params)
         # One load per request, even if vLLM calls this again after the load.
@@ -324,7 +314,6 @@ class _SchedulerSide:
         return meta
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        self._hit_tokens.pop(request.request_id, None)  # matched, but ended before its blocks were allocated
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not any(block_ids):
             return False, None

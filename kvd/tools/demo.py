@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvd.core.groups import FULL_ATTENTION, SLIDING_WINDOW, GroupKind
 from kvd.core.spec import CPU_ATTENTION_PARTS, KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.core.topology import heads_of_rank
 
@@ -44,6 +45,27 @@ class ModelConfig:
     head_size: int
     dtype: str
     mla: bool
+    # A hybrid: every ``full_every``-th layer full attention, the others on a
+    # window of ``sliding_window`` tokens (0: all full attention).
+    sliding_window: int = 0
+    full_every: int = 2
+
+    def kind_of(self, layer: int) -> GroupKind:
+        if self.sliding_window and layer % self.full_every != self.full_every - 1:
+            return GroupKind(SLIDING_WINDOW, self.sliding_window)
+        return FULL_ATTENTION
+
+    def groups(self, layers: Sequence[int]) -> list[tuple[GroupKind, list[int]]]:
+        """The KV cache groups of ``layers``, full attention first."""
+        kinds = sorted({self.kind_of(i) for i in layers}, key=lambda k: (k.name != "full", k.window))
+        return [(k, [i for i in layers if self.kind_of(i) == k]) for k in kinds]
+
+
+def kept_from(kind: GroupKind, num_tokens: int, block_size: int) -> int:
+    """The first token of a group's blocks that an engine keeps for a prompt:
+    the blocks wholly before what decode needs are freed (vLLM makes them
+    null blocks), on both sides."""
+    return kind.first_needed_block_token(num_tokens, block_size)
 
 
 def rank_spec(engine: EngineConfig, model: ModelConfig, tp_rank: int) -> KVCacheSpec:
@@ -89,14 +111,22 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
     try:
         try:
             spec = rank_spec(engine, model, worker.tp_rank)
-            layers = stage_layers(model, worker.pp_size, worker.pp_rank)
-            names = [f"model.layers.{i}.self_attn.attn" for i in layers]
-            caches, dims = allocate_engine_caches(engine, spec, names)
+            groups = model.groups(stage_layers(model, worker.pp_size, worker.pp_rank))
+            registered, tensors, kinds = [], [], []
+            for kind, layers in groups:
+                caches, dims = allocate_engine_caches(engine, spec, [f"model.layers.{i}.self_attn.attn" for i in layers])
+                registered.append((spec, caches))
+                tensors.append(local_group_tensors(spec, caches, dims=dims))
+                kinds.append(kind)
             client = KvdClient(address, worker)
             client.wait_ready()
-            client.register(caches, ModelInfo(model.layers, model.kv_heads), spec, dims=dims)
-            tensors = local_group_tensors(spec, caches, dims=dims)
+            client.register(registered, ModelInfo(model.layers, model.kv_heads), dims=dims, kinds=kinds)
             coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
+            # Every group takes the request's blocks from one pool, each group
+            # its share of them (from the token it keeps on): as in vLLM.
+            def own(ids: list[int], ntok: int, kind: GroupKind) -> tuple[int, list[int]]:
+                first = kept_from(kind, ntok, spec.block_size)
+                return first, ids[first // spec.block_size :]
         except Exception as e:  # the driver says why this rank could not start
             conn.send(("error", f"{worker}: {type(e).__name__}: {getattr(e, 'message', e)}"))
             return
@@ -109,15 +139,20 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                 if cmd == "publish":  # [(rid, seed, block_ids, num_tokens, capability)]
                     out = []
                     for rid, seed, ids, ntok, cap in arg:
-                        pattern.fill(tensors, seed, ids, coords)
-                        out.append(client.publish(rid, [ids], ntok, capability=cap).SerializeToString())
+                        mine = [own(ids, ntok, kind) for kind in kinds]
+                        for t, (first, g_ids) in zip(tensors, mine, strict=True):
+                            pattern.fill(t, seed, g_ids, coords, first_token=first)
+                        out.append(client.publish(rid, [g for _, g in mine], ntok, capability=cap,
+                                                  first_tokens=[f for f, _ in mine]).SerializeToString())
                     conn.send(("ok", out))
                 elif cmd == "pull":  # [(rid, params bytes, local ids)]
                     from kvd.proto import kvd_pb2 as pb
 
                     t0 = time.perf_counter()
                     for rid, params, ids in arg:
-                        client.pull(rid, pb.TransferParams.FromString(params), [ids])
+                        ntok = pb.TransferParams.FromString(params).num_tokens
+                        mine = [own(ids, ntok, kind) for kind in kinds]
+                        client.pull(rid, pb.TransferParams.FromString(params), [g for _, g in mine], first_tokens=[f for f, _ in mine])
                     done = client.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
                     elapsed = time.perf_counter() - t0
                     nbytes = sum(d.bytes for (direction, _), d in done.details.items() if direction == "recving")
@@ -126,9 +161,14 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                 elif cmd == "verify":  # [(rid, seed, local ids, num_tokens)]
                     bad = None
                     for rid, seed, ids, ntok in arg:
-                        m = pattern.mismatch(tensors, seed, ids, coords, ntok)
-                        if m is not None:
-                            bad = f"request {rid} on {worker}: {m}"
+                        for t, kind in zip(tensors, kinds, strict=True):
+                            # What decode needs of each group, from its first whole block.
+                            first = kind.first_needed_block_token(ntok, spec.block_size)
+                            m = pattern.mismatch(t, seed, ids[first // spec.block_size :], coords, ntok, first_token=first)
+                            if m is not None:
+                                bad = f"request {rid} on {worker}, group {kind}: {m}"
+                                break
+                        if bad:
                             break
                     conn.send(("ok", bad))
                 elif cmd == "finished":
@@ -209,16 +249,20 @@ def _call(conns: Sequence[Connection], cmd: str, args: Sequence[Any]) -> list[An
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    model = ModelConfig(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla)
+    model = ModelConfig(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla, args.sliding_window, args.full_every)
     default_layout = "MLA" if args.mla else "NHD"
     pcfg = EngineConfig("prefill", args.prefill_tp, args.prefill_pp, args.prefill_block_size or args.block_size, args.prefill_layout or default_layout, args.num_blocks)
     dcfg = EngineConfig("decode", args.decode_tp, args.decode_pp, args.decode_block_size or args.block_size, args.decode_layout or default_layout, args.num_blocks * max(1, pcfg.block_size // (args.decode_block_size or args.block_size)))
     # Decode blocks must hold as many tokens as prefill's.
     dcfg = EngineConfig(dcfg.engine_id, dcfg.tp, dcfg.pp, dcfg.block_size, dcfg.layout, max(2, args.num_blocks * pcfg.block_size // dcfg.block_size + 1))
+    if args.sliding_window and dcfg.block_size > pcfg.block_size:
+        # P keeps a window from one of its blocks; a bigger decode block there would be part filled.
+        raise SystemExit("--sliding-window needs decode blocks no larger than prefill's")
     rng = random.Random(args.seed)
     say = print
     say(f"kvd demo ({args.transport}): prefill TP{pcfg.tp}/PP{pcfg.pp} block {pcfg.block_size} {pcfg.layout} -> decode TP{dcfg.tp}/PP{dcfg.pp} block {dcfg.block_size} {dcfg.layout}; "
-        f"{model.layers} layers, {model.kv_heads} KV heads x {model.head_size} {model.dtype}{' MLA' if model.mla else ''}")
+        f"{model.layers} layers, {model.kv_heads} KV heads x {model.head_size} {model.dtype}{' MLA' if model.mla else ''}"
+        + (f"; every {model.full_every}th layer full attention, the others a {model.sliding_window}-token window" if model.sliding_window else ""))
     daemons = Daemons()
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -361,6 +405,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--mla", action="store_true")
+    p.add_argument("--sliding-window", type=int, default=0, help="a hybrid model: layers on a window of this many tokens (0: none)")
+    p.add_argument("--full-every", type=int, default=2, help="with --sliding-window: every Nth layer is full attention")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="prefill blocks per rank")
     p.add_argument("--prefill-tp", type=int, default=2)
