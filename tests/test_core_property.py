@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd.core.errors import Incompatible
+from kvd.core.groups import CHUNKED_LOCAL, SLIDING_WINDOW, GroupKind
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
 from kvd.core.topology import heads_of_rank
 from kvd.testing import pattern
@@ -81,6 +82,41 @@ def test_any_pairing_reconstructs_exactly(c):
     p_replication = max(1, c["tp_p"] // c["heads"]) if not c["mla"] else c["tp_p"]
     unique_needed = p_bytes_needed // p_replication
     assert sum(read.values()) <= unique_needed * d_replication
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pairings(), st.sampled_from([SLIDING_WINDOW, CHUNKED_LOCAL]), st.integers(1, 200), st.booleans())
+def test_a_window_group_moves_exactly_what_decode_needs_on_any_pairing(c, kind_name, window, d_offers_all):
+    """P keeps its blocks from what decode needs (vLLM's null blocks before);
+    D offers all its blocks or only those from there on. D then holds the
+    pattern from the first token decode needs, nothing before it is written,
+    or the pairing is refused by name (a window part-filling D's first block)."""
+    if c["mla"] or c["lay_p"] == "OPAQUE":
+        c = {**c, "mla": False, "heads": 2, "lay_p": "NHD", "lay_d": "HND", "bs_d": c["bs_d"] if c["bs_d"] > 1 else 16}
+    kind = GroupKind(kind_name, window)
+    rng = random.Random(c["seed"])
+    model = ModelInfo(num_layers=4, total_num_kv_heads=c["heads"])
+    n = c["num_tokens"]
+    p_first = kind.first_needed_block_token(n, c["bs_p"])
+    d_first = 0 if d_offers_all else kind.first_needed_block_token(n, c["bs_d"])
+    n_p, n_d = -(-(n - p_first) // c["bs_p"]), -(-(n - d_first) // c["bs_d"])
+    p = make_engine("P", c["tp_p"], c["pp_p"], model, spec_for(c, c["tp_p"], c["bs_p"], c["lay_p"], n_p + 3), rng, kind=kind)
+    d = make_engine("D", c["tp_d"], c["pp_d"], model, spec_for(c, c["tp_d"], c["bs_d"], c["lay_d"], n_d + 3), rng, kind=kind)
+    p_ids, d_ids = rng.sample(range(n_p + 3), n_p), rng.sample(range(n_d + 3), n_d)
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, c["seed"], p_ids, r.coords, first_token=p_first)
+    start = max(kind.first_needed_token(n) // min(c["bs_p"], c["bs_d"]) * min(c["bs_p"], c["bs_d"]), p_first)
+    if start % c["bs_d"]:
+        with pytest.raises(Incompatible, match=r"group\[0\]\.block_size"):
+            transfer(p, d, "req", p_ids, d_ids, n, p_first=p_first, d_first=d_first)
+        return
+    transfer(p, d, "req", p_ids, d_ids, n, p_first=p_first, d_first=d_first, segment_bytes=rng.choice([256, 4096, 1 << 20]))
+    skip = (start - d_first) // c["bs_d"]
+    for (tp, pp), r in d.ranks.items():
+        assert pattern.mismatch(r.tensors, c["seed"], d_ids[skip:], r.coords, n, first_token=start) is None, f"D tp{tp}/pp{pp}"
+        for _kv, runs in pattern._views(r.tensors):
+            for _i, view in runs:
+                assert not bool(view[:, :, d_ids[:skip]].any()), "a block before what decode needs was written"
 
 
 def _two(mla=False, heads=4, bs_p=16, bs_d=16, lay_p="NHD", lay_d="NHD", dtype_p="bfloat16", dtype_d="bfloat16", hs_p=8, hs_d=8,

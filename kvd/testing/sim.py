@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.core import iov
+from kvd.core.groups import FULL_ATTENTION, GroupKind
 from kvd.core.pieces import owner_iov, serve_segment
 from kvd.core.reads import Offer
 from kvd.core.relayout import GroupTensors
@@ -57,7 +58,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, *, stacked: bool = True, shuffle_dims: bool = True,
-                      shuffle_memory: bool = False) -> tuple[GroupSpec, GroupTensors]:
+                      shuffle_memory: bool = False, kind: GroupKind = FULL_ATTENTION) -> tuple[GroupSpec, GroupTensors]:
     """One rank's registered tensors in a fresh buffer. ``shuffle_memory``
     stores each part in a random order of the spec's dims (not the wire
     order), as vLLM's CPU attention stores K."""
@@ -91,12 +92,13 @@ def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, 
             ))
             off += nbytes_part
         layer_specs.append(LayerSpec(f"model.layers.{idx}.attn", idx, tuple(refs)))
-    group = GroupSpec(0, spec, tuple(layer_specs))
+    group = GroupSpec(0, spec, tuple(layer_specs), kind)
     return group, GroupTensors.build(group, {"r": buf})
 
 
 def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng: random.Random, *, stacked: bool = True, use_mla: bool = False,
-                shuffle_memory: bool = False) -> SimEngine:
+                shuffle_memory: bool = False, kind: GroupKind = FULL_ATTENTION) -> SimEngine:
+    """An engine of one KV cache group of ``kind`` (full attention by default)."""
     per = -(-model.num_layers // pp)
     ranks = {}
     layouts = []
@@ -104,7 +106,7 @@ def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng
         layers = list(range(pp_rank * per, min(model.num_layers, (pp_rank + 1) * per)))
         for tp_rank in range(tp):
             spec = spec_of(tp_rank)
-            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked, shuffle_memory=shuffle_memory)
+            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked, shuffle_memory=shuffle_memory, kind=kind)
             coords = pattern.RankCoords(heads_of_rank(tp_rank, tp, model.total_num_kv_heads, use_mla).start)
             ranks[(tp_rank, pp_rank)] = SimRank(tp_rank, pp_rank, group, tensors, coords)
             layouts.append(EngineLayout(tp_rank, pp_rank, (group,)))
@@ -113,16 +115,18 @@ def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng
 
 
 def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_ids: list[int], num_tokens: int, *,
-             segment_bytes: int = 1 << 16, zero_copy_min_bytes: int = 0) -> dict[tuple[int, int], int]:
-    """Run every D rank's pull against P in memory; returns bytes read per P rank."""
-    params = Offer(request_id=request_id, generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=num_tokens)
+             segment_bytes: int = 1 << 16, zero_copy_min_bytes: int = 0, p_first: int = 0, d_first: int = 0) -> dict[tuple[int, int], int]:
+    """Run every D rank's pull against P in memory; returns bytes read per P
+    rank. Each side's ids hold the tokens from its ``*_first`` token on."""
+    params = Offer(request_id=request_id, generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=num_tokens,
+                   first_tokens=(p_first,))
     staging = Staging()
     read_bytes: dict[tuple[int, int], int] = {}
     for (tp, pp), rank in d.ranks.items():
         reads = plan_pull(
             local_meta=d.meta, local_tp_rank=tp, local_pp_rank=pp, local_groups=[rank.tensors], local_group_specs=[rank.group],
             remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=segment_bytes,
-            zero_copy_min_bytes=zero_copy_min_bytes,
+            zero_copy_min_bytes=zero_copy_min_bytes, local_first_tokens=[d_first],
         )
         for rr in reads:
             owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
