@@ -25,6 +25,7 @@ PAIRINGS = {
     # A hybrid (a 64-token window on every other layer): each group moves what decode needs of it
     "sliding_window_tp2_pp2_b32_cpu_to_tp1_b16": "--sliding-window 64 --prefill-tp 2 --prefill-pp 2 --decode-tp 1 --prefill-block-size 32 --decode-block-size 16 --prefill-layout CPU --decode-layout CPU",
     "sliding_window_samehost_tp1_to_tp2": "--sliding-window 96 --full-every 4 --prefill-tp 1 --decode-tp 2 --transport samehost",
+    "sliding_window_replicated_kv_tp2_to_tp4": "--sliding-window 64 --kv-heads 2 --prefill-tp 2 --decode-tp 4",
 }
 
 
