@@ -8,7 +8,7 @@ import sys
 
 from tests.conftest import REPO
 
-KEYS = ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "vs_nixl", "vs_mooncake", "small_request_p50_ms", "small_request_p99_ms")
+KEYS = ("tcp_vs_socket_1m", "tcp_cpu_vs_socket", "tcp_cpu_s_per_gb", "socket_cpu_s_per_gb", "tcp_16k_vs_1m", "samehost_vs_memcpy", "vs_nixl", "vs_mooncake", "small_request_p50_ms", "small_request_p99_ms")
 
 
 def test_bench_json_prints_every_ratio_from_one_real_run():
@@ -21,8 +21,10 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     out = json.loads(r.stdout)
     for key in KEYS:
         assert key in out, key
-    for key in ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "relayout_vs_memcpy_min"):
+    for key in ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "relayout_vs_memcpy_min", "tcp_cpu_vs_socket"):
         assert 0 < out[key] < 100, (key, out[key])
+    last = out["rounds"][-1]
+    assert last["tcp_cpu_vs_socket"] == last["tcp_cpu_s_per_gb"] / last["socket_cpu_s_per_gb"]
     assert 0 < out["small_request_p50_ms"] <= out["small_request_p99_ms"]
     assert 0 < out["small_request_floor_ms"] == out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
     for peer in ("vs_nixl", "vs_mooncake"):
@@ -31,11 +33,11 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert len(out["rounds"]) == 2
     verdict = {row["figure"]: row for row in out["verdict"]}
     for key in ("relayout_vs_memcpy_min", "samehost_vs_memcpy", "tcp_16k_vs_1m", "tcp_vs_socket_1m", "small_request_p50_vs_floor",
-                "small_request_p99_vs_floor"):
+                "small_request_p99_vs_floor", "tcp_cpu_vs_socket"):
         row = verdict[key]
         each = [r[key] for r in out["rounds"]]
         assert row["rounds"] == each and out[key] == row["worst"]
-        assert row["worst"] == (max(each) if key.startswith("small_request") else min(each))
+        assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
     p50 = out["rounds"][-1]
     assert p50["small_request_p50_vs_floor"] == p50["small_request_p50_ms"] / p50["small_request_floor_ms"]

@@ -147,6 +147,9 @@ class _Pair:
         self.p = self.daemons.start("bench-p", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
         self.d = self.daemons.start("bench-d", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
         self.done: dict[str, float] = {}
+        # CPU seconds per GB of the last throughput run's cheapest request:
+        # both daemons and this process (the workers), from pull to landed.
+        self.cpu_s_per_gb = 0.0
         self.cv = threading.Condition()
         self.p_client: Any = None
         self.d_client: Any = None
@@ -207,9 +210,18 @@ class _Pair:
         for r in range(repeat):
             p_ids = rng.sample(range(1, blocks + 1), blocks)
             d_ids = rng.sample(range(1, blocks + 1), blocks)
+            cpu = self.cpu_seconds()
             seconds = self.transfer(f"{name}-{r}", p_ids, d_ids, blocks * block_size)
+            per_gb = (self.cpu_seconds() - cpu) / (blocks * unit * layers / 1e9)
+            self.cpu_s_per_gb = per_gb if r == 0 else min(self.cpu_s_per_gb, per_gb)
             best = max(best, blocks * unit * layers / seconds / 1e9)
         return best
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds so far of both daemons and of this process."""
+        from kvd.tools.bench_peers import process_cpu_seconds
+
+        return sum(process_cpu_seconds(p.pid) for p in self.daemons.procs) + time.process_time()
 
     def close(self) -> None:
         from kvd.caches import release_all
@@ -227,7 +239,9 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
     out["memcpy_gbps"] = nbytes / _best(lambda: dst.copy_(src), args.repeat) / 1e9
     src = dst = torch.empty(0)  # free 2x the request before the daemons start
-    out["socket_gbps"] = socket_baseline(nbytes, args.repeat)
+    socket_cpu: dict[str, float] = {}
+    out["socket_gbps"] = socket_baseline(nbytes, args.repeat, socket_cpu)
+    out["socket_cpu_s_per_gb"] = socket_cpu["s_per_gb"]
     say(f"  {'memcpy (1 thread)':<34} {out['memcpy_gbps']:6.2f} GB/s")
     say(f"  {'plain socket, 1 MiB sendall':<34} {out['socket_gbps']:6.2f} GB/s")
     from kvd.tools.bench_peers import nixl_installed, nixl_read_gbps
@@ -240,6 +254,8 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
             units = {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]} if mode == "samehost" else UNIT_SIZES
             for label, unit in units.items():
                 best = out[f"{mode}_{label}_gbps"] = pair.throughput(f"{mode}-{label}", unit, nbytes, layers, args.repeat, rng)
+                if mode == "tcp" and label == "1m":
+                    out["tcp_cpu_s_per_gb"] = pair.cpu_s_per_gb
                 say(f"  {f'kvd {mode}, {label} units':<34} {best:6.2f} GB/s{'  (kvd over NIXL/UCX, default transports)' if mode == 'nixl' else ''}")
             if mode == "tcp":
                 spec = KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
@@ -266,6 +282,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
         finally:
             pair.close()
     out["tcp_vs_socket_1m"] = out["tcp_1m_gbps"] / out["socket_gbps"]
+    out["tcp_cpu_vs_socket"] = out["tcp_cpu_s_per_gb"] / out["socket_cpu_s_per_gb"]
     out["tcp_16k_vs_1m"] = out["tcp_16k_gbps"] / out["tcp_1m_gbps"]
     out["samehost_vs_memcpy"] = out["samehost_1m_gbps"] / out["memcpy_gbps"]
     out["vs_nixl"] = None
@@ -395,6 +412,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
         say("  ratios (this round):")
         say(f"    tcp_vs_socket_1m    {t['tcp_vs_socket_1m']:.2f}")
         say(f"    tcp_16k_vs_1m       {t['tcp_16k_vs_1m']:.2f}")
+        say(f"    tcp_cpu_vs_socket   {t['tcp_cpu_vs_socket']:.2f}  (CPU s per GB: {t['tcp_cpu_s_per_gb']:.2f} both daemons and the workers, "
+            f"{t['socket_cpu_s_per_gb']:.2f} both socket ends)")
         say(f"    samehost_vs_memcpy  {t['samehost_vs_memcpy']:.2f}")
         say(f"    small_request       p50 {t['small_request_p50_vs_floor']:.2f} x its floor, p99 {t['small_request_p99_vs_floor']:.2f} x")
         if t["vs_nixl"] is None:

@@ -257,18 +257,20 @@ def _socket_receiver(port_q: Any, nbytes: int, out_q: Any) -> None:
     buf = bytearray(nbytes)
     view = memoryview(buf)
     got = 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while got < nbytes:
         k = conn.recv_into(view[got : got + (1 << 20)])
         if not k:
             break
         got += k
-    out_q.put((got, time.perf_counter() - t0))
+    out_q.put((got, time.perf_counter() - t0, time.process_time() - cpu0))
 
 
-def socket_baseline(nbytes: int, repeat: int) -> float:
+def socket_baseline(nbytes: int, repeat: int, cpu: dict[str, float] | None = None) -> float:
     """GB/s of a plain sender/receiver pair: sendall and recv_into, 1 MiB at a
-    time, from and into request-sized buffers (distinct memory, like kvd's)."""
+    time, from and into request-sized buffers (distinct memory, like kvd's).
+    ``cpu`` gets ``s_per_gb``: both ends' CPU seconds per GB, the least of
+    the tries."""
     import multiprocessing as mp
     import socket
 
@@ -280,13 +282,27 @@ def socket_baseline(nbytes: int, repeat: int) -> float:
         proc = ctx.Process(target=_socket_receiver, args=(port_q, nbytes, out_q))
         proc.start()
         sock = socket.create_connection(("127.0.0.1", port_q.get(timeout=30)))
+        cpu0 = time.process_time()
         for off in range(0, nbytes, 1 << 20):
             sock.sendall(payload[off : off + (1 << 20)])
-        got, seconds = out_q.get(timeout=120)
+        sent_cpu = time.process_time() - cpu0
+        got, seconds, recv_cpu = out_q.get(timeout=120)
         sock.close()
         proc.join(timeout=30)
         best = max(best, got / seconds / 1e9)
+        if cpu is not None:
+            per_gb = (sent_cpu + recv_cpu) / (got / 1e9)
+            cpu["s_per_gb"] = min(cpu.get("s_per_gb", per_gb), per_gb)
     return best
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _echo_server(port_q: Any, nbytes: int) -> None:
