@@ -83,7 +83,7 @@ def test_no_hand_written_module_is_over_500_lines():
 PUBLIC = {
     "kvd.client": ["KvdClient", "daemon_status", "infer_spec_from_tensors", "Finished"],
     "kvd.caches": ["allocate_kv_caches", "adopt_into_shm", "describe", "release_all"],
-    "kvd.spec": ["KVCacheSpec", "ModelInfo", "WorkerId", "parse_layout", "NAMED_LAYOUTS", "GroupSpec"],
+    "kvd.spec": ["KVCacheSpec", "ModelInfo", "WorkerId", "parse_layout", "NAMED_LAYOUTS", "GroupSpec", "GroupKind", "SLIDING_WINDOW"],
     "kvd.errors": ["KvdError", "InvalidArgument", "Incompatible", "Status", "from_code"],
     "kvd.auth": ["AuthConfig"],
     "kvd.proto": ["kvd_pb2", "kvd_pb2_grpc"],
@@ -102,7 +102,7 @@ def test_the_vllm_connector_stays_where_vllm_loads_it():
     # vLLM loads it by module path; importing kvd never imports vLLM.
     spec = importlib.util.find_spec("kvd.integrations.vllm")
     assert spec is not None and spec.origin is not None
-    assert "class KvdConnector(KVConnectorBase_V1)" in Path(spec.origin).read_text()
+    assert "class KvdConnector(KVConnectorBase_V1, SupportsHMA)" in Path(spec.origin).read_text()
     r = subprocess.run([sys.executable, "-c", "import sys, kvd, kvd.client, kvd.caches, kvd.spec; print('vllm' in sys.modules)"],
                        capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
