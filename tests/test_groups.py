@@ -79,9 +79,9 @@ def test_extents_move_exactly_the_tokens_from_start_each_to_its_own_place(rbs, l
 
 
 def test_a_side_that_starts_after_what_is_needed_is_refused():
-    with pytest.raises(InvalidArgument, match="remote first_token"):
+    with pytest.raises(InvalidArgument, match=r"remote block_ids.first_token"):
         plan_extents([1, 2], 16, [1, 2, 3, 4], 16, 64, remote_first=32, start=16)
-    with pytest.raises(InvalidArgument, match="local first_token"):
+    with pytest.raises(InvalidArgument, match=r"local block_ids.first_token"):
         plan_extents([1, 2], 16, [1, 2], 32, 64, local_first=8, start=32)
 
 
@@ -116,25 +116,32 @@ def test_a_window_group_moves_only_what_decode_needs(daemons, kind, d_block):
     pc, p_full, p_win = _hybrid_worker(p.grpc, "prefill", 16, kind)
     dc, d_full, d_win = _hybrid_worker(d.grpc, "decode", d_block, kind)
     start = kind.first_needed_block_token(N, d_block)  # 224 for the window, 256 for the chunk
-    # P holds every token of the full group, and of the other what vLLM
-    # keeps (its null blocks dropped): here from the same token.
+    # Each side holds every token of the full group, and of the other what
+    # decode needs of it, from its own block holding the first such token
+    # (vLLM's null blocks before it dropped).
     p_ids_full, p_first = _blocks(0, 16, 1), kind.first_needed_block_token(N, 16)
     p_ids_win = _blocks(p_first, 16, 30)
     pattern.fill(p_full, 5, p_ids_full, pattern.RankCoords(0))
     pattern.fill(p_win, 5, p_ids_win, pattern.RankCoords(0), first_token=p_first)
     params = pc.publish("r", [p_ids_full, p_ids_win], N, first_tokens=[0, p_first])
-    # D offers every block of both groups; kvd fills the window group's only from what decode needs.
-    d_ids_full, d_ids_win = _blocks(0, d_block, 1), _blocks(0, d_block, 30)
-    dc.pull("r", params, [d_ids_full, d_ids_win])
+    # Decode offering blocks before the window is refused by name, and nothing is written.
+    d_ids_full, d_ids_all = _blocks(0, d_block, 1), _blocks(0, d_block, 30)
+    dc.pull("r", params, [d_ids_full, d_ids_all])
     f = dc.wait_finished(recving={"r"}, timeout=60)
-    assert f.details[("recving", "r")].outcome == "done", f.details
-    skip = start // d_block
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and "local_block_ids[1].first_token=0" in detail.reason, detail
+    assert pattern.mismatch(d_full, 5, d_ids_full, pattern.RankCoords(0), N) is not None
+    assert scrape(d.metrics_url, "kvd_received_bytes_total") == 0
+    # From the window on, it moves exactly that.
+    d_ids_win = _blocks(start, d_block, 30)
+    params = pc.publish("r2", [p_ids_full, p_ids_win], N, first_tokens=[0, p_first])
+    dc.pull("r2", params, [d_ids_full, d_ids_win], first_tokens=[0, start])
+    f = dc.wait_finished(recving={"r2"}, timeout=60)
+    assert f.details[("recving", "r2")].outcome == "done", f.details
     assert pattern.mismatch(d_full, 5, d_ids_full, pattern.RankCoords(0), N) is None
-    assert pattern.mismatch(d_win, 5, d_ids_win[skip:], pattern.RankCoords(0), N, first_token=start) is None
-    # Negative control: the blocks before the window were not written, and
-    # the check above would have seen a block that was.
-    assert pattern.mismatch(d_win, 5, d_ids_win[:skip], pattern.RankCoords(0), N) is not None
-    assert all(bool((view[:, :, d_ids_win[:skip]] == 0).all()) for _kv, runs in pattern._views(d_win) for _i, view in runs)
+    assert pattern.mismatch(d_win, 5, d_ids_win, pattern.RankCoords(0), N, first_token=start) is None
+    # Negative control: the same blocks read as holding the prompt from token 0 do not match.
+    assert pattern.mismatch(d_win, 5, d_ids_win, pattern.RankCoords(0), N) is not None
     per_token = 2 * HEADS * 16 * 2  # K and V, heads, head size, bf16
     full_bytes, win_bytes = N * per_token * 2, (N - start) * per_token * 2
     moved = scrape(d.metrics_url, "kvd_received_bytes_total")

@@ -62,9 +62,9 @@ def _env() -> dict[str, str]:
             "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
 
 
-def _drive(py: Path, tmp: Path, mode: str, model: Path, *extra: str) -> tuple[dict, str]:
+def _drive(py: Path, tmp: Path, mode: str, model: Path, *extra: str, prompts_list: list[list[int]] = PROMPTS) -> tuple[dict, str]:
     prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(PROMPTS))
+    prompts.write_text(json.dumps(prompts_list))
     out, log = tmp / f"{mode}.json", tmp / f"{mode}.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_driver.py"), mode, "--model", str(model), "--prompts", str(prompts),
@@ -188,6 +188,11 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
 
 
 SW_WINDOW, SW_BLOCK, SW_P_BLOCK = 64, 32, 64  # CPU attention block sizes are multiples of 32
+# 300 tokens; 159, where N - W + 1 starts one of D's blocks (vLLM would drop
+# the block holding token N - W, were D to claim all N tokens); 127, where it
+# starts one of P's (P dropped a token decode needs: refused, D recomputes);
+# and the negative control's.
+SW_PROMPTS = [PROMPTS[0], PROMPTS[1][:159], PROMPTS[2][:127], PROMPTS[3]]
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +203,8 @@ def sliding_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -
     r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--model", str(d), "--sliding-window", str(SW_WINDOW)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-sw"), "baseline", d, "--block-size", str(SW_BLOCK), "--dtype", "float32")
+    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-sw"), "baseline", d, "--block-size", str(SW_BLOCK), "--dtype", "float32",
+                       prompts_list=SW_PROMPTS)
     return d, result["tokens"]
 
 
@@ -208,10 +214,11 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     here from a TP2 prefill of 64-token blocks to a TP1 decode of 32."""
     model, sw_baseline = sliding_model
     # The window matters: the model's tokens are not the full-attention model's.
-    assert sw_baseline != baseline_f32
+    assert sw_baseline[0] != baseline_f32[0]
     p, d = daemons.start("prefill"), daemons.start("decode")
     result, log = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--d-metrics", d.metrics_url,
-                         "--dtype", "float32", "--p-tp", "2", "--p-block-size", str(SW_P_BLOCK), "--d-block-size", str(SW_BLOCK))
+                         "--dtype", "float32", "--p-tp", "2", "--p-block-size", str(SW_P_BLOCK), "--d-block-size", str(SW_BLOCK),
+                         prompts_list=SW_PROMPTS)
     assert "group sliding_window(64)" in log and "group full" in log, "the hybrid allocator was turned off"
     assert result["tokens"] == sw_baseline[:-1]
     # Two groups in the params; the window's starts at P's first kept block.
@@ -226,7 +233,10 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     assert result["received_bytes"][0] == (full + window) * per_block, (result["received_bytes"], full, window)
     assert scrape(d.metrics_url, "kvd_window_skipped_bytes_total", kind="sliding_window") > 0
     print(f"\nsliding window: a {n}-token request moved {result['received_bytes'][0]:.0f} bytes; full attention would move {2 * full * per_block}")
-    assert scrape(d.metrics_url, "kvd_pull_failures_total") == 1  # the failed load below; nothing else failed
+    # Two pulls failed: the 127-token prompt's (P dropped token 63, which
+    # position 126 attends to) and the failed load below; both recomputed.
+    assert scrape(d.metrics_url, "kvd_pull_failures_total") == 2
+    assert "group[0].first_token" in log or "group[1].first_token" in log
     # A failed load is exact: D recomputes and still gives one engine's tokens.
     assert result["failed_load"]["tokens"] == sw_baseline[0]
     assert result["failed_load"]["released_after_s"] < 1.0

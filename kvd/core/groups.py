@@ -3,7 +3,8 @@
 vLLM's ``KVCacheConfig`` puts layers that attend alike in one group with one
 block table: full attention (MLA included), sliding window, chunked local
 attention. Decode computes from the last prompt token on (vLLM recomputes
-position ``N - 1`` for its logits), so for a prompt of ``N`` tokens:
+position ``N - 1`` for its logits; kvd's connector loads ``N - 1`` tokens
+and leaves that position to decode), so for a prompt of ``N`` tokens:
 
 * full attention needs every token;
 * a sliding window of ``W`` needs tokens ``[N - W, N)``: position ``N - 1``

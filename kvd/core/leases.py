@@ -50,6 +50,7 @@ class Publication:
     block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
     acked: dict[RankKey, set[tuple[str, int, int, int]]] = field(default_factory=dict)
     lease_s: float = 0.0  # what one renewal extends by
+    first_tokens: tuple[int, ...] = ()  # per group, as the first rank published them
 
     def live(self, now: float) -> bool:
         """The one lease check: every read, renewal and sweep asks it."""
@@ -132,6 +133,7 @@ class PublicationTable:
                 num_tokens=num_tokens,
                 expires_at=now + lease,
                 lease_s=lease,
+                first_tokens=tuple(first_tokens),
             )
             self._next_generation += 1
             self.by_request[request_id] = pub
@@ -140,6 +142,10 @@ class PublicationTable:
                 raise FailedPrecondition(f"request_id={request_id!r} is already published with another capability")
             if rank in pub.masks:
                 raise FailedPrecondition(f"request_id={request_id!r} is already published by rank tp{rank[0]}/pp{rank[1]}")
+            if tuple(first_tokens) != pub.first_tokens or num_tokens != pub.num_tokens:
+                # Every rank holds the same tokens of the request: a reader plans one mapping for all.
+                raise FailedPrecondition(f"request_id={request_id!r} tp{rank[0]}/pp{rank[1]} publishes num_tokens={num_tokens} and first_tokens="
+                                         f"{list(first_tokens)}, other ranks {pub.num_tokens} and {list(pub.first_tokens)}")
             if (request_id, pub.generation, rank) in self._held:
                 raise FailedPrecondition(f"request_id={request_id!r} of rank tp{rank[0]}/pp{rank[1]} ended but is still being read; publish it after its finished_sending")
             pub.expires_at = max(pub.expires_at, now + lease)

@@ -72,6 +72,7 @@ def plan_extents(
     remote_first: int = 0,
     local_first: int = 0,
     start: int | None = None,
+    label: str = "",
 ) -> Extents:
     """Coalesce a request's block ids into rectangular extents.
 
@@ -79,7 +80,8 @@ def plan_extents(
     of its block size); tokens ``[start, num_tokens)`` are moved, ``start``
     being ``local_first`` unless the group needs less (a sliding window).
     ``max_units`` (0 = unbounded) caps the units one extent moves, so the data
-    plane can pipeline chunks of a bounded size.
+    plane can pipeline chunks of a bounded size. ``label`` (a group, ``[1]``)
+    goes into error fields.
     """
     r_ids = np.asarray(remote_ids, dtype=np.int64)
     l_ids = np.asarray(local_ids, dtype=np.int64)
@@ -89,7 +91,8 @@ def plan_extents(
     big, small = max(remote_block_size, local_block_size), min(remote_block_size, local_block_size)
     if big % small:
         raise InvalidArgument("block_size", (remote_block_size, local_block_size), "one must divide the other")
-    for name, first, bs in (("remote first_token", remote_first, remote_block_size), ("local first_token", local_first, local_block_size)):
+    for name, first, bs in ((f"remote block_ids{label}.first_token", remote_first, remote_block_size),
+                            (f"local block_ids{label}.first_token", local_first, local_block_size)):
         if first < 0 or first % bs:
             raise InvalidArgument(name, first, f"must be a multiple of the block size {bs}")
         if first > start:
@@ -99,9 +102,9 @@ def plan_extents(
     need_r = blocks_needed(num_tokens - remote_first, remote_block_size)
     need_l = blocks_needed(num_tokens - local_first, local_block_size)
     if r_ids.shape[0] < need_r:
-        raise InvalidArgument("remote block_ids", len(r_ids), f"cover fewer than num_tokens={num_tokens} from token {remote_first} (need {need_r} blocks of {remote_block_size})")
+        raise InvalidArgument(f"remote block_ids{label}", len(r_ids), f"cover fewer than num_tokens={num_tokens} from token {remote_first} (need {need_r} blocks of {remote_block_size})")
     if l_ids.shape[0] < need_l:
-        raise InvalidArgument("local block_ids", len(l_ids), f"cover fewer than num_tokens={num_tokens} from token {local_first} (need {need_l} blocks of {local_block_size})")
+        raise InvalidArgument(f"local block_ids{label}", len(l_ids), f"cover fewer than num_tokens={num_tokens} from token {local_first} (need {need_l} blocks of {local_block_size})")
     k_r, k_l = remote_block_size // small, local_block_size // small
     k = big // small
     units = blocks_needed(num_tokens - start, small)

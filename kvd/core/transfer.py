@@ -263,21 +263,28 @@ def token_range(local: GroupSpec, remote_block_size: int, num_tokens: int, remot
     """What one group's pull moves: from the first token decode needs, down
     to a unit boundary, and never from before what prefill still holds.
 
-    Prefill must hold everything decode needs. And a window group's first
-    block on decode must be filled whole: vLLM caches it by prefix hash, and
-    a later request hitting that prefix would read the part left unwritten.
+    Prefill must hold everything decode needs. And every block decode offers
+    of a window group must be written whole: an engine caches its blocks by
+    prefix hash, and a later request hitting that prefix would read a part
+    left unwritten (so decode offers none before the window, as vLLM's null
+    blocks do, and its first block is not part filled).
     """
     gid = local.group_id
-    small = min(remote_block_size, local.spec.block_size)
+    bs = local.spec.block_size
+    small = min(remote_block_size, bs)
     needed = needed_from(local, num_tokens, local_first)
     if remote_first > needed:
         raise Incompatible(f"group[{gid}].first_token", needed, remote_first,
                            f"prefill's blocks of this {local.kind} group start after the first token decode needs")
     start = max(needed // small * small, remote_first)
-    if local.kind.name != FULL and start % local.spec.block_size:
-        raise Incompatible(f"group[{gid}].block_size", local.spec.block_size, remote_block_size,
-                           f"decode's block from token {start // local.spec.block_size * local.spec.block_size} would be part filled: "
-                           f"prefill kept this {local.kind} group only from token {remote_first}")
+    if local.kind.name != FULL:
+        if start % bs:
+            raise Incompatible(f"group[{gid}].block_size", bs, remote_block_size,
+                               f"decode's block from token {start // bs * bs} would be part filled: "
+                               f"prefill kept this {local.kind} group only from token {remote_first}")
+        if start - local_first >= bs:
+            raise InvalidArgument(f"local_block_ids[{gid}].first_token", local_first,
+                                  f"offers blocks before token {start}, where this {local.kind} group's pull starts: they would stay unwritten")
     return TokenRange(num_tokens, remote_first, local_first, start)
 
 
@@ -326,7 +333,8 @@ def _plan_group(
     planes = num_kv if kv_outer else 1
     fine_max_units = max(1, segment_bytes // (unit_plane_bytes * (num_kv // planes)))
     ext: Extents = plan_extents(remote_ids, rspec.block_size, list(local_ids), lspec.block_size, tokens.num_tokens, max_units=fine_max_units,
-                                remote_first=tokens.remote_first, local_first=tokens.local_first, start=tokens.start)
+                                remote_first=tokens.remote_first, local_first=tokens.local_first, start=tokens.start,
+                                label=f"[{lgroup.group_id}]")
     coarse_layers = max(1, min(len(layers), segment_bytes // max(1, unit_plane_bytes * num_kv)))
     r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
     l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}

@@ -157,6 +157,7 @@ class Puller:
             if not landed.done():
                 landed.set_result(local_ids)
             d.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
+            self._count_window_savings(reg, req)
             d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
         except BaseException as e:
             reason, message = _failure_reason(e)
@@ -203,6 +204,14 @@ class Puller:
                 await asyncio.sleep(delay)
                 attempt += 1
 
+    def _count_window_savings(self, reg: Registration, req: pb.PullRequest) -> None:
+        """What the window groups of a pull that landed did not move, against
+        full attention from the prefix decode already held."""
+        firsts = [b.first_token for b in req.local_block_ids]
+        for g, first in zip(reg.groups, firsts, strict=True):
+            if g.kind.name != FULL:
+                self.d.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, req.params.num_tokens, first, min(firsts)))
+
     async def _attempt(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
                        progress: PullProgress) -> int:
         d = self.d
@@ -234,10 +243,6 @@ class Puller:
                 # Our view of the remote engine predates a rank it registered since: look again.
                 d.handshakes.drop_peer(req.params.remote_engine_id)
                 peer = await d.handshakes.peer_for(req.params)
-        firsts = [b.first_token for b in req.local_block_ids]
-        for g, first in zip(reg.groups, firsts, strict=True):
-            if g.kind.name != FULL:
-                d.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, offer.num_tokens, first, min(firsts)))
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)

@@ -125,6 +125,9 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         raise InvalidArgument("kvd_first_tokens", firsts, f"must give one token per group ({len(remote)})")
     if num_tokens <= 0:
         raise InvalidArgument("remote_num_tokens", num_tokens, "must be positive")
+    for g, first in enumerate(firsts):
+        if not 0 <= first < num_tokens:
+            raise InvalidArgument(f"kvd_first_tokens[{g}]", first, f"must be in [0, remote_num_tokens={num_tokens})")
     ids: list[tuple[int, ...]] = []
     for g, (mine, bs) in enumerate(zip(local, block_sizes, strict=True)):
         if not mine.ids:

@@ -279,10 +279,14 @@ class _SchedulerSide:
             # Compute the prompt here instead of waiting for a load that cannot happen.
             log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
             return 0, False
-        # D loads the whole prompt less its own prefix-cache hit, from wherever
-        # that ends (inside one of P's blocks too: tokens are positions on both
-        # sides); vLLM then recomputes the last prompt token for the logits.
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        # D loads the prompt but its last token, less its own prefix-cache hit,
+        # from wherever that ends (inside one of P's blocks too: tokens are
+        # positions on both sides), and computes the last token itself for the
+        # logits. Claiming that token too would be the same work (vLLM would
+        # recompute it), but vLLM would then lay out a window group's blocks
+        # for position N, and when N - W + 1 starts a block it would drop the
+        # block holding token N - W, which position N - 1 attends to.
+        count = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -326,6 +330,12 @@ class _SchedulerSide:
         num_tokens = min(int(request.num_computed_tokens), *(len(ids) * bs for ids, bs in zip(block_ids, self.block_sizes, strict=True)))
         # Each group from its first real block: a window's null blocks hold nothing.
         groups = [group_blocks(ids, bs, num_tokens) for ids, bs in zip(block_ids, self.block_sizes, strict=True)]
+        if not all(g.ids for g in groups):
+            # vLLM kept no block of a group (a prompt ending where a chunk
+            # ends): decode could not load it, so it computes the prompt itself.
+            log.info("kvd: request %s keeps no block of KV cache group %d: not offered to decode", request.request_id,
+                     next(i for i, g in enumerate(groups) if not g.ids))
+            return False, None
         # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
         lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
         pub = Publication(request.request_id, tuple(g.ids for g in groups), num_tokens, secrets.token_bytes(32), lease,
@@ -377,9 +387,12 @@ class _WorkerSide:
             groups = [(infer_spec_from_tensors(caches, dims=dims), caches) for _, caches in by_group]  # type: ignore[arg-type]
         else:
             adopt_into_shm({f"{g}:{n}": t for g, (_, caches) in enumerate(by_group) for n, t in caches.items()})
-            for _, caches in by_group:
-                spec, parts, dims = cpu_cache_registration(vc, caches)
-                groups.append((spec, parts))
+            described = [cpu_cache_registration(vc, caches) for _, caches in by_group]
+            # One description of the tensors' dims serves every group (they share one attention kernel).
+            if len({str(d) for _, _, d in described}) > 1:
+                raise KvdError(f"KV cache groups need different CPU attention layouts ({[str(d) for _, _, d in described]}); kvd registers one")
+            groups = [(spec, parts) for spec, parts, _ in described]
+            dims = described[0][2]
         resp = client.register(groups, model, dims=dims, kinds=[kind for kind, _ in by_group])
         self.client = client
         self.feed = FinishedFeed(client).start()

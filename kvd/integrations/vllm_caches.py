@@ -94,7 +94,8 @@ def _group_kind(spec: Any) -> GroupKind:
     )
 
     if isinstance(spec, SlidingWindowSpec):
-        return GroupKind(SLIDING_WINDOW, int(spec.sliding_window))
+        # vLLM keeps extra_retained_tokens more (speculative decoding re-prefills them): so does kvd.
+        return GroupKind(SLIDING_WINDOW, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0))
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return GroupKind(CHUNKED_LOCAL, int(spec.attention_chunk_size))
     if isinstance(spec, AttentionSpec):

@@ -90,14 +90,17 @@ def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankC
             view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
 
 
-def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int, first_token: int = 0) -> str | None:
-    """None when every valid token of every block matches; else the first
-    difference. The first block holds the tokens from ``first_token`` on."""
+def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int, first_token: int = 0,
+             valid_from: int = 0) -> str | None:
+    """None when every valid token (``[valid_from, num_tokens)``) of every
+    block matches; else the first difference. The first block holds the
+    tokens from ``first_token`` on."""
     spec = group.spec
     exp = _expected_for(group, seed, block_ids, coords, first_token)
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
     tokens = 1 if spec.opaque else spec.block_size
-    valid = (first_token + torch.arange(len(block_ids)).view(-1, 1) * tokens + torch.arange(tokens)) < (num_tokens if not spec.opaque else len(block_ids))
+    position = first_token + torch.arange(len(block_ids)).view(-1, 1) * tokens + torch.arange(tokens)
+    valid = (position < (num_tokens if not spec.opaque else len(block_ids))) & (position >= valid_from)
     for kv, runs in _views(group):
         plane = exp if kv is None else exp[:, kv : kv + 1]
         for i, view in runs:
