@@ -87,8 +87,8 @@ def test_any_pairing_reconstructs_exactly(c):
 def vllm_kept_from(kind: GroupKind, num_computed: int, block_size: int) -> int:
     """The first token of a window group's blocks vLLM keeps once
     ``num_computed`` tokens are computed (its get_num_skipped_tokens), as an
-    independent reference: P keeps this of N tokens, and D, which kvd's
-    connector has load N - 1, of N - 1."""
+    independent reference: P keeps this of a prompt's N tokens, and D, which
+    kvd's connector has load N - 1, of N - 1."""
     if kind.name == SLIDING_WINDOW:
         skipped = max(0, num_computed - kind.window + 1)
     else:
@@ -99,24 +99,25 @@ def vllm_kept_from(kind: GroupKind, num_computed: int, block_size: int) -> int:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairings(), st.sampled_from([SLIDING_WINDOW, CHUNKED_LOCAL]), st.integers(1, 200), st.booleans())
 def test_a_window_group_moves_exactly_what_decode_needs_on_any_pairing(c, kind_name, window, d_offers_more):
-    """P keeps its blocks as vLLM does (null blocks before); D offers its
-    own (or one block more). Either every token decode needs lands exactly
-    and nothing before D's offer is written, or the pull is refused by name."""
+    """A prompt of N tokens: P computed all of them and keeps its blocks as
+    vLLM does (null blocks before); D loads N - 1 and computes position N - 1,
+    offering its own blocks (or one more). Either every token position N - 1
+    attends to lands exactly and nothing before D's offer is written, or the
+    pull is refused by name."""
     if c["mla"] or c["lay_p"] == "OPAQUE":
         c = {**c, "mla": False, "heads": 2, "lay_p": "NHD", "lay_d": "HND", "bs_d": c["bs_d"] if c["bs_d"] > 1 else 16}
     kind = GroupKind(kind_name, window)
     rng = random.Random(c["seed"])
     model = ModelInfo(num_layers=4, total_num_kv_heads=c["heads"])
-    n = c["num_tokens"]
-    if n < 2:
-        return
-    needed = (n - 1) - window + 1 if kind_name == SLIDING_WINDOW else (n - 1) // window * window  # what position n - 1 attends to
-    needed = max(0, needed)
-    p_first = vllm_kept_from(kind, n, c["bs_p"])
-    d_first = max(0, vllm_kept_from(kind, n - 1, c["bs_d"]) - (c["bs_d"] if d_offers_more else 0))
-    if p_first >= n or d_first >= n:
-        return  # vLLM kept no block of the group (a chunk ending at n): nothing to move
-    n_p, n_d = -(-(n - p_first) // c["bs_p"]), -(-(n - d_first) // c["bs_d"])
+    prompt = c["num_tokens"] + 1
+    n = prompt - 1  # loaded
+    # What position n attends to, from attention's own definition.
+    needed = max(0, n - window + 1) if kind_name == SLIDING_WINDOW else n // window * window
+    p_first = vllm_kept_from(kind, prompt, c["bs_p"])
+    d_first = max(0, vllm_kept_from(kind, n, c["bs_d"]) - (c["bs_d"] if d_offers_more else 0))
+    if p_first >= prompt or needed >= n:
+        return  # P kept no block of the group, or decode needs none of its tokens
+    n_p, n_d = -(-(prompt - p_first) // c["bs_p"]), -(-(n - d_first) // c["bs_d"])
     p = make_engine("P", c["tp_p"], c["pp_p"], model, spec_for(c, c["tp_p"], c["bs_p"], c["lay_p"], n_p + 3), rng, kind=kind)
     d = make_engine("D", c["tp_d"], c["pp_d"], model, spec_for(c, c["tp_d"], c["bs_d"], c["lay_d"], n_d + 3), rng, kind=kind)
     p_ids, d_ids = rng.sample(range(n_p + 3), n_p), rng.sample(range(n_d + 3), n_d)

@@ -25,15 +25,16 @@ from tests.conftest import scrape
 
 
 def test_what_decode_needs_of_each_kind():
+    # N tokens loaded, decode computes position N next.
     assert GroupKind().first_needed_token(1000) == 0
-    # Position N-1 attends to the W positions ending at itself.
-    assert GroupKind(SLIDING_WINDOW, 64).first_needed_token(1000) == 936
+    # Position N attends to the W positions ending at itself.
+    assert GroupKind(SLIDING_WINDOW, 64).first_needed_token(1000) == 937
     assert GroupKind(SLIDING_WINDOW, 64).first_needed_token(50) == 0
     assert GroupKind(SLIDING_WINDOW, 64).first_needed_block_token(1000, 16) == 928
-    # Chunked local: the chunk holding position N-1, from its start.
+    # Chunked local: the chunk holding position N, from its start; none when N starts one.
     assert GroupKind(CHUNKED_LOCAL, 256).first_needed_token(1000) == 768
-    assert GroupKind(CHUNKED_LOCAL, 256).first_needed_token(1024) == 768
-    assert GroupKind(CHUNKED_LOCAL, 256).first_needed_token(1025) == 1024
+    assert GroupKind(CHUNKED_LOCAL, 256).first_needed_token(1023) == 768
+    assert GroupKind(CHUNKED_LOCAL, 256).first_needed_token(1024) == 1024
 
 
 @pytest.mark.parametrize(("name", "window", "field"), [

@@ -134,9 +134,10 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     assert result["prefix_hit_tokens"] == baseline[0]
     assert result["prefix_hit_released_after_s"] < 10
 
-    # D really loaded the KV through kvd: its byte counter is exactly the prompts' blocks,
-    # each prompt once, plus the one tail block of the prefix-hit repeat.
-    loaded_blocks = sum(_blocks(len(pr)) for pr in PROMPTS) + 1
+    # D really loaded the KV through kvd: its byte counter is exactly the blocks of
+    # each prompt but its last token (D computes that one for the logits), each
+    # prompt once, plus the one tail block of the prefix-hit repeat.
+    loaded_blocks = sum(_blocks(len(pr) - 1) for pr in PROMPTS) + 1
     assert _received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
     # Negative control: zero P's cache between prefill and decode, and the output changes.
@@ -226,10 +227,11 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     params = result["params"][0]
     kept_from = n - SW_WINDOW + 1  # vLLM drops the blocks wholly before it
     assert sorted(params["kvd_first_tokens"]) == [0, kept_from // SW_P_BLOCK * SW_P_BLOCK], params
-    # Bytes of the first request: every block of the full layer, and of the
-    # window's, D's blocks from the one holding token n - 64 (float32).
+    # Bytes of the first request, whose n - 1 tokens D loads: every block of
+    # the full layer, and of the window's, D's blocks from the one holding
+    # token n - 64, the first that position n - 1 attends to (float32).
     per_block = KV_HEADS * SW_BLOCK * 2 * HEAD_DIM * 4
-    full, window = -(-n // SW_BLOCK), -(-n // SW_BLOCK) - (n - SW_WINDOW) // SW_BLOCK
+    full, window = -(-(n - 1) // SW_BLOCK), -(-(n - 1) // SW_BLOCK) - (n - SW_WINDOW) // SW_BLOCK
     assert result["received_bytes"][0] == (full + window) * per_block, (result["received_bytes"], full, window)
     assert scrape(d.metrics_url, "kvd_window_skipped_bytes_total", kind="sliding_window") > 0
     print(f"\nsliding window: a {n}-token request moved {result['received_bytes'][0]:.0f} bytes; full attention would move {2 * full * per_block}")

@@ -27,7 +27,8 @@ def test_params_round_trip_into_a_pull():
     load = load_request("d-req", params, [GroupBlocks(0, (7, 8, 9))], [128])
     p = load.params
     assert (p.remote_engine_id, p.remote_address, p.request_id) == ("prefill", "10.0.0.7:50051", "cmpl-1-abcd")
-    assert list(p.block_ids[0].ids) == [3, 4, 5] and p.block_ids[0].first_token == 0 and p.num_tokens == 300
+    # D loads all but the last prompt token, which it computes for the logits.
+    assert list(p.block_ids[0].ids) == [3, 4, 5] and p.block_ids[0].first_token == 0 and p.num_tokens == 299
     assert p.capability == bytes(range(32)) and p.generation == 0 and p.remote_epoch == ""
     assert (p.remote_tp_size, p.lease_seconds) == (2, 30.0)
     assert load.local_block_ids == ((7, 8, 9),) and load.local_first_tokens == (0,)
@@ -37,9 +38,9 @@ def test_a_local_prefix_hit_starts_decode_later_and_p_stays_whole():
     # D holds 256 tokens already: its one block starts there; tokens are the
     # prompt's own positions, so P's list is not cut.
     load = load_request("d", _params(), [GroupBlocks(256, (9,))], [128])
-    assert list(load.params.block_ids[0].ids) == [3, 4, 5] and load.params.num_tokens == 300
+    assert list(load.params.block_ids[0].ids) == [3, 4, 5] and load.params.num_tokens == 299
     assert load.local_first_tokens == (256,)
-    # Other block sizes: D of 64-token blocks from token 128 needs 3 blocks for the 172 tokens left.
+    # Other block sizes: D of 64-token blocks from token 128 needs 3 blocks for the 171 tokens left.
     load = load_request("d", _params(), [GroupBlocks(128, (20, 21, 22, 23))], [64])
     assert load.local_block_ids == ((20, 21, 22),) and load.local_first_tokens == (128,)
 
@@ -57,8 +58,14 @@ def test_window_groups_round_trip_their_first_tokens():
     load = load_request("d", params, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(256, (50,))], [128, 128])
     assert [b.first_token for b in load.params.block_ids] == [0, 224]
     assert load.local_first_tokens == (0, 256)
-    with pytest.raises(InvalidArgument, match="first_token"):
-        load_request("d", params, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(384, (50,))], [128, 128])
+    # A group that starts after the last loaded token loads nothing (a chunk starting there).
+    load = load_request("d", params, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(384, (50,))], [128, 128])
+    assert load.local_block_ids == ((7, 8, 9), ())
+    # A group with no blocks where it has tokens to load is refused by name.
+    with pytest.raises(InvalidArgument, match=r"local_block_ids\[1\]"):
+        load_request("d", params, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(256, ())], [128, 128])
+    with pytest.raises(InvalidArgument, match=r"kvd_first_tokens\[1\]=-16"):
+        load_request("d", {**params, "kvd_first_tokens": [0, -16]}, [GroupBlocks(0, (7, 8, 9)), GroupBlocks(256, (50,))], [128, 128])
 
 
 def test_blocks_allocated_past_the_prompt_are_not_written():

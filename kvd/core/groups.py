@@ -2,15 +2,16 @@
 
 vLLM's ``KVCacheConfig`` puts layers that attend alike in one group with one
 block table: full attention (MLA included), sliding window, chunked local
-attention. Decode computes from the last prompt token on (vLLM recomputes
-position ``N - 1`` for its logits; kvd's connector loads ``N - 1`` tokens
-and leaves that position to decode), so for a prompt of ``N`` tokens:
+attention. A pull loads a prompt's first ``N`` tokens and decode computes
+position ``N`` next (kvd's vLLM connector loads all but the prompt's last
+token, which decode computes for the logits), so of those ``N`` tokens:
 
-* full attention needs every token;
-* a sliding window of ``W`` needs tokens ``[N - W, N)``: position ``N - 1``
-  attends to the ``W`` positions ending at itself (vLLM's
-  ``get_num_skipped_tokens``), and later positions to later ones;
-* chunked local attention of chunk ``C`` needs the chunk holding ``N - 1``.
+* full attention needs every one;
+* a sliding window of ``W`` needs ``[N - W + 1, N)``: position ``N`` attends
+  to the ``W`` positions ending at itself, later positions to later ones
+  (vLLM's ``get_num_skipped_tokens``, the same rule);
+* chunked local attention of chunk ``C`` needs the chunk holding ``N``, from
+  its start: nothing at all when ``N`` starts a chunk.
 
 Blocks are moved whole, so the first needed token is rounded down to the
 reader's block boundary. Everything before it is what the group saves
@@ -44,11 +45,12 @@ class GroupKind:
             raise InvalidArgument("group.window_tokens", self.window, f"must be positive for a {self.name} group")
 
     def first_needed_token(self, num_tokens: int) -> int:
-        """The first of a ``num_tokens`` prompt's tokens that decode reads."""
+        """The first of ``num_tokens`` loaded tokens that decode reads
+        (``num_tokens`` itself when it needs none of them)."""
         if self.name == SLIDING_WINDOW:
-            return max(0, num_tokens - self.window)
+            return max(0, num_tokens - self.window + 1)
         if self.name == CHUNKED_LOCAL:
-            return (max(0, num_tokens - 1) // self.window) * self.window
+            return num_tokens // self.window * self.window
         return 0
 
     def first_needed_block_token(self, num_tokens: int, block_size: int) -> int:

@@ -230,6 +230,8 @@ def plan_pull(
                 continue
             local_first = local_first_tokens[gi] if gi < len(local_first_tokens) else 0
             tokens = token_range(lspec, rgroup.spec.block_size, params.num_tokens, params.first_token(gi), local_first)
+            if tokens is None:
+                continue
             _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, tokens, list(params.block_ids[gi]), local_block_ids[gi], target,
                         segment_bytes, zero_copy_min_bytes or segment_bytes)
         if sinks:
@@ -259,11 +261,12 @@ def needed_from(group: GroupSpec, num_tokens: int, local_first: int) -> int:
     return max(local_first, group.kind.first_needed_token(num_tokens))
 
 
-def token_range(local: GroupSpec, remote_block_size: int, num_tokens: int, remote_first: int, local_first: int) -> TokenRange:
+def token_range(local: GroupSpec, remote_block_size: int, num_tokens: int, remote_first: int, local_first: int) -> TokenRange | None:
     """What one group's pull moves: from the first token decode needs, down
     to a unit boundary, and never from before what prefill still holds.
 
-    Prefill must hold everything decode needs. And every block decode offers
+    None when decode needs none of the group's tokens. Prefill must hold
+    everything decode needs. And every block decode offers
     of a window group must be written whole: an engine caches its blocks by
     prefix hash, and a later request hitting that prefix would read a part
     left unwritten (so decode offers none before the window, as vLLM's null
@@ -273,6 +276,8 @@ def token_range(local: GroupSpec, remote_block_size: int, num_tokens: int, remot
     bs = local.spec.block_size
     small = min(remote_block_size, bs)
     needed = needed_from(local, num_tokens, local_first)
+    if needed >= num_tokens:
+        return None  # decode needs none of this group's tokens (a chunk starts at num_tokens)
     if remote_first > needed:
         raise Incompatible(f"group[{gid}].first_token", needed, remote_first,
                            f"prefill's blocks of this {local.kind} group start after the first token decode needs")

@@ -107,9 +107,9 @@ class Puller:
             if bad:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}]", bad[0], f"is outside the registered range [0, {g.spec.num_blocks})")
             check_unique(f"local_block_ids[{g.group_id}]", np.asarray(ids.ids, dtype=np.int64))
-            if ids.first_token % g.spec.block_size or ids.first_token >= p.num_tokens:
+            if ids.first_token % g.spec.block_size or ids.first_token > p.num_tokens:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}].first_token", ids.first_token,
-                                      f"must be a multiple of the block size {g.spec.block_size} below params.num_tokens={p.num_tokens}")
+                                      f"must be a multiple of the block size {g.spec.block_size}, at most params.num_tokens={p.num_tokens}")
         worker = reg.worker
         key = ((worker.tp_rank, worker.pp_rank), req.request_id)
         if key in self.pulls:

@@ -101,12 +101,14 @@ def check_params(params: Mapping[str, Any]) -> None:
 
 
 def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[GroupBlocks], block_sizes: Sequence[int]) -> LoadRequest:
-    """D's pull for ``params``: per group, P's blocks into D's ``local`` ones.
+    """D's pull for ``params``: per group, P's blocks into D's ``local`` ones,
+    for every prompt token but the last (which D computes for the logits).
 
     Tokens are the prompt's own positions on both sides, so D may start
     later than P in any group: after a prefix it holds in its own cache, or
-    at a window (block sizes may differ). Only the blocks up to the prompt's
-    end are read into.
+    at a window (block sizes may differ). Only the blocks up to the last
+    loaded token are read into; a group whose blocks start after it (a
+    chunk that starts at the last token) loads nothing.
     """
     try:
         remote = [list(map(int, g)) for g in params["remote_block_ids"]]
@@ -128,17 +130,21 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
     for g, first in enumerate(firsts):
         if not 0 <= first < num_tokens:
             raise InvalidArgument(f"kvd_first_tokens[{g}]", first, f"must be in [0, remote_num_tokens={num_tokens})")
+    loaded = num_tokens - 1  # D computes the last prompt token itself
+    if loaded <= 0:
+        raise InvalidArgument("remote_num_tokens", num_tokens, "leaves nothing to load but the last token, which decode computes")
     ids: list[tuple[int, ...]] = []
+    firsts_local: list[int] = []
     for g, (mine, bs) in enumerate(zip(local, block_sizes, strict=True)):
-        if not mine.ids:
-            raise InvalidArgument(f"local_block_ids[{g}]", [], "is empty: nothing to load")
-        if mine.first_token >= num_tokens:
-            raise InvalidArgument(f"local_block_ids[{g}].first_token", mine.first_token, f"leaves nothing of remote_num_tokens={num_tokens} to load")
-        ids.append(mine.ids[: -(-(num_tokens - mine.first_token) // bs)])  # blocks past the prompt hold nothing of P's
+        first = mine.first_token
+        if first < loaded and not mine.ids:
+            raise InvalidArgument(f"local_block_ids[{g}]", [], f"is empty from token {first}: nothing to load into")
+        ids.append(mine.ids[: max(0, -(-(loaded - first) // bs))])  # blocks past the last loaded token hold nothing of P's
+        firsts_local.append(first)
     tp = pb.TransferParams(
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
-        block_ids=[pb.BlockIds(ids=r, first_token=f) for r, f in zip(remote, firsts, strict=True)], num_tokens=num_tokens,
+        block_ids=[pb.BlockIds(ids=r, first_token=f) for r, f in zip(remote, firsts, strict=True)], num_tokens=loaded,
         remote_tp_size=int(params.get("tp_size", 1)), remote_pp_size=int(params.get("pp_size", 1)),
         lease_seconds=float(params.get("kvd_lease_seconds", 0.0)),
     )
-    return LoadRequest(request_id, tuple(ids), tp, tuple(m.first_token for m in local))
+    return LoadRequest(request_id, tuple(ids), tp, tuple(firsts_local))
