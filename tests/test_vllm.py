@@ -344,7 +344,7 @@ def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, 
     for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
         assert _complete(url, model_dir, prompt) == expected
     moved = _received_bytes(openai_pd.d_metrics) - before
-    assert moved == sum(_blocks(len(pr)) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert moved == sum(_blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
 def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_python, model_dir, baseline, tmp_path):
@@ -356,7 +356,7 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
     assert _complete(url, model_dir, PROMPTS[2]) == baseline[2]
     assert _complete(url, model_dir, PROMPTS[3], stream=True) == baseline[3]
     # The decode really loaded both prompts through kvd (and did not prefill them itself).
-    assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[2])) + _blocks(len(PROMPTS[3]))) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[2]) - 1) + _blocks(len(PROMPTS[3]) - 1)) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
 def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path) -> dict:
