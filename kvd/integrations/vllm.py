@@ -273,12 +273,6 @@ class _SchedulerSide:
         if not is_kvd_load(params):
             return 0, False
         assert params is not None
-        try:
-            check_params(params)
-        except KvdError as e:
-            # Compute the prompt here instead of waiting for a load that cannot happen.
-            log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
-            return 0, False
         # D loads the prompt but its last token, less its own prefix-cache hit,
         # from wherever that ends (inside one of P's blocks too: tokens are
         # positions on both sides), and computes the last token itself for the
@@ -287,7 +281,15 @@ class _SchedulerSide:
         # for position N, and when N - W + 1 starts a block it would drop the
         # block holding token N - W, which position N - 1 attends to.
         count = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        if count <= 0:
+            return 0, False  # nothing to load: P is told to free its blocks after allocation
+        try:
+            check_params(params)
+        except KvdError as e:
+            # Compute the prompt here instead of waiting for a load that cannot happen.
+            log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
+            return 0, False
+        return count, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
