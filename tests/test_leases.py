@@ -132,3 +132,19 @@ def test_an_unpinned_read_then_ack_ends_the_rank_at_once():
     pub = t.publish((0, 0), "r1", [[1, 2]], [8], 32, now=0)
     assert t.unpin(t.pin(pub, (0, 0))) == []
     assert [e.outcome for e in t.ack("r1", pub.generation, (0, 0), ("D", 0, 0, 0), expected=1)] == ["done"]
+
+
+def test_ranks_of_one_publication_agree_on_its_tokens_and_each_group_holds_them():
+    t = table()
+    pub = t.publish((0, 0), "r", [[1, 2], [5, 6]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 32],
+                    capability=b"c" * 32)
+    assert pub.first_tokens == (0, 32)
+    # Another rank that says its window group starts elsewhere would shift what a reader maps: refused by name.
+    with pytest.raises(FailedPrecondition, match=r"tp1/pp0 publishes num_tokens=60 and first_tokens=\[0, 16\]"):
+        t.publish((1, 0), "r", [[1, 2], [5, 6, 7]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 16], capability=b"c" * 32)
+    t.publish((1, 0), "r", [[3, 4], [1, 2]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 32], capability=b"c" * 32)
+    # A group's first token is a block boundary below num_tokens, and its blocks hold the rest.
+    with pytest.raises(InvalidArgument, match=r"block_ids\[1\].first_token=8 must be a multiple of the block size 16"):
+        t.publish((0, 0), "s", [[1, 2], [5, 6]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 8])
+    with pytest.raises(InvalidArgument, match=r"block_ids\[1\]='<1 blocks>' of 16 tokens from token 32 cannot hold num_tokens=60"):
+        t.publish((0, 0), "s", [[1, 2], [5]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 32])
