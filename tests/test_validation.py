@@ -43,7 +43,7 @@ def test_a_local_block_id_pulled_twice_is_refused_naming_it(daemons):
 def test_a_publish_with_too_few_blocks_for_its_tokens_is_refused(daemons):
     p = daemons.start("prefill")
     pw = make_worker(p.grpc, "prefill")  # 16 tokens a block
-    with pytest.raises(InvalidArgument, match=r"block_ids\[0\]='<2 blocks>' of 16 tokens cannot hold num_tokens=33"):
+    with pytest.raises(InvalidArgument, match=r"block_ids\[0\]='<2 blocks>' of 16 tokens from token 0 cannot hold num_tokens=33"):
         pw.client.publish("r", [[1, 2]], 33)
     assert pw.client.publish("r", [[1, 2]], 32).generation > 0
 
