@@ -43,7 +43,7 @@ def spec_from_pb(s: pb.KVCacheSpec, field: str) -> KVCacheSpec:
             span_format=s.span_format,
         )
     except InvalidArgument as e:
-        raise InvalidArgument(e.field.replace("spec", field, 1), e.value, e.message.split(" ", 1)[1]) from None
+        raise e.within("spec", field) from None
 
 
 def spec_to_pb(s: KVCacheSpec) -> pb.KVCacheSpec:
@@ -96,7 +96,7 @@ def kind_from_pb(g: pb.KVCacheGroup, field: str) -> GroupKind:
     try:
         return GroupKind(g.kind or FULL, g.window_tokens)
     except InvalidArgument as e:
-        raise InvalidArgument(e.field.replace("group", field, 1), e.value, e.message.split(" ", 1)[1]) from None
+        raise e.within("group", field) from None
 
 
 def group_to_pb(g: GroupSpec, *, with_tensors: bool = True) -> pb.KVCacheGroup:

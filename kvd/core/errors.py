@@ -58,6 +58,12 @@ class InvalidArgument(KvdError):
         super().__init__(f"{field}={quote(value)} {problem}")
         self.field = field
         self.value = value
+        self.problem = problem
+
+    def within(self, prefix: str, outer: str) -> InvalidArgument:
+        """The same error named from further out: ``prefix`` of its field
+        (``spec``) becomes ``outer`` (``groups[2].spec``)."""
+        return InvalidArgument(self.field.replace(prefix, outer, 1), self.value, self.problem)
 
 
 class Incompatible(KvdError):

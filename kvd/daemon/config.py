@@ -170,7 +170,7 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: M
     try:
         WorkerId(values["engine_id"])
     except InvalidArgument as e:
-        raise ConfigError(f"engine_id={values['engine_id']!r} (from {sources['engine_id']}) {e.message.split(' ', 1)[1]}") from None
+        raise ConfigError(f"engine_id={values['engine_id']!r} (from {sources['engine_id']}) {e.problem}") from None
     for key, value in values.items():
         rule = _RULES.get(key)
         if rule is not None and not rule[0](value):
@@ -184,7 +184,7 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: M
     try:  # secrets are read now, so a bad file stops startup with one line
         AuthConfig.load(config.auth, config.token_file, config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
     except InvalidArgument as e:
-        raise ConfigError(f"{e.field}={e.value!r} (from {sources.get(e.field, 'config')}) {e.message.split(' ', 1)[1]}") from None
+        raise ConfigError(f"{e.field}={e.value!r} (from {sources.get(e.field, 'config')}) {e.problem}") from None
     except OSError as e:
         raise ConfigError(f"TLS file: {e.filename}: {e.strerror}") from None
     return config
