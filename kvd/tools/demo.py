@@ -149,10 +149,10 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                     from kvd.proto import kvd_pb2 as pb
 
                     t0 = time.perf_counter()
-                    for rid, params, ids in arg:
-                        ntok = pb.TransferParams.FromString(params).num_tokens
-                        mine = [own(ids, ntok, kind) for kind in kinds]
-                        client.pull(rid, pb.TransferParams.FromString(params), [g for _, g in mine], first_tokens=[f for f, _ in mine])
+                    for rid, raw, ids in arg:
+                        params = pb.TransferParams.FromString(raw)
+                        mine = [own(ids, params.num_tokens, kind) for kind in kinds]
+                        client.pull(rid, params, [g for _, g in mine], first_tokens=[f for f, _ in mine])
                     done = client.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
                     elapsed = time.perf_counter() - t0
                     nbytes = sum(d.bytes for (direction, _), d in done.details.items() if direction == "recving")
