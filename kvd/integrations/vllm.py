@@ -297,14 +297,13 @@ class _SchedulerSide:
             return
         assert params is not None
         if num_external_tokens > 0:
-            mine = [b for g in blocks.get_unhashed_block_ids_all_groups() for b in g]
             try:
                 local = [_loadable(g, bs) for g, bs in zip(blocks.blocks, self.block_sizes, strict=True)]
                 self._to_load[request.request_id] = load_request(request.request_id, params, local, self.block_sizes)
             except (KvdError, ValueError) as e:
                 # Already claimed as a load: vLLM must hear it failed, with its blocks.
                 log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, getattr(e, "message", e))
-                self._failed_loads[request.request_id] = tuple(mine)
+                self._failed_loads[request.request_id] = tuple(b for g in blocks.get_unhashed_block_ids_all_groups() for b in g)
                 with contextlib.suppress(KvdError):  # and P need not hold what we will not read
                     self._to_release[request.request_id] = release_params(params)
         else:
@@ -356,7 +355,6 @@ class _WorkerSide:
         self.settings = settings
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self._num_groups = 1
         self.tp_rank = int(get_tensor_model_parallel_rank())
         self.pp_rank = int(get_pp_group().rank_in_group)
         self.client: KvdClient | None = None
@@ -377,7 +375,6 @@ class _WorkerSide:
         engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
         worker = WorkerId(engine_id, self.tp_rank, vc.parallel_config.tensor_parallel_size, self.pp_rank, vc.parallel_config.pipeline_parallel_size)
         by_group = layer_groups(self.kv_cache_config, kv_caches)
-        self._num_groups = len(by_group)
         first = next(iter(by_group[0][1].values()))
         model = ModelInfo(vc.model_config.get_total_num_hidden_layers(), vc.model_config.get_total_num_kv_heads())
         client = KvdClient(self.settings.address, worker, auth=self.settings.auth)
@@ -470,7 +467,7 @@ class _WorkerSide:
 
     def take_invalid(self) -> set[int]:
         out, self._invalid = self._invalid, set()
-        if self._num_groups > 1:
+        if len(getattr(self.kv_cache_config, "kv_cache_groups", None) or ()) > 1:
             # Block ids repeat across groups, so vLLM takes a failed load with
             # several groups only as a request in failed_recving (already
             # there): it then recomputes the whole prompt.
