@@ -20,7 +20,7 @@ import torch
 from kvd.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
 from kvd.regions.shm import ShmRegion
-from kvd.spec import FULL_ATTENTION, GroupKind, KVCacheSpec
+from kvd.spec import FULL_ATTENTION, STATE_PART, GroupKind, KVCacheSpec
 
 KVCacheTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
@@ -128,14 +128,15 @@ def describe(
     regions: dict[str, pb.Region] = {}
     out_groups = []
     for gid, (spec, caches) in enumerate(groups):
-        kind = kinds[gid] if gid < len(kinds) else FULL_ATTENTION
+        kind = kinds[gid] if gid < len(kinds) else (STATE_PART if spec.state else FULL_ATTENTION)
         g = pb.KVCacheGroup(group_id=gid, kind=kind.name, window_tokens=kind.window)
         for li, (name, value) in enumerate(caches.items()):
             tensors = value if isinstance(value, tuple) else (value,)
             idx = (layer_indices or {}).get(name, layer_index_of(name, li))
             layer = g.layers.add(name=name, layer_index=idx)
             for ti, t in enumerate(tensors):
-                tdims = _part_dims(dims, ti) or spec.layout
+                # State parts are kvd's own views (kvd.state_parts), shaped in their layout order.
+                tdims = (() if spec.state else _part_dims(dims, ti)) or spec.layout
                 if len(tdims) != t.dim():
                     raise InvalidArgument(f"kv_caches[{name}]", list(tdims), f"names {len(tdims)} dims of a {t.dim()}-D tensor")
                 if t.is_cuda:
@@ -170,6 +171,15 @@ def _part_dims(dims: Sequence[str] | Sequence[Sequence[str]] | None, part: int) 
     return tuple(dims[part])
 
 
+def allocate_state_pages(layer_names: Sequence[str], num_blocks: int, page_bytes: int) -> dict[str, torch.Tensor]:
+    """State layers' pages as vLLM's CPU backend keeps them, ``[num_blocks,
+    page_bytes]`` bytes per layer, stacked in one shm buffer, zero-filled."""
+    region = ShmRegion.create(len(layer_names) * num_blocks * page_bytes)
+    _REGIONS[region.tensor.data_ptr()] = region
+    pages = region.tensor.view(len(layer_names), num_blocks, page_bytes)
+    return {name: pages[i] for i, name in enumerate(layer_names)}
+
+
 def allocate_cpu_attention_caches(spec: KVCacheSpec, layer_names: Sequence[str]) -> dict[str, torch.Tensor]:
     """vLLM CPU attention's per-layer tensors, ``[num_blocks, num_kv_heads,
     block_size, 2 * head_size]``, stacked in one shm buffer, zero-filled."""
@@ -199,7 +209,7 @@ def local_group_tensors(spec: KVCacheSpec, caches: Mapping[str, KVCacheTensors],
     from kvd.convert import group_from_pb
     from kvd.core.relayout import GroupTensors
 
-    described = describe([(spec, caches)], dims=dims)
+    described = describe([(spec, caches)], dims=dims)  # a state spec's group is of kind state
     group = group_from_pb(described.groups[0], 0)
     regions = {r.region_id: _regions_by_name()[r.shm.name].tensor for r in described.regions}
     return GroupTensors.build(group, regions)

@@ -28,7 +28,8 @@ def worker_to_pb(w: WorkerId) -> pb.WorkerId:
     return pb.WorkerId(engine_id=w.engine_id, tp_rank=w.tp_rank, tp_size=w.tp_size, pp_rank=w.pp_rank, pp_size=w.pp_size)
 
 
-def spec_from_pb(s: pb.KVCacheSpec, field: str) -> KVCacheSpec:
+def spec_from_pb(s: pb.KVCacheSpec, field: str, *, state: bool = False) -> KVCacheSpec:
+    """``state``: the group is of kind state (its kind says so; the spec carries it for relayout)."""
     layout = parse_layout(list(s.layout), field_name=f"{field}.layout")
     try:
         return KVCacheSpec(
@@ -41,6 +42,7 @@ def spec_from_pb(s: pb.KVCacheSpec, field: str) -> KVCacheSpec:
             use_mla=s.use_mla,
             span_size=s.span_size,
             span_format=s.span_format,
+            state=state,
         )
     except InvalidArgument as e:
         raise e.within("spec", field) from None
@@ -55,7 +57,8 @@ def spec_to_pb(s: KVCacheSpec) -> pb.KVCacheSpec:
 
 def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
     field = f"groups[{index}]"
-    spec = spec_from_pb(g.spec, f"{field}.spec")
+    kind = kind_from_pb(g, field)
+    spec = spec_from_pb(g.spec, f"{field}.spec", state=kind.is_state)
     if not g.layers:
         raise InvalidArgument(f"{field}.layers", 0, "must list at least one layer")
     layers = []
@@ -89,7 +92,7 @@ def group_from_pb(g: pb.KVCacheGroup, index: int) -> GroupSpec:
     idx = [layer.layer_index for layer in layers]
     if len(set(idx)) != len(idx):
         raise InvalidArgument(f"{field}.layers.layer_index", idx, "repeats a layer")
-    return GroupSpec(g.group_id, spec, tuple(layers), kind_from_pb(g, field))
+    return GroupSpec(g.group_id, spec, tuple(layers), kind)
 
 
 def kind_from_pb(g: pb.KVCacheGroup, field: str) -> GroupKind:
@@ -113,9 +116,7 @@ def group_to_pb(g: GroupSpec, *, with_tensors: bool = True) -> pb.KVCacheGroup:
 def model_from_pb(m: pb.ModelInfo) -> ModelInfo:
     if m.num_layers <= 0:
         raise InvalidArgument("model.num_layers", m.num_layers, "must be positive")
-    if m.total_num_kv_heads <= 0:
-        raise InvalidArgument("model.total_num_kv_heads", m.total_num_kv_heads, "must be positive")
-    return ModelInfo(m.num_layers, m.total_num_kv_heads)
+    return ModelInfo(m.num_layers, m.total_num_kv_heads)  # 0 heads: state parts only, checked against the groups
 
 
 def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, int], list[pb.Region]] | None = None) -> pb.EngineInfo:
@@ -135,9 +136,11 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
     for r in e.ranks:
         groups = []
         for i, g in enumerate(r.groups):
-            spec = spec_from_pb(g.spec, f"ranks[{r.tp_rank},{r.pp_rank}].groups[{i}].spec")
+            field = f"ranks[{r.tp_rank},{r.pp_rank}].groups[{i}]"
+            kind = kind_from_pb(g, field)
+            spec = spec_from_pb(g.spec, f"{field}.spec", state=kind.is_state)
             layers = tuple(LayerSpec(layer.name, layer.layer_index, ()) for layer in g.layers)
-            groups.append(GroupSpec(g.group_id, spec, layers, kind_from_pb(g, f"ranks[{r.tp_rank},{r.pp_rank}].groups[{i}]")))
+            groups.append(GroupSpec(g.group_id, spec, layers, kind))
         ranks.append(EngineLayout(r.tp_rank, r.pp_rank, tuple(groups)))
     return EngineMeta(
         engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
@@ -154,7 +157,7 @@ def offer_from_pb(p: pb.TransferParams) -> Offer:
 def segment_to_pb(s: DataSegment) -> pb.DataSegment:
     return pb.DataSegment(group_id=s.group_id, layers=s.layers, block_start=s.block_start, block_count=s.block_count,
                           token_start=s.token_start, token_count=s.token_count, kv_start=s.kv_start, kv_count=s.kv_count,
-                          block_ids=s.block_ids)
+                          block_ids=s.block_ids, head_start=s.head_start, head_count=s.head_count)
 
 
 def read_to_pb(r: DataRead) -> pb.DataRead:
@@ -171,7 +174,7 @@ def read_from_pb(r: pb.DataRead) -> DataRead:
         owner_engine_id=r.owner_engine_id, request_id=r.request_id, generation=r.generation, capability=r.capability,
         tp_rank=r.tp_rank, pp_rank=r.pp_rank, head_start=r.head_start, head_count=r.head_count,
         segments=tuple(DataSegment(s.group_id, tuple(s.layers), s.block_start, s.block_count, s.token_start, s.token_count,
-                                   s.kv_start, s.kv_count, tuple(s.block_ids)) for s in r.segments),
+                                   s.kv_start, s.kv_count, tuple(s.block_ids), s.head_start, s.head_count) for s in r.segments),
         reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank, nixl_metadata_version=r.nixl_metadata_version,
         stripe=r.stripe, stripes=r.stripes,
     )

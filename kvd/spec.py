@@ -1,6 +1,14 @@
 """KV cache specs and engine shapes, for workers: ``kvd.core.spec`` and ``kvd.core.groups`` are their home."""
 
-from kvd.core.groups import CHUNKED_LOCAL, FULL, FULL_ATTENTION, SLIDING_WINDOW, GroupKind
+from kvd.core.groups import (
+    CHUNKED_LOCAL,
+    FULL,
+    FULL_ATTENTION,
+    SLIDING_WINDOW,
+    STATE,
+    STATE_PART,
+    GroupKind,
+)
 from kvd.core.spec import (
     CANONICAL,
     CPU_ATTENTION_PARTS,
@@ -33,6 +41,8 @@ __all__ = [
     "KNOWN_DIMS",
     "NAMED_LAYOUTS",
     "SLIDING_WINDOW",
+    "STATE",
+    "STATE_PART",
     "EngineLayout",
     "EngineMeta",
     "GroupKind",

@@ -26,6 +26,10 @@ PAIRINGS = {
     "sliding_window_tp2_pp2_b32_cpu_to_tp1_b16": "--sliding-window 64 --prefill-tp 2 --prefill-pp 2 --decode-tp 1 --prefill-block-size 32 --decode-block-size 16 --prefill-layout CPU --decode-layout CPU",
     "sliding_window_samehost_tp1_to_tp2": "--sliding-window 96 --full-every 4 --prefill-tp 1 --decode-tp 2 --transport samehost",
     "sliding_window_replicated_kv_tp2_to_tp4": "--sliding-window 64 --kv-heads 2 --prefill-tp 2 --decode-tp 4",
+    # Mamba2 hybrids: each conv sub-projection and the SSM state split by its own heads, conv layouts differing
+    "mamba2_hybrid_tp2_pp2_to_tp1_b16_to_b32_ds_to_sd": "--layers 6 --mamba-every 3 --kv-heads 2 --prefill-tp 2 --prefill-pp 2 --decode-tp 1 --prefill-block-size 16 --decode-block-size 32 --conv-layouts DS,SD",
+    "mamba2_sliding_cpu_samehost_tp2_to_tp4": "--layers 6 --mamba-every 3 --sliding-window 64 --kv-heads 4 --prefill-tp 2 --decode-tp 4 --prefill-block-size 32 --decode-block-size 16 --prefill-layout CPU --decode-layout CPU --transport samehost",
+    "pure_mamba2_tp1_to_tp2_sd_to_ds": "--mamba-every 1 --kv-heads 2 --prefill-tp 1 --decode-tp 2 --conv-layouts SD,DS",
 }
 
 

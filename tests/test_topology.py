@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from kvd.core.errors import Incompatible
@@ -56,3 +58,43 @@ def test_non_divisible_tp_is_refused(tp, heads):
 def test_head_count_mismatch_names_both():
     with pytest.raises(Incompatible, match=r"total_num_kv_heads: local=8 remote=4"):
         read_targets(shape(2, 8), shape(2, 4), 0, 0)
+
+
+def hybrid(tp, heads=1, state_heads=8, layers=4, pp=1):
+    """Odd layers attention (``heads`` KV heads), even layers one state group of ``state_heads``."""
+    from kvd.core.topology import StateSplit
+
+    base = shape(tp, heads, pp, layers)
+    return EngineShape(tp, pp, heads, False, base.layers_by_pp_rank, {1: StateSplit(state_heads, frozenset(range(0, layers, 2)))})
+
+
+def test_state_parts_split_by_their_own_heads_where_attention_replicates():
+    # One KV head over P's TP2 is replicated, so attention reads one P rank;
+    # the state's 8 heads are split, so D TP1 reads half of them from each.
+    t = read_targets(hybrid(1), hybrid(2), 0, 0)
+    got = [(x.groups, x.remote_tp_rank, x.remote_head_start, x.head_count, x.local_head_start, x.layers) for x in t]
+    assert got == [(None, 0, 0, 1, 0, (1, 3)), ((1,), 0, 0, 4, 0, (0, 2)), ((1,), 1, 0, 4, 4, (0, 2))]
+
+
+def test_state_parts_turn_replica_fanout_off():
+    from kvd.core.topology import fanout_source
+
+    # Attention alone: D rank 1 holds rank 0's very heads and copies from it.
+    assert fanout_source(shape(2, heads=1), 1, 0, frozenset({(0, 0), (1, 0)})) == 0
+    # With a state group its state differs from rank 0's: it reads its own.
+    assert fanout_source(hybrid(2), 1, 0, frozenset({(0, 0), (1, 0)})) is None
+    t = read_targets(hybrid(2), hybrid(1), 1, 0, frozenset({(0, 0), (1, 0)}))
+    assert [(x.groups, x.remote_head_start, x.head_count) for x in t] == [(None, 0, 1), ((1,), 4, 4)]
+
+
+def test_state_heads_that_differ_are_refused_by_group():
+    with pytest.raises(Incompatible, match=r"group\[1\].total_heads: local=8 remote=16"):
+        read_targets(hybrid(2), hybrid(2, state_heads=16), 0, 0)
+
+
+def test_a_pure_state_model_has_no_attention_targets():
+    from kvd.core.topology import StateSplit
+
+    pure = EngineShape(2, 1, 0, False, {0: frozenset(range(4))}, {0: StateSplit(4, frozenset(range(4)))})
+    t = read_targets(dataclasses.replace(pure, tp_size=1), pure, 0, 0)
+    assert [(x.groups, x.remote_tp_rank, x.head_count, x.local_head_start) for x in t] == [((0,), 0, 2, 0), ((0,), 1, 2, 2)]

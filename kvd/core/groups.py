@@ -11,7 +11,10 @@ token, which decode computes for the logits), so of those ``N`` tokens:
   to the ``W`` positions ending at itself, later positions to later ones
   (vLLM's ``get_num_skipped_tokens``, the same rule);
 * chunked local attention of chunk ``C`` needs the chunk holding ``N``, from
-  its start: nothing at all when ``N`` starts a chunk.
+  its start: nothing at all when ``N`` starts a chunk;
+* a state part (Mamba's conv or SSM state, gated delta-net's) is no run of
+  tokens: it needs the request's running state, the last block it lists,
+  whole. Its "tokens" are the state's rows, the same on both sides.
 
 Blocks are moved whole, so the first needed token is rounded down to the
 reader's block boundary. Everything before it is what the group saves
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 
 from kvd.core.errors import InvalidArgument
 
-FULL, SLIDING_WINDOW, CHUNKED_LOCAL = "full", "sliding_window", "chunked_local"
-GROUP_KINDS = (FULL, SLIDING_WINDOW, CHUNKED_LOCAL)
+FULL, SLIDING_WINDOW, CHUNKED_LOCAL, STATE = "full", "sliding_window", "chunked_local", "state"
+GROUP_KINDS = (FULL, SLIDING_WINDOW, CHUNKED_LOCAL, STATE)
+WINDOWED = (SLIDING_WINDOW, CHUNKED_LOCAL)
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,14 @@ class GroupKind:
     def __post_init__(self) -> None:
         if self.name not in GROUP_KINDS:
             raise InvalidArgument("group.kind", self.name, f"is not one of {list(GROUP_KINDS)}")
-        if self.name == FULL and self.window:
+        if self.name not in WINDOWED and self.window:
             raise InvalidArgument("group.window_tokens", self.window, "is only for sliding_window and chunked_local groups")
-        if self.name != FULL and self.window <= 0:
+        if self.name in WINDOWED and self.window <= 0:
             raise InvalidArgument("group.window_tokens", self.window, f"must be positive for a {self.name} group")
+
+    @property
+    def is_state(self) -> bool:
+        return self.name == STATE
 
     def first_needed_token(self, num_tokens: int) -> int:
         """The first of ``num_tokens`` loaded tokens that decode reads
@@ -58,7 +66,8 @@ class GroupKind:
         return self.first_needed_token(num_tokens) // block_size * block_size
 
     def __str__(self) -> str:
-        return self.name if self.name == FULL else f"{self.name}({self.window})"
+        return f"{self.name}({self.window})" if self.name in WINDOWED else self.name
 
 
 FULL_ATTENTION = GroupKind()
+STATE_PART = GroupKind(STATE)

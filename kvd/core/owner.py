@@ -113,7 +113,7 @@ class Owner:
         for seg in read.segments:
             if seg.group_id >= len(tensors):
                 raise InvalidArgument("segment.group_id", seg.group_id, f"is not one of {len(tensors)} groups")
-            validate_segment(tensors[seg.group_id], seg, read.head_start, read.head_count)
+            validate_segment(tensors[seg.group_id], seg, *read.heads_of(seg))
             if seg.block_ids:
                 self.publications.check_block_list(pub, rank, seg.group_id, np.asarray(seg.block_ids, dtype=np.int64))
             else:
@@ -191,7 +191,8 @@ class Owner:
         pub = self.publications.publish(
             rank, request_id, block_ids, [g.spec.num_blocks for g in tensors], num_tokens, now, capability=capability,
             reader_engine_id=reader_engine_id, lease_s=lease_s,
-            block_sizes=[g.spec.block_size for g in tensors], first_tokens=first_tokens)
+            # A state part holds no tokens: its blocks are not checked against num_tokens.
+            block_sizes=[0 if g.spec.state else g.spec.block_size for g in tensors], first_tokens=first_tokens)
         return pub, self.publications.ended_before(request_id, capability, rank, now)
 
     def reader_aborted(self, request_id: str, generation: int, capability: bytes, reason: str, now: float) -> list[Ended] | None:

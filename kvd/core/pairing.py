@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from kvd.core.errors import Incompatible
 from kvd.core.spec import EngineMeta, GroupSpec, compat_fields
-from kvd.core.topology import EngineShape, block_ratio, check_pairing, layers_by_stage
+from kvd.core.topology import EngineShape, StateSplit, block_ratio, check_pairing, layers_by_stage
 
 
 def engine_shape(meta: EngineMeta) -> EngineShape:
     use_mla = any(g.spec.use_mla for r in meta.ranks for g in r.groups)
     stages = layers_by_stage([(r.pp_rank, [idx for g in r.groups for idx in g.layer_indices]) for r in meta.ranks])
-    return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages)
+    # A state part splits over TP by its own heads: each rank holds an equal share.
+    state: dict[int, StateSplit] = {}
+    for r in meta.ranks:
+        for g in r.groups:
+            if g.spec.state:
+                prev = state.get(g.group_id)
+                layers = frozenset(g.layer_indices) | (prev.layers if prev else frozenset())
+                state[g.group_id] = StateSplit(g.spec.num_kv_heads * meta.tp_size, layers)
+    return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages, state)
 
 
 def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
@@ -28,6 +36,8 @@ def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
         raise Incompatible(f"group[{gid}].use_mla", ls.use_mla, rs.use_mla)
     if ls.opaque != rs.opaque:
         raise Incompatible(f"group[{gid}].layout", list(ls.layout), list(rs.layout), "an opaque span converts only to an opaque span")
+    if ls.state and ls.block_size != rs.block_size:
+        raise Incompatible(f"group[{gid}].block_size", ls.block_size, rs.block_size, "a state part's rows are its shape, not tokens: they must match")
     ratio = block_ratio(rs.block_size, ls.block_size, opaque=ls.opaque)
     if ls.opaque and ls.span_size != rs.span_size:
         raise Incompatible(f"group[{gid}].span_size", ls.span_size, rs.span_size)

@@ -249,7 +249,8 @@ def validate_segment(group: GroupTensors, seg: DataSegment, head_start: int, hea
     if seg.token_count <= 0 or seg.token_start + seg.token_count > tokens:
         raise InvalidArgument("segment.token_start", seg.token_start, f"with count {seg.token_count} is outside [0, {tokens})")
     if head_count <= 0 or head_start + head_count > spec.num_kv_heads:
-        raise InvalidArgument("read.head_start", head_start, f"with count {head_count} is outside [0, {spec.num_kv_heads})")
+        field = "segment.head_start" if seg.head_count else "read.head_start"
+        raise InvalidArgument(field, head_start, f"with count {head_count} is outside [0, {spec.num_kv_heads})")
     if len(seg.block_ids) > MAX_BATCH_BLOCKS:
         raise InvalidArgument("segment.block_ids", f"<{len(seg.block_ids)} ids>", f"exceeds {MAX_BATCH_BLOCKS} per segment")
     if seg.kv_count and seg.kv_start + seg.kv_count > spec.num_kv:

@@ -28,6 +28,10 @@ class DataSegment:
     # Scattered blocks batched into one segment: when set, these blocks (in
     # this order) replace [block_start, block_start + block_count).
     block_ids: tuple[int, ...] = ()
+    # A state group's heads, in the owner rank's numbering, when they are not
+    # the read's (state parts split by their own heads); count 0 = the read's.
+    head_start: int = 0
+    head_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class DataRead:
     # the rank's publication once every stripe of every expected reader is ACKed.
     stripe: int = 0
     stripes: int = 0
+
+    def heads_of(self, seg: DataSegment) -> tuple[int, int]:
+        """The owner-rank heads ``seg`` reads: its own, else the read's."""
+        return (seg.head_start, seg.head_count) if seg.head_count else (self.head_start, self.head_count)
 
     @property
     def rank(self) -> tuple[int, int]:

@@ -133,6 +133,9 @@ class KVCacheSpec:
     # Who wrote an opaque span (a kernel's private order): spans of different
     # formats hold the same numbers in different places, so they never pair.
     span_format: str = ""
+    # A state part (a Mamba conv sub-projection or SSM state): one plane, no
+    # K/V, split over TP by its own heads; ``block_size`` counts its rows.
+    state: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_size", "num_blocks"):
@@ -147,6 +150,8 @@ class KVCacheSpec:
                 raise InvalidArgument("spec.layout", list(self.layout), "an MLA cache has one latent: no kv or span dim")
             if self.num_kv_heads != 1:
                 raise InvalidArgument("spec.num_kv_heads", self.num_kv_heads, "must be 1 for MLA")
+        if self.state and (self.use_mla or "kv" in self.layout or self.opaque):
+            raise InvalidArgument("spec.layout", list(self.layout), "a state part has one plane: no kv or span dim, no MLA")
         if self.opaque:
             if self.span_size <= 0:
                 raise InvalidArgument("spec.span_size", self.span_size, "must be positive for an opaque layout")
@@ -172,8 +177,8 @@ class KVCacheSpec:
 
     @property
     def num_kv(self) -> int:
-        """Logical K/V planes per layer: 2, or 1 for MLA and opaque spans."""
-        return 1 if (self.use_mla or self.opaque) else 2
+        """Logical K/V planes per layer: 2, or 1 for MLA, opaque spans and state parts."""
+        return 1 if (self.use_mla or self.opaque or self.state) else 2
 
     @property
     def parts_per_layer(self) -> int:
@@ -207,7 +212,7 @@ class KVCacheSpec:
 
     def compat_key(self) -> tuple[object, ...]:
         """What must match across engines for bytes to mean the same thing."""
-        return (self.head_size, self.dtype, self.use_mla, self.opaque, self.span_size if self.opaque else 0, self.span_format)
+        return (self.head_size, self.dtype, self.use_mla, self.opaque, self.span_size if self.opaque else 0, self.span_format, self.state)
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,10 @@ class GroupSpec:
     layers: tuple[LayerSpec, ...]
     kind: GroupKind = FULL_ATTENTION
 
+    def __post_init__(self) -> None:
+        if self.kind.is_state != self.spec.state:
+            raise InvalidArgument(f"groups[{self.group_id}].kind", self.kind.name, f"must be 'state' exactly when spec.state is set (it is {self.spec.state})")
+
     @property
     def layer_indices(self) -> tuple[int, ...]:
         return tuple(layer.layer_index for layer in self.layers)
@@ -246,7 +255,7 @@ class GroupSpec:
 @dataclass(frozen=True)
 class ModelInfo:
     num_layers: int
-    total_num_kv_heads: int
+    total_num_kv_heads: int  # attention's; 0 for a model of state parts only (pure Mamba)
 
 
 MAX_REQUEST_ID = 256  # vLLM's ids are tens of characters; this bounds what a daemon holds per request

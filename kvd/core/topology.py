@@ -4,7 +4,9 @@ The vocabulary follows vLLM's ``TpKVTopology``: each rank of an engine with
 ``tp_size`` ranks holds a contiguous slice of the model's KV heads, or, when
 ``tp_size > total_num_kv_heads``, one head replicated over
 ``tp_size / total_num_kv_heads`` ranks. MLA caches hold one latent that every
-rank replicates.
+rank replicates. A state part (Mamba, linear attention) splits over TP by
+its own heads, not the model's KV heads, so its group gets read targets of
+its own; a target names the groups it serves.
 
 For one local (reading) rank, ``read_targets`` says which remote ranks to
 read, which heads of each (in the remote rank's local head numbering) and
@@ -14,7 +16,7 @@ where they land (in the local rank's numbering), and which layers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvd.core.errors import Incompatible
 
@@ -55,6 +57,19 @@ class EngineShape:
     total_num_kv_heads: int
     use_mla: bool
     layers_by_pp_rank: Mapping[int, frozenset[int]]  # global layer indices per PP stage
+    state_groups: Mapping[int, StateSplit] = field(default_factory=dict)  # by group id
+
+    @property
+    def state_layers(self) -> frozenset[int]:
+        return frozenset().union(*(s.layers for s in self.state_groups.values()))
+
+
+@dataclass(frozen=True)
+class StateSplit:
+    """A state group as topology sees it: its heads over all TP ranks, and its layers."""
+
+    total_heads: int
+    layers: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,7 @@ class ReadTarget:
     head_count: int
     local_head_start: int  # in the local rank's local head numbering
     layers: tuple[int, ...]  # global layer indices, ascending
+    groups: tuple[int, ...] | None = None  # the state groups these heads are of; None: the attention groups
 
 
 def check_pairing(local: EngineShape, remote: EngineShape) -> None:
@@ -73,14 +89,22 @@ def check_pairing(local: EngineShape, remote: EngineShape) -> None:
         raise Incompatible("use_mla", local.use_mla, remote.use_mla)
     if local.total_num_kv_heads != remote.total_num_kv_heads:
         raise Incompatible("total_num_kv_heads", local.total_num_kv_heads, remote.total_num_kv_heads)
+    for g in sorted(set(local.state_groups) | set(remote.state_groups)):
+        mine, theirs = local.state_groups.get(g), remote.state_groups.get(g)
+        if (mine and mine.total_heads) != (theirs and theirs.total_heads):
+            raise Incompatible(f"group[{g}].total_heads", mine and mine.total_heads, theirs and theirs.total_heads,
+                               "a state part's heads over all TP ranks must match")
     for name, shape in (("local", local), ("remote", remote)):
-        for r in range(shape.tp_size):
-            try:
-                heads_of_rank(r, shape.tp_size, shape.total_num_kv_heads, shape.use_mla)
-            except Incompatible as e:
-                raise Incompatible(
-                    "tp_size", local.tp_size, remote.tp_size, f"{name} engine: {e.message}"
-                ) from None
+        totals = [(shape.total_num_kv_heads, shape.use_mla)] if shape.total_num_kv_heads else []
+        totals += [(s.total_heads, False) for s in shape.state_groups.values()]
+        for total, mla in totals:
+            for r in range(shape.tp_size):
+                try:
+                    heads_of_rank(r, shape.tp_size, total, mla)
+                except Incompatible as e:
+                    raise Incompatible(
+                        "tp_size", local.tp_size, remote.tp_size, f"{name} engine: {e.message}"
+                    ) from None
     remote_layers = frozenset().union(*remote.layers_by_pp_rank.values()) if remote.layers_by_pp_rank else frozenset()
     local_layers = frozenset().union(*local.layers_by_pp_rank.values()) if local.layers_by_pp_rank else frozenset()
     missing = sorted(local_layers - remote_layers)
@@ -109,6 +133,8 @@ def fanout_source(shape: EngineShape, tp_rank: int, pp_rank: int, present: froze
     the primary's memory is on the same daemon (``present`` lists the
     (tp, pp) ranks there), so the engine reads each remote byte once.
     """
+    if shape.state_groups:
+        return None  # state parts split where attention heads replicate: a replica's state is its own
     primary = replica_primary(shape, tp_rank)
     if primary != tp_rank and (primary, pp_rank) in present:
         return primary
@@ -126,11 +152,22 @@ def read_targets(
     check_pairing(local, remote)
     if fanout_source(local, local_tp_rank, local_pp_rank, present) is not None:
         return []
-    mine = heads_of_rank(local_tp_rank, local.tp_size, local.total_num_kv_heads, local.use_mla)
-    wanted_layers = local.layers_by_pp_rank.get(local_pp_rank, frozenset())
+    wanted = local.layers_by_pp_rank.get(local_pp_rank, frozenset())
     targets: list[ReadTarget] = []
-    for head_start, head_count, tp_rank in _head_sources(mine, local_tp_rank, remote):
-        theirs = heads_of_rank(tp_rank, remote.tp_size, remote.total_num_kv_heads, remote.use_mla)
+    if local.total_num_kv_heads:
+        targets += _targets(local, remote, local_tp_rank, local.total_num_kv_heads, local.use_mla, wanted - local.state_layers, None)
+    for g, split in sorted(local.state_groups.items()):
+        targets += _targets(local, remote, local_tp_rank, split.total_heads, False, wanted & split.layers, (g,))
+    return targets
+
+
+def _targets(local: EngineShape, remote: EngineShape, local_tp_rank: int, total: int, use_mla: bool,
+             wanted_layers: frozenset[int], groups: tuple[int, ...] | None) -> list[ReadTarget]:
+    """The reads of one head split (the attention heads, or one state group's)."""
+    mine = heads_of_rank(local_tp_rank, local.tp_size, total, use_mla)
+    targets: list[ReadTarget] = []
+    for head_start, head_count, tp_rank in _head_sources(mine, local_tp_rank, remote.tp_size, total, use_mla):
+        theirs = heads_of_rank(tp_rank, remote.tp_size, total, use_mla)
         for pp_rank in sorted(remote.layers_by_pp_rank):
             layers = tuple(sorted(wanted_layers & remote.layers_by_pp_rank[pp_rank]))
             if not layers:
@@ -143,25 +180,26 @@ def read_targets(
                     head_count=head_count,
                     local_head_start=head_start - mine.start,
                     layers=layers,
+                    groups=groups,
                 )
             )
     return targets
 
 
-def _head_sources(mine: HeadSlice, local_tp_rank: int, remote: EngineShape) -> list[tuple[int, int, int]]:
+def _head_sources(mine: HeadSlice, local_tp_rank: int, remote_tp: int, total: int, use_mla: bool) -> list[tuple[int, int, int]]:
     """(global head start, count, remote tp rank) covering ``mine`` exactly once."""
-    if remote.use_mla:
+    if use_mla:
         # One latent, replicated on every remote rank: spread local ranks over them.
-        return [(0, 1, local_tp_rank % remote.tp_size)]
+        return [(0, 1, local_tp_rank % remote_tp)]
     out: list[tuple[int, int, int]] = []
     h = mine.start
     while h < mine.stop:
-        if remote.tp_size <= remote.total_num_kv_heads:
-            per = remote.total_num_kv_heads // remote.tp_size
+        if remote_tp <= total:
+            per = total // remote_tp
             tp_rank = h // per
             stop = min(mine.stop, (tp_rank + 1) * per)
         else:
-            rep = remote.tp_size // remote.total_num_kv_heads
+            rep = remote_tp // total
             # Replicated remotely: local ranks sharing a head pick different replicas.
             tp_rank = h * rep + (local_tp_rank % rep)
             stop = h + 1

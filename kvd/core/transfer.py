@@ -212,7 +212,9 @@ def plan_pull(
     if len(params.block_ids) != len(local_group_specs):
         raise Incompatible("num_groups", len(local_group_specs), len(params.block_ids), "transfer params carry block ids per remote group")
     targets = read_targets(engine_shape(local_meta), engine_shape(remote), local_tp_rank, local_pp_rank)
-    reads: list[RankRead] = []
+    # One read per remote rank: a state group's heads differ from attention's,
+    # so its segments name their own (a rank's reads are counted by the owner).
+    by_rank: dict[tuple[int, int], RankRead] = {}
     for target in targets:
         rank = remote.rank(target.remote_tp_rank, target.remote_pp_rank)
         if rank is None:
@@ -221,6 +223,8 @@ def plan_pull(
         sinks: list[SegmentSink] = []
         wanted = set(target.layers)
         for gi, (lspec, ltensors) in enumerate(zip(local_group_specs, local_groups, strict=True)):
+            if (lspec.group_id not in target.groups) if target.groups is not None else lspec.spec.state:
+                continue  # another head split's group
             rgroup = next((g for g in rank.groups if g.group_id == lspec.group_id), None)
             if rgroup is None:
                 raise Incompatible(f"group[{lspec.group_id}]", "present", "absent")
@@ -228,21 +232,38 @@ def plan_pull(
             layers = [idx for idx in lspec.layer_indices if idx in wanted and idx in rgroup.layer_indices]
             if not layers:
                 continue
-            local_first = local_first_tokens[gi] if gi < len(local_first_tokens) else 0
-            tokens = token_range(lspec, rgroup.spec.block_size, params.num_tokens, params.first_token(gi), local_first)
+            remote_ids, local_ids = list(params.block_ids[gi]), list(local_block_ids[gi])
+            if lspec.kind.is_state:
+                if not remote_ids or not local_ids:
+                    continue  # no state offered or wanted (nothing computed yet)
+                # The running state is each side's last block; its rows move whole.
+                remote_ids, local_ids = remote_ids[-1:], local_ids[-1:]
+                tokens: TokenRange | None = TokenRange(lspec.spec.block_size, 0, 0, 0)
+            else:
+                local_first = local_first_tokens[gi] if gi < len(local_first_tokens) else 0
+                tokens = token_range(lspec, rgroup.spec.block_size, params.num_tokens, params.first_token(gi), local_first)
             if tokens is None:
                 continue
-            _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, tokens, list(params.block_ids[gi]), local_block_ids[gi], target,
+            _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, tokens, remote_ids, local_ids, target,
                         segment_bytes, zero_copy_min_bytes or segment_bytes)
-        if sinks:
+        if target.groups is not None:
+            segments = [dataclasses.replace(x, head_start=target.remote_head_start, head_count=target.head_count) for x in segments]
+        if not sinks:
+            continue
+        key = (target.remote_tp_rank, target.remote_pp_rank)
+        rr = by_rank.get(key)
+        if rr is None:
             read = DataRead(
                 owner_engine_id=remote.engine_id, request_id=params.request_id, generation=params.generation,
                 capability=params.capability, tp_rank=target.remote_tp_rank, pp_rank=target.remote_pp_rank,
                 head_start=target.remote_head_start, head_count=target.head_count, segments=tuple(segments),
                 reader_tp_rank=local_tp_rank, reader_pp_rank=local_pp_rank,
             )
-            reads.append(RankRead(target, read, sinks))
-    return reads
+            by_rank[key] = RankRead(target, read, sinks)
+        else:
+            rr.read = dataclasses.replace(rr.read, segments=rr.read.segments + tuple(segments))
+            rr.sinks.extend(sinks)
+    return list(by_rank.values())
 
 
 @dataclass(frozen=True)
@@ -296,7 +317,10 @@ def token_range(local: GroupSpec, remote_block_size: int, num_tokens: int, remot
 def skipped_bytes(group: GroupSpec, num_tokens: int, local_first: int, held: int) -> int:
     """Bytes of ``group`` (this rank's heads, all its layers) that full
     attention would have moved, from the ``held`` tokens decode already has,
-    and its kind does not (a window's leading tokens)."""
+    and its kind does not (a window's leading tokens; none for a state part,
+    which has no tokens to skip)."""
+    if group.kind.is_state:
+        return 0
     start = needed_from(group, num_tokens, local_first) // group.spec.block_size * group.spec.block_size
     skipped = max(0, start - held)
     return skipped * group.spec.bytes_per_block_per_layer // group.spec.block_size * len(group.layers)

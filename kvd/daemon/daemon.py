@@ -202,15 +202,24 @@ class Daemon:
         if ids != list(range(len(groups))):
             raise InvalidArgument("groups.group_id", ids, "must be 0..n-1 in order")
         for g in groups:
+            bad = [i for i in g.layer_indices if i >= model.num_layers]
+            if bad:
+                raise InvalidArgument(f"groups[{g.group_id}].layers.layer_index", bad[0], f"is not below model.num_layers={model.num_layers}")
+            if g.spec.state:
+                # A state part splits by its own heads: equally, so every rank holds as many.
+                theirs = next((o.groups[g.group_id].spec.num_kv_heads for k, o in self.registrations.items()
+                               if k != (worker.tp_rank, worker.pp_rank) and g.group_id < len(o.groups) and o.groups[g.group_id].spec.state), None)
+                if theirs is not None and theirs != g.spec.num_kv_heads:
+                    raise InvalidArgument(f"groups[{g.group_id}].spec.num_kv_heads", g.spec.num_kv_heads, f"differs from another rank's {theirs} for this state group")
+                continue
+            if model.total_num_kv_heads <= 0:
+                raise InvalidArgument("model.total_num_kv_heads", model.total_num_kv_heads, f"must be positive: groups[{g.group_id}] is a {g.kind} group")
             try:
                 want = heads_of_rank(worker.tp_rank, worker.tp_size, model.total_num_kv_heads, g.spec.use_mla).count
             except Incompatible as e:
                 raise InvalidArgument("worker.tp_size", worker.tp_size, f"cannot split model.total_num_kv_heads={model.total_num_kv_heads}: {e.message}") from None
             if g.spec.num_kv_heads != want:
                 raise InvalidArgument(f"groups[{g.group_id}].spec.num_kv_heads", g.spec.num_kv_heads, f"should be {want} for tp_rank {worker.tp_rank} of {worker.tp_size} with {model.total_num_kv_heads} KV heads")
-            bad = [i for i in g.layer_indices if i >= model.num_layers]
-            if bad:
-                raise InvalidArgument(f"groups[{g.group_id}].layers.layer_index", bad[0], f"is not below model.num_layers={model.num_layers}")
         mapped: dict[str, MappedRegion] = {}
         try:
             for region in req.regions:

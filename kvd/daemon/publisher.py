@@ -194,7 +194,7 @@ class Publisher:
             raise
         assert reg is not None
         if local:
-            self.d.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.head_count) for s in read.segments))
+            self.d.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.heads_of(s)[1]) for s in read.segments))
         if grant.pin is not None:
             self.d.metrics.pinned_ranks.set(self.publications.pinned)
         return OpenRead(self, reg, grant)
@@ -216,7 +216,7 @@ class OpenRead:
 
     def segment(self, index: int, staging: GatherStaging, transport: str = "tcp") -> torch.Tensor:
         group, seg = self._seg(index)
-        payload = serve_segment(group, seg, self.read.head_start, self.read.head_count, staging)
+        payload = serve_segment(group, seg, *self.read.heads_of(seg), staging)
         self.count_sent(payload.numel(), seg.block_count, transport)
         return payload
 
@@ -233,22 +233,22 @@ class OpenRead:
 
     def segment_nbytes(self, index: int) -> int:
         group, seg = self._seg(index)
-        return segment_nbytes(group.spec, seg, self.read.head_count)
+        return segment_nbytes(group.spec, seg, self.read.heads_of(seg)[1])
 
     def segment_pieces(self, index: int) -> tuple[np.ndarray, int] | None:
         """A batched segment's bytes as equal pieces of registered memory, in wire order."""
         group, seg = self._seg(index)
-        return batched_pieces(group, seg, self.read.head_start, self.read.head_count)
+        return batched_pieces(group, seg, *self.read.heads_of(seg))
 
     def segment_iov(self, index: int) -> np.ndarray | None:
         """The segment's registered host memory as an iovec array, in wire order."""
         group, seg = self._seg(index)
-        return owner_iov(group, seg, self.read.head_start, self.read.head_count)
+        return owner_iov(group, seg, *self.read.heads_of(seg))
 
     def segment_view(self, index: int) -> torch.Tensor | None:
         """The segment as a zero-copy view of registered memory, or None when it must be gathered."""
         group, seg = self._seg(index)
-        return segment_view(group, seg, self.read.head_start, self.read.head_count)
+        return segment_view(group, seg, *self.read.heads_of(seg))
 
     def check_alive(self) -> None:
         """Raise if the publication ended (aborted, expired) while being served.

@@ -25,7 +25,7 @@ from kvd.convert import offer_from_pb, worker_from_pb
 from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
-from kvd.core.groups import FULL
+from kvd.core.groups import WINDOWED
 from kvd.core.leases import RankKey, check_unique
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
@@ -209,7 +209,7 @@ class Puller:
         full attention from the prefix decode already held."""
         firsts = [b.first_token for b in req.local_block_ids]
         for g, first in zip(reg.groups, firsts, strict=True):
-            if g.kind.name != FULL:
+            if g.kind.name in WINDOWED:
                 self.d.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, req.params.num_tokens, first, min(firsts)))
 
     async def _attempt(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],

@@ -569,7 +569,7 @@ class DataRead(_message.Message):
     def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ...) -> None: ...
 
 class DataSegment(_message.Message):
-    __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids")
+    __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids", "head_start", "head_count")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_START_FIELD_NUMBER: _ClassVar[int]
@@ -579,6 +579,8 @@ class DataSegment(_message.Message):
     KV_START_FIELD_NUMBER: _ClassVar[int]
     KV_COUNT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     layers: _containers.RepeatedScalarFieldContainer[int]
     block_start: int
@@ -588,7 +590,9 @@ class DataSegment(_message.Message):
     kv_start: int
     kv_count: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_id: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., block_start: _Optional[int] = ..., block_count: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., kv_start: _Optional[int] = ..., kv_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    head_start: int
+    head_count: int
+    def __init__(self, group_id: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., block_start: _Optional[int] = ..., block_count: _Optional[int] = ..., token_start: _Optional[int] = ..., token_count: _Optional[int] = ..., kv_start: _Optional[int] = ..., kv_count: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ...) -> None: ...
 
 class DataEnd(_message.Message):
     __slots__ = ("bytes",)

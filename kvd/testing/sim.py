@@ -134,13 +134,13 @@ def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_id
                 key = (rr.read.tp_rank, rr.read.pp_rank)
                 read_bytes[key] = read_bytes.get(key, 0) + sink.nbytes
                 dst = sink.iov()
-                src = owner_iov(owner.tensors, seg, rr.read.head_start, rr.read.head_count) if dst is not None else None
+                src = owner_iov(owner.tensors, seg, *rr.read.heads_of(seg)) if dst is not None else None
                 if dst is not None and src is not None and iov.nbytes(src) == sink.nbytes:
                     # What the same-host path does: piece to piece, from the two templates.
                     for (d_addr, n), (s_addr, _) in zip(*iov.align(dst, src), strict=True):
                         ctypes.memmove(int(d_addr), int(s_addr), int(n))
                     continue
-                payload = serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, staging)
+                payload = serve_segment(owner.tensors, seg, *rr.read.heads_of(seg), staging)
                 assert payload.numel() == sink.nbytes
                 direct = sink.direct()
                 if direct is not None:  # what the transport does: bytes straight into place

@@ -96,7 +96,7 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
     for rr in reads:
         owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
         for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
-            work.append((sink, serve_segment(owner.tensors, seg, rr.read.head_start, rr.read.head_count, staging).clone()))
+            work.append((sink, serve_segment(owner.tensors, seg, *rr.read.heads_of(seg), staging).clone()))
     nbytes = sum(s.nbytes for s, _ in work)
 
     def land() -> None:

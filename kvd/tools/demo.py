@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvd.core.groups import FULL_ATTENTION, SLIDING_WINDOW, GroupKind
+from kvd.core.groups import FULL_ATTENTION, SLIDING_WINDOW, STATE_PART, GroupKind
 from kvd.core.spec import CPU_ATTENTION_PARTS, KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.core.topology import heads_of_rank
+from kvd.state_parts import SD, StateShape, mamba2
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EngineConfig:
     block_size: int
     layout: str
     num_blocks: int
+    conv_layout: str = SD  # the Mamba2 layers' conv state: SD (state_len, conv_dim) or DS
 
 
 @dataclass(frozen=True)
@@ -49,16 +51,31 @@ class ModelConfig:
     # window of ``sliding_window`` tokens (0: all full attention).
     sliding_window: int = 0
     full_every: int = 2
+    # Mamba2 layers: every ``mamba_every``-th layer from layer 0 (1: all of
+    # them, a pure Mamba2 model; 0: none), each moved as its state parts.
+    mamba_every: int = 0
 
     def kind_of(self, layer: int) -> GroupKind:
+        if self.mamba_every and layer % self.mamba_every == 0:
+            return STATE_PART
         if self.sliding_window and layer % self.full_every != self.full_every - 1:
             return GroupKind(SLIDING_WINDOW, self.sliding_window)
         return FULL_ATTENTION
 
     def groups(self, layers: Sequence[int]) -> list[tuple[GroupKind, list[int]]]:
         """The KV cache groups of ``layers``, full attention first."""
-        kinds = sorted({self.kind_of(i) for i in layers}, key=lambda k: (k.name != "full", k.window))
+        kinds = sorted({self.kind_of(i) for i in layers}, key=lambda k: (k.is_state, k.name != "full", k.window))
         return [(k, [i for i in layers if self.kind_of(i) == k]) for k in kinds]
+
+    @property
+    def attention_heads(self) -> int:
+        """The model's KV heads; 0 when every layer is a Mamba2 layer."""
+        return 0 if self.mamba_every == 1 else self.kv_heads
+
+    def state_shape(self, conv_layout: str) -> StateShape:
+        """The Mamba2 layers' state: twice the KV heads of SSM heads, a group per KV head."""
+        return mamba2(num_heads=2 * self.kv_heads, head_dim=self.head_size, n_groups=self.kv_heads, d_state=16, conv_kernel=4,
+                      dtype=self.dtype, ssm_dtype="float32", conv_layout=conv_layout)
 
 
 def kept_from(kind: GroupKind, num_tokens: int, block_size: int) -> int:
@@ -103,7 +120,7 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
     """One engine rank: owns its caches in shm, obeys the driver's commands."""
     import torch
 
-    from kvd.caches import local_group_tensors, release_all
+    from kvd.caches import allocate_state_pages, local_group_tensors, release_all
     from kvd.client import KvdClient
     from kvd.testing import pattern
 
@@ -112,19 +129,38 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
         try:
             spec = rank_spec(engine, model, worker.tp_rank)
             groups = model.groups(stage_layers(model, worker.pp_size, worker.pp_rank))
-            registered, tensors, kinds = [], [], []
+            registered, tensors, kinds, specs, coords = [], [], [], [], []
+            dims = None
+            attention_coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
             for kind, layers in groups:
+                if kind.is_state:
+                    # One page per Mamba2 layer and block; each of its parts is a group of its own.
+                    state = model.state_shape(engine.conv_layout)
+                    pages = allocate_state_pages([f"model.layers.{i}.mixer" for i in layers], engine.num_blocks, state.page_bytes(worker.tp_size) + 64)
+                    views = {name: state.views(page, worker.tp_size) for name, page in pages.items()}
+                    for pi, pspec in enumerate(state.specs(worker.tp_size, engine.num_blocks)):
+                        caches = {name: v[pi] for name, v in views.items()}
+                        registered.append((pspec, caches))
+                        tensors.append(local_group_tensors(pspec, caches))
+                        kinds.append(kind)
+                        specs.append(pspec)
+                        coords.append(pattern.RankCoords(worker.tp_rank * pspec.num_kv_heads))
+                    continue
                 caches, dims = allocate_engine_caches(engine, spec, [f"model.layers.{i}.self_attn.attn" for i in layers])
                 registered.append((spec, caches))
                 tensors.append(local_group_tensors(spec, caches, dims=dims))
                 kinds.append(kind)
+                specs.append(spec)
+                coords.append(attention_coords)
             client = KvdClient(address, worker)
             client.wait_ready()
-            client.register(registered, ModelInfo(model.layers, model.kv_heads), dims=dims, kinds=kinds)
-            coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
+            client.register(registered, ModelInfo(model.layers, model.attention_heads), dims=dims, kinds=kinds)
             # Every group takes the request's blocks from one pool, each group
-            # its share of them (from the token it keeps on): as in vLLM.
+            # its share of them (from the token it keeps on): as in vLLM. A
+            # state group keeps one block, the request's running state.
             def own(ids: list[int], ntok: int, kind: GroupKind) -> tuple[int, list[int]]:
+                if kind.is_state:
+                    return 0, ids[-1:]
                 first = kept_from(kind, ntok, spec.block_size)
                 return first, ids[first // spec.block_size :]
         except Exception as e:  # the driver says why this rank could not start
@@ -140,8 +176,8 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                     out = []
                     for rid, seed, ids, ntok, cap in arg:
                         mine = [own(ids, ntok, kind) for kind in kinds]
-                        for t, (first, g_ids) in zip(tensors, mine, strict=True):
-                            pattern.fill(t, seed, g_ids, coords, first_token=first)
+                        for t, c, (first, g_ids) in zip(tensors, coords, mine, strict=True):
+                            pattern.fill(t, seed, g_ids, c, first_token=first)
                         out.append(client.publish(rid, [g for _, g in mine], ntok, capability=cap,
                                                   first_tokens=[f for f, _ in mine]).SerializeToString())
                     conn.send(("ok", out))
@@ -161,12 +197,14 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                 elif cmd == "verify":  # [(rid, seed, local ids, num_tokens)]
                     bad = None
                     for rid, seed, ids, ntok in arg:
-                        for t, kind in zip(tensors, kinds, strict=True):
-                            # What decode needs of each group, from its first whole block.
-                            first = kind.first_needed_block_token(ntok, spec.block_size)
-                            m = pattern.mismatch(t, seed, ids[first // spec.block_size :], coords, ntok, first_token=first)
+                        for gi, (t, c, kind) in enumerate(zip(tensors, coords, kinds, strict=True)):
+                            if kind.is_state:  # the running state, every row
+                                m = pattern.mismatch(t, seed, ids[-1:], c, specs[gi].block_size)
+                            else:  # what decode needs of the group, from its first whole block
+                                first = kind.first_needed_block_token(ntok, spec.block_size)
+                                m = pattern.mismatch(t, seed, ids[first // spec.block_size :], c, ntok, first_token=first)
                             if m is not None:
-                                bad = f"request {rid} on {worker}, group {kind}: {m}"
+                                bad = f"request {rid} on {worker}, group {gi} ({kind}): {m}"
                                 break
                         if bad:
                             break
@@ -249,12 +287,16 @@ def _call(conns: Sequence[Connection], cmd: str, args: Sequence[Any]) -> list[An
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    model = ModelConfig(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla, args.sliding_window, args.full_every)
+    model = ModelConfig(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla, args.sliding_window, args.full_every, args.mamba_every)
+    if args.mamba_every and args.mla:
+        raise SystemExit("--mamba-every and --mla do not combine")
+    p_conv, _, d_conv = args.conv_layouts.upper().partition(",")
     default_layout = "MLA" if args.mla else "NHD"
-    pcfg = EngineConfig("prefill", args.prefill_tp, args.prefill_pp, args.prefill_block_size or args.block_size, args.prefill_layout or default_layout, args.num_blocks)
+    pcfg = EngineConfig("prefill", args.prefill_tp, args.prefill_pp, args.prefill_block_size or args.block_size, args.prefill_layout or default_layout, args.num_blocks, p_conv)
     dcfg = EngineConfig("decode", args.decode_tp, args.decode_pp, args.decode_block_size or args.block_size, args.decode_layout or default_layout, args.num_blocks * max(1, pcfg.block_size // (args.decode_block_size or args.block_size)))
     # Decode blocks must hold as many tokens as prefill's.
-    dcfg = EngineConfig(dcfg.engine_id, dcfg.tp, dcfg.pp, dcfg.block_size, dcfg.layout, max(2, args.num_blocks * pcfg.block_size // dcfg.block_size + 1))
+    dcfg = EngineConfig(dcfg.engine_id, dcfg.tp, dcfg.pp, dcfg.block_size, dcfg.layout, max(2, args.num_blocks * pcfg.block_size // dcfg.block_size + 1),
+                        d_conv or p_conv)
     if args.sliding_window and dcfg.block_size > pcfg.block_size:
         # P keeps a window from one of its blocks; a bigger decode block there would be part filled.
         raise SystemExit("--sliding-window needs decode blocks no larger than prefill's")
@@ -262,7 +304,8 @@ def run_demo(args: argparse.Namespace) -> int:
     say = print
     say(f"kvd demo ({args.transport}): prefill TP{pcfg.tp}/PP{pcfg.pp} block {pcfg.block_size} {pcfg.layout} -> decode TP{dcfg.tp}/PP{dcfg.pp} block {dcfg.block_size} {dcfg.layout}; "
         f"{model.layers} layers, {model.kv_heads} KV heads x {model.head_size} {model.dtype}{' MLA' if model.mla else ''}"
-        + (f"; every {model.full_every}th layer full attention, the others a {model.sliding_window}-token window" if model.sliding_window else ""))
+        + (f"; every {model.full_every}th layer full attention, the others a {model.sliding_window}-token window" if model.sliding_window else "")
+        + (f"; every {model.mamba_every}th layer Mamba2 (conv {pcfg.conv_layout} -> {dcfg.conv_layout})" if model.mamba_every else ""))
     daemons = Daemons()
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -407,6 +450,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mla", action="store_true")
     p.add_argument("--sliding-window", type=int, default=0, help="a hybrid model: layers on a window of this many tokens (0: none)")
     p.add_argument("--full-every", type=int, default=2, help="with --sliding-window: every Nth layer is full attention")
+    p.add_argument("--mamba-every", type=int, default=0, help="a Mamba2 hybrid: every Nth layer from layer 0 is a Mamba2 layer (1: pure Mamba2; 0: none)")
+    p.add_argument("--conv-layouts", default="SD,SD", help="the Mamba2 conv state's layout on prefill,decode: SD or DS each")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="prefill blocks per rank")
     p.add_argument("--prefill-tp", type=int, default=2)

@@ -59,7 +59,7 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
         group = source.groups[seg.group_id]
         if copier is not None and copier.available:
             dst = sink.iov()
-            src = owner_iov(group, seg, read.head_start, read.head_count) if dst is not None else None
+            src = owner_iov(group, seg, *read.heads_of(seg)) if dst is not None else None
             if dst is not None and src is not None and iovec.nbytes(src) == sink.nbytes:
                 dsts.append(dst)
                 srcs.append(src)
@@ -68,7 +68,7 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
         # GPU to GPU (CUDA IPC): gathered on the owner's device, then one
         # device copy or a relayout on ours, waited for before it counts.
         with device_copies(sink.device if sink.device.type == "cuda" else group.device):
-            payload = serve_segment(group, seg, read.head_start, read.head_count, source.staging)
+            payload = serve_segment(group, seg, *read.heads_of(seg), source.staging)
             direct = sink.direct()
             if direct is not None:
                 direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)

@@ -1,0 +1,144 @@
+"""Mamba and linear-attention state, moved as state parts: each conv
+sub-projection and the SSM state sliced by its own heads across TP, in any
+conv layout, only the running state block, exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvd.core.errors import Incompatible, InvalidArgument
+from kvd.core.groups import STATE_PART
+from kvd.core.pairing import check_compatible
+from kvd.core.pieces import serve_segment
+from kvd.core.reads import Offer
+from kvd.core.relayout import GroupTensors
+from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, LayerSpec, ModelInfo, TensorRef
+from kvd.core.transfer import plan_pull
+from kvd.state_parts import DS, SD, StateShape, gated_delta_net, mamba2
+from kvd.testing import pattern
+from kvd.transport.base import Staging
+
+LAYERS = (0, 1)
+NUM_BLOCKS = 6
+
+
+def _rank(shape: StateShape, tp: int, tp_rank: int):
+    """One rank's state pages in a plain buffer, its parts as groups."""
+    page_bytes = shape.page_bytes(tp) + 32  # padding after the state, as vLLM pads pages
+    buf = torch.zeros(len(LAYERS) * NUM_BLOCKS * page_bytes, dtype=torch.uint8)
+    pages = buf.view(len(LAYERS), NUM_BLOCKS, page_bytes)
+    per_layer = [shape.views(pages[i], tp) for i in range(len(LAYERS))]
+    groups, tensors = [], []
+    for pi, spec in enumerate(shape.specs(tp, NUM_BLOCKS)):
+        layers = []
+        for li, layer in enumerate(LAYERS):
+            v = per_layer[li][pi]
+            ref = TensorRef("r", v.data_ptr() - buf.data_ptr(), tuple(v.shape), tuple(v.stride()), spec.layout)
+            layers.append(LayerSpec(f"model.layers.{layer}.mixer", layer, (ref,)))
+        g = GroupSpec(pi, spec, tuple(layers), STATE_PART)
+        groups.append(g)
+        tensors.append(GroupTensors.build(g, {"r": buf}))
+    return buf, groups, tensors
+
+
+def _engine(name: str, shape: StateShape, tp: int):
+    ranks = [_rank(shape, tp, r) for r in range(tp)]
+    meta = EngineMeta(name, "e-" + name, "h", "x:1", tp, 1, ModelInfo(len(LAYERS), 0),
+                      tuple(EngineLayout(r, 0, tuple(ranks[r][1])) for r in range(tp)))
+    return meta, ranks
+
+
+def _coords(groups, tp_rank):
+    return [pattern.RankCoords(tp_rank * g.spec.num_kv_heads) for g in groups]
+
+
+def _move(p_meta, p_ranks, d_meta, d_ranks, p_block: int, d_block: int) -> int:
+    n = len(p_ranks[0][1])
+    offer = Offer("req", 1, b"", tuple((0, p_block) for _ in range(n)), 100)  # block 0 is an earlier, stale state
+    moved = 0
+    for tp, (_buf, groups, tensors) in enumerate(d_ranks):
+        reads = plan_pull(local_meta=d_meta, local_tp_rank=tp, local_pp_rank=0, local_groups=tensors, local_group_specs=groups,
+                          remote=p_meta, params=offer, local_block_ids=[[d_block]] * n)
+        assert len({rr.read.rank for rr in reads}) == len(reads)  # one read per remote rank
+        for rr in reads:
+            owner = p_ranks[rr.read.tp_rank][2]
+            for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                sink.land(serve_segment(owner[seg.group_id], seg, *rr.read.heads_of(seg), Staging()).clone())
+                moved += sink.nbytes
+    return moved
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "p_layout", "d_layout"), [(2, 1, SD, SD), (1, 2, SD, DS), (2, 4, DS, SD), (4, 2, DS, DS)])
+@pytest.mark.parametrize("family", ["mamba2", "gated_delta_net"])
+def test_state_moves_exactly_across_tp_and_conv_layouts(family, p_tp, d_tp, p_layout, d_layout):
+    def shape(layout):
+        if family == "mamba2":
+            return mamba2(num_heads=8, head_dim=4, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32", conv_layout=layout)
+        return gated_delta_net(k_heads=4, v_heads=8, k_dim=8, v_dim=4, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32", conv_layout=layout)
+
+    p_meta, p_ranks = _engine("p", shape(p_layout), p_tp)
+    d_meta, d_ranks = _engine("d", shape(d_layout), d_tp)
+    for tp, (_b, groups, tensors) in enumerate(p_ranks):
+        for t, c in zip(tensors, _coords(groups, tp), strict=True):
+            pattern.fill(t, 7, [3], c)  # the running state
+            pattern.fill(t, 99, [0], c)  # another request's
+    def wrong(tp):
+        _b, groups, tensors = d_ranks[tp]
+        return [pattern.mismatch(t, 7, [5], c, g.spec.block_size) for g, t, c in zip(groups, tensors, _coords(groups, tp), strict=True)]
+
+    assert all(m is not None for tp in range(d_tp) for m in wrong(tp))  # negative control: not there before
+    moved = _move(p_meta, p_ranks, d_meta, d_ranks, 3, 5)
+    assert [m for tp in range(d_tp) for m in wrong(tp)] == [None] * (d_tp * len(d_ranks[0][1]))
+    # Exactly the state: every part of every layer once, no padding, no other block.
+    assert moved == shape(SD).page_bytes(1) * len(LAYERS)
+    for _buf, _groups, tensors in d_ranks:
+        others = torch.ones(NUM_BLOCKS, dtype=torch.bool)
+        others[5] = False
+        for t in tensors:
+            for _i, _c, view in t.layer_runs(0, tuple(range(len(LAYERS)))):
+                assert not view[:, :, others].any()
+    # A flipped element anywhere in one part is caught: the check can fail.
+    _b, groups, tensors = d_ranks[0]
+    for _i, _c, view in tensors[1].layer_runs(0, (1,)):
+        view[0, 0, 5, -1, -1, -1] += 1
+    assert pattern.mismatch(tensors[1], 7, [5], _coords(groups, 0)[1], groups[1].spec.block_size) is not None
+
+
+def test_a_state_shape_that_tp_cannot_split_is_refused_by_name():
+    with pytest.raises(InvalidArgument) as e:
+        mamba2(num_heads=8, head_dim=4, n_groups=1, d_state=8, conv_kernel=4, dtype="bfloat16").specs(2, NUM_BLOCKS)
+    assert e.value.field == "state.conv.B.heads"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"d_state": 16}, "group[1].head_size: local=16 remote=8"),  # B's width
+    ({"conv_kernel": 3}, "group[0].block_size: local=2 remote=3"),  # the conv state's rows
+    ({"ssm_dtype": "bfloat16"}, "group[3].dtype: local='bfloat16' remote='float32'"),
+])
+def test_state_shapes_that_differ_are_refused_naming_group_and_both_values(change, message):
+    base = {"num_heads": 8, "head_dim": 4, "n_groups": 4, "d_state": 8, "conv_kernel": 4, "dtype": "bfloat16", "ssm_dtype": "float32"}
+    p_meta, _ = _engine("p", mamba2(**base), 2)
+    d_meta, _ = _engine("d", mamba2(**{**base, **change}), 1)
+    with pytest.raises(Incompatible) as e:
+        check_compatible(d_meta, p_meta)
+    assert message in str(e.value)
+
+
+def test_state_heads_over_tp_must_match():
+    base = {"head_dim": 4, "n_groups": 4, "d_state": 8, "conv_kernel": 4, "dtype": "bfloat16"}
+    p_meta, _ = _engine("p", mamba2(num_heads=8, **base), 2)
+    d_meta, _ = _engine("d", mamba2(num_heads=16, **{**base, "head_dim": 2}), 1)
+    with pytest.raises(Incompatible, match=r"group\[0\].(total_heads|head_size)"):
+        check_compatible(d_meta, p_meta)
+
+
+def test_a_state_spec_is_one_plane_and_needs_a_state_kind():
+    spec = mamba2(num_heads=8, head_dim=4, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16").specs(1, NUM_BLOCKS)[0]
+    assert spec.num_kv == 1 and spec.parts_per_layer == 1
+    with pytest.raises(InvalidArgument, match="kind"):
+        GroupSpec(0, spec, ())
+    with pytest.raises(InvalidArgument, match=r"spec\.layout"):
+        dataclasses.replace(spec, layout=("kv", "block", "token", "head", "dim"))
