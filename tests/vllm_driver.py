@@ -26,7 +26,8 @@ from typing import Any
 
 
 def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1, block_size: int | None = None, dtype: str = "auto",
-           failure_policy: str = "fail", **extra: Any) -> Any:
+           failure_policy: str = "fail", llm_kw: dict[str, Any] | None = None, **extra: Any) -> Any:
+    """``llm_kw``: more of ``LLM``'s own arguments; ``extra``: the connector's extra config."""
     import os
 
     from vllm import LLM
@@ -54,7 +55,7 @@ def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1
     # starved"), stalling every socket on the machine, kvd's included.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("0" for _ in range(tp))
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype=dtype,
-               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, **kw)
+               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, **kw, **(llm_kw or {}))
 
 
 def sampling(max_tokens: int, params: dict[str, Any] | None = None) -> Any:
@@ -208,9 +209,10 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
 def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """P and D engines of other TP sizes and block sizes (float32: a TP2
     engine's bf16 partial sums round apart from a TP1 engine's)."""
-    p = engine(args.model, args.p_kvd, "kv_producer", tp=args.p_tp, block_size=args.p_block_size, dtype=args.dtype)
+    p = engine(args.model, args.p_kvd, "kv_producer", tp=args.p_tp, block_size=args.p_block_size, dtype=args.dtype, llm_kw=args.llm_kw)
     # D recomputes a load that failed: its tokens must then still match.
-    d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, block_size=args.d_block_size, dtype=args.dtype, failure_policy="recompute")
+    d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, block_size=args.d_block_size, dtype=args.dtype, failure_policy="recompute",
+               llm_kw=args.llm_kw)
     out: dict[str, Any] = {"tokens": [], "params": [], "received_bytes": []}
     *pd_prompts, control = prompts
     for prompt in pd_prompts:
@@ -258,6 +260,7 @@ def main() -> None:
     ap.add_argument("--d-block-size", type=int, default=0)
     ap.add_argument("--d-metrics", default="", help="hetero: D daemon's /metrics URL, read after each request")
     ap.add_argument("--sliding-window", type=int, default=0, help="make-model: a hybrid of a windowed and a full layer")
+    ap.add_argument("--llm-kw", type=json.loads, default={}, help="JSON: more LLM arguments for every engine (enable_prefix_caching, ...)")
     args = ap.parse_args()
     if args.mode == "make-model":
         make_model(Path(args.model), args.sliding_window)
@@ -265,7 +268,7 @@ def main() -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     t0 = time.monotonic()
     if args.mode == "baseline":
-        llm = engine(args.model, None, None, block_size=args.block_size or None, dtype=args.dtype)
+        llm = engine(args.model, None, None, block_size=args.block_size or None, dtype=args.dtype, llm_kw=args.llm_kw)
         result: dict[str, Any] = {"tokens": [list(generate(llm, pr, sampling(args.max_tokens)).outputs[0].token_ids) for pr in prompts]}
     elif args.mode == "hetero":
         result = run_hetero(args, prompts)

@@ -100,9 +100,13 @@ def check_params(params: Mapping[str, Any]) -> None:
     load_request("check", params, [GroupBlocks(0, (1,)) for _ in groups], [1] * len(groups))
 
 
-def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[GroupBlocks], block_sizes: Sequence[int]) -> LoadRequest:
+def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[GroupBlocks], block_sizes: Sequence[int], *,
+                 state: Sequence[bool] = (), prompt_tokens: int = 0) -> LoadRequest:
     """D's pull for ``params``: per group, P's blocks into D's ``local`` ones,
-    for every prompt token but the last (which D computes for the logits).
+    for every prompt token but the last (which D computes for the logits):
+    of a ``prompt_tokens`` prompt, the first ``prompt_tokens - 1``, which P
+    holds all of (a model with state has P stop there), else all but the
+    last token P holds. A ``state`` group loads its one running state block.
 
     Tokens are the prompt's own positions on both sides, so D may start
     later than P in any group: after a prefix it holds in its own cache, or
@@ -130,12 +134,18 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
     for g, first in enumerate(firsts):
         if not 0 <= first < num_tokens:
             raise InvalidArgument(f"kvd_first_tokens[{g}]", first, f"must be in [0, remote_num_tokens={num_tokens})")
-    loaded = num_tokens - 1  # D computes the last prompt token itself
+    loaded = min(num_tokens, prompt_tokens - 1) if prompt_tokens else num_tokens - 1  # D computes the last prompt token itself
     if loaded <= 0:
         raise InvalidArgument("remote_num_tokens", num_tokens, "leaves nothing to load but the last token, which decode computes")
     ids: list[tuple[int, ...]] = []
     firsts_local: list[int] = []
     for g, (mine, bs) in enumerate(zip(local, block_sizes, strict=True)):
+        if g < len(state) and state[g]:
+            if not mine.ids or len(remote[g]) != 1:
+                raise InvalidArgument(f"remote_block_ids[{g}]", remote[g], f"and the local {list(mine.ids)} must each be one state block")
+            ids.append(mine.ids[-1:])
+            firsts_local.append(0)
+            continue
         first = mine.first_token
         if first < loaded and not mine.ids:
             raise InvalidArgument(f"local_block_ids[{g}]", [], f"is empty from token {first}: nothing to load into")

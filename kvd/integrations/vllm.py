@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,9 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.request import RequestStatus
 
-from kvd.auth import AuthConfig
 from kvd.caches import (
     KVCacheTensors,
     adopt_into_shm,
@@ -75,23 +71,15 @@ from kvd.client import (
     infer_spec_from_tensors,
 )
 from kvd.errors import KvdError
-from kvd.integrations.kv_params import (
-    GroupBlocks,
-    LoadRequest,
-    Publication,
-    check_params,
-    group_blocks,
-    is_kvd_load,
-    load_request,
-    make_params,
-    release_params,
-)
 from kvd.integrations.vllm_caches import (
     cpu_cache_registration,
     layer_groups,
+    rebind_layers,
     request_amx_permission,
+    state_registration,
+    state_shape,
 )
-from kvd.proto import kvd_pb2 as pb
+from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, SchedulerSide, Settings
 from kvd.spec import (
     KVCacheSpec,
     ModelInfo,
@@ -106,39 +94,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger, so it prints with the engine's logs
 
-_PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-
-
-@dataclass
-class KvdConnectorMetadata(KVConnectorMetadata):
-    """One step's instructions from the scheduler to every worker."""
-
-    to_publish: dict[str, Publication] = field(default_factory=dict)
-    to_load: dict[str, LoadRequest] = field(default_factory=dict)
-    # Loads claimed but impossible: the worker reports them failed, with their blocks.
-    failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # Publications D will not read (it holds the whole prompt already): P may free them now.
-    to_release: dict[str, pb.TransferParams] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Settings:
-    address: str
-    advertise_address: str
-    lease_seconds: float
-    auth: AuthConfig
-
-    @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig) -> _Settings:
-        kvt = vllm_config.kv_transfer_config
-        extra: Mapping[str, Any] = dict(kvt.kv_connector_extra_config or {}) if kvt else {}
-        address = str(extra.get("kvd_address", "127.0.0.1:50051"))
-        auth = AuthConfig.load(str(extra.get("kvd_auth", "none")), str(extra.get("kvd_token_file", "")),
-                               str(extra.get("kvd_tls_cert_file", "")), str(extra.get("kvd_tls_key_file", "")),
-                               str(extra.get("kvd_tls_ca_file", "")))
-        return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth)
-
-
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's connector API on top of a kvd daemon; one object per role.
 
@@ -148,8 +103,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = _Settings.from_vllm(vllm_config)
-        self._scheduler = _SchedulerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
+        settings = Settings.from_vllm(vllm_config)
+        self._scheduler = SchedulerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
@@ -157,6 +112,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -229,127 +188,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
 
-def _group_block_sizes(vllm_config: VllmConfig, kv_cache_config: Any) -> list[int]:
-    """Tokens per block of each KV cache group, in vLLM's group order."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups:
-        return [int(g.kv_cache_spec.block_size) for g in groups]
-    return [int(vllm_config.cache_config.block_size)]
-
-
-def _loadable(blocks: Any, block_size: int) -> GroupBlocks:
-    """D's blocks of one group that a load fills: neither in its own prefix
-    cache (hashed) nor null (before a window); they run to the end."""
-    kept = [(i, b.block_id) for i, b in enumerate(blocks) if b.block_hash is None and not b.is_null]
-    if not kept:
-        return GroupBlocks(len(blocks) * block_size, ())
-    if [i for i, _ in kept] != list(range(kept[0][0], kept[0][0] + len(kept))):
-        raise KvdError(f"blocks to load are not one run: positions {[i for i, _ in kept][:8]}")
-    return GroupBlocks(kept[0][0] * block_size, tuple(b for _, b in kept))
-
-
-class _SchedulerSide:
-    def __init__(self, vllm_config: VllmConfig, settings: _Settings, kv_cache_config: Any = None) -> None:
-        self.settings = settings
-        self.block_size = int(vllm_config.cache_config.block_size)
-        self.block_sizes = _group_block_sizes(vllm_config, kv_cache_config)
-        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
-        self._engine_id = ""
-        self._to_publish: dict[str, Publication] = {}
-        self._to_load: dict[str, LoadRequest] = {}
-        self._failed_loads: dict[str, tuple[int, ...]] = {}
-        self._to_release: dict[str, pb.TransferParams] = {}
-
-    @property
-    def engine_id(self) -> str:
-        """The daemon's engine id (vLLM's own engine_id is a different name space)."""
-        if not self._engine_id:
-            self._engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
-        return self._engine_id
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not is_kvd_load(params):
-            return 0, False
-        assert params is not None
-        # D loads the prompt but its last token, less its own prefix-cache hit,
-        # from wherever that ends (inside one of P's blocks too: tokens are
-        # positions on both sides), and computes the last token itself for the
-        # logits. Claiming that token too would be the same work (vLLM would
-        # recompute it), but vLLM would then lay out a window group's blocks
-        # for position N, and when N - W + 1 starts a block it would drop the
-        # block holding token N - W, which position N - 1 attends to.
-        count = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
-        if count <= 0:
-            return 0, False  # nothing to load: P is told to free its blocks after allocation
-        try:
-            check_params(params)
-        except KvdError as e:
-            # Compute the prompt here instead of waiting for a load that cannot happen.
-            log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
-            return 0, False
-        return count, True
-
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not is_kvd_load(params):
-            return
-        assert params is not None
-        if num_external_tokens > 0:
-            try:
-                local = [_loadable(g, bs) for g, bs in zip(blocks.blocks, self.block_sizes, strict=True)]
-                self._to_load[request.request_id] = load_request(request.request_id, params, local, self.block_sizes)
-            except (KvdError, ValueError) as e:
-                # Already claimed as a load: vLLM must hear it failed, with its blocks.
-                log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, getattr(e, "message", e))
-                self._failed_loads[request.request_id] = tuple(b for g in blocks.get_unhashed_block_ids_all_groups() for b in g)
-                with contextlib.suppress(KvdError):  # and P need not hold what we will not read
-                    self._to_release[request.request_id] = release_params(params)
-        else:
-            # A full local prefix hit: nothing to load, but P still holds the blocks for us.
-            with contextlib.suppress(KvdError):
-                self._to_release[request.request_id] = release_params(params)
-        # One load per request, even if vLLM calls this again after the load.
-        params["do_remote_prefill"] = False
-
-    def build_connector_meta(self) -> KvdConnectorMetadata:
-        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release)
-        self._to_publish, self._to_load, self._failed_loads, self._to_release = {}, {}, {}, {}
-        return meta
-
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not any(block_ids):
-            return False, None
-        try:
-            engine_id = self.engine_id
-        except KvdError as e:
-            # No daemon, no transfer: free the blocks now; D will find nothing to load.
-            log.error("kvd: daemon at %s unreachable, request %s is not offered to decode: %s", self.settings.address, request.request_id, e.message)
-            return False, None
-        num_tokens = min(int(request.num_computed_tokens), *(len(ids) * bs for ids, bs in zip(block_ids, self.block_sizes, strict=True)))
-        # Each group from its first real block: a window's null blocks hold nothing.
-        groups = [group_blocks(ids, bs, num_tokens) for ids, bs in zip(block_ids, self.block_sizes, strict=True)]
-        if not all(g.ids for g in groups):
-            # vLLM kept no block of a group (a prompt ending where a chunk
-            # ends): decode could not load it, so it computes the prompt itself.
-            log.info("kvd: request %s keeps no block of KV cache group %d: not offered to decode", request.request_id,
-                     next(i for i, g in enumerate(groups) if not g.ids))
-            return False, None
-        # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
-        lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
-        pub = Publication(request.request_id, tuple(g.ids for g in groups), num_tokens, secrets.token_bytes(32), lease,
-                          tuple(g.first_token for g in groups))
-        self._to_publish[request.request_id] = pub
-        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
-                          block_size=self.block_size)
-        # Keep P's blocks until its daemon reports the request in finished_sending.
-        return True, out
-
-
 class _WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, settings: _Settings, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, settings: Settings, kv_cache_config: Any = None) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.settings = settings
@@ -375,29 +215,46 @@ class _WorkerSide:
         engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
         worker = WorkerId(engine_id, self.tp_rank, vc.parallel_config.tensor_parallel_size, self.pp_rank, vc.parallel_config.pipeline_parallel_size)
         by_group = layer_groups(self.kv_cache_config, kv_caches)
-        first = next(iter(by_group[0][1].values()))
+        tp = vc.parallel_config.tensor_parallel_size
+        if any(kind.is_state for kind, _, _ in by_group) and vc.cache_config.mamba_cache_mode != "none":
+            # In align mode a request's states are spread over position-indexed blocks with prefix caching.
+            raise KvdError(f"kvd moves Mamba state with prefix caching off (mamba_cache_mode 'none'); this engine has {vc.cache_config.mamba_cache_mode!r}")
         model = ModelInfo(vc.model_config.get_total_num_hidden_layers(), vc.model_config.get_total_num_kv_heads())
         client = KvdClient(self.settings.address, worker, auth=self.settings.auth)
         client.wait_ready()
+        on_gpu = next(iter(by_group[0][1].values())).is_cuda
+        if not on_gpu:
+            adopt_into_shm({f"{g}:{n}": t for g, (_, caches, _) in enumerate(by_group) for n, t in caches.items()})
+            rebind_layers(vc, kv_caches)
+        # Each vLLM group as kvd groups: a state group becomes one per state part.
         groups: list[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]] = []
-        if first.is_cuda:
-            # FlashAttention [2, blocks, tokens, heads, dim]; FlashInfer puts blocks first.
-            dims: tuple[str, ...] | tuple[tuple[str, ...], ...] = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
-            groups = [(infer_spec_from_tensors(caches, dims=dims), caches) for _, caches in by_group]  # type: ignore[arg-type]
-        else:
-            adopt_into_shm({f"{g}:{n}": t for g, (_, caches) in enumerate(by_group) for n, t in caches.items()})
-            described = [cpu_cache_registration(vc, caches) for _, caches in by_group]
-            # One description of the tensors' dims serves every group (they share one attention kernel).
-            if len({str(d) for _, _, d in described}) > 1:
-                raise KvdError(f"KV cache groups need different CPU attention layouts ({[str(d) for _, _, d in described]}); kvd registers one")
-            groups = [(spec, parts) for spec, parts, _ in described]
-            dims = described[0][2]
-        resp = client.register(groups, model, dims=dims, kinds=[kind for kind, _ in by_group])
+        kinds, attention_dims = [], []
+        for kind, caches, vllm_spec in by_group:
+            if kind.is_state:
+                parts = state_registration(state_shape(vllm_spec, tp), caches, tp)
+                groups += parts
+                kinds += [kind] * len(parts)
+                continue
+            if on_gpu:
+                # FlashAttention [2, blocks, tokens, heads, dim]; FlashInfer puts blocks first.
+                first = next(iter(caches.values()))
+                dims: Any = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
+                groups.append((infer_spec_from_tensors(caches, dims=dims), caches))  # type: ignore[arg-type]
+            else:
+                spec, registered, dims = cpu_cache_registration(vc, caches)
+                groups.append((spec, registered))
+            kinds.append(kind)
+            attention_dims.append(dims)
+        # One description of the tensors' dims serves every attention group (they share one attention kernel).
+        if len({str(d) for d in attention_dims}) > 1:
+            raise KvdError(f"KV cache groups need different attention layouts ({[str(d) for d in attention_dims]}); kvd registers one")
+        resp = client.register(groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
         self.client = client
         self.feed = FinishedFeed(client).start()
-        for (kind, _), (spec, registered) in zip(by_group, groups, strict=True):
-            log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d tokens (layer order %s)", worker, self.settings.address,
-                     kind, len(registered), spec.num_blocks, spec.block_size, [layer_index_of(n, i) for i, n in enumerate(registered)][:4])
+        for kind, (spec, layer_caches) in zip(kinds, groups, strict=True):
+            log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d %s (layer order %s)", worker, self.settings.address,
+                     kind, len(layer_caches), spec.num_blocks, spec.block_size, "state rows" if kind.is_state else "tokens",
+                     [layer_index_of(n, i) for i, n in enumerate(layer_caches)][:4])
         log.info("kvd: %.1f MiB registered", resp.registered_bytes / 2**20)
 
     def start(self, meta: KvdConnectorMetadata) -> None:

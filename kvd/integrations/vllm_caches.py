@@ -21,9 +21,11 @@ from kvd.spec import (
     FULL_ATTENTION,
     NAMED_LAYOUTS,
     SLIDING_WINDOW,
+    STATE_PART,
     GroupKind,
     KVCacheSpec,
 )
+from kvd.state_parts import DS, SD, ConvPart, StateShape
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,9 +92,12 @@ def _group_kind(spec: Any) -> GroupKind:
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
+    if isinstance(spec, MambaSpec):
+        return STATE_PART
     if isinstance(spec, SlidingWindowSpec):
         # vLLM keeps extra_retained_tokens more (speculative decoding re-prefills them): so does kvd.
         return GroupKind(SLIDING_WINDOW, int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0))
@@ -102,11 +107,12 @@ def _group_kind(spec: Any) -> GroupKind:
         # With the hybrid allocator off, windowed layers share the full
         # layers' group (and block table): every token is kept and moved.
         return FULL_ATTENTION
-    raise KvdError(f"kvd does not move {type(spec).__name__} KV cache groups yet (Mamba and linear-attention state)")
+    raise KvdError(f"kvd does not move {type(spec).__name__} KV cache groups yet")
 
 
-def layer_groups(kv_cache_config: Any, kv_caches: Mapping[str, torch.Tensor]) -> list[tuple[GroupKind, dict[str, torch.Tensor]]]:
-    """This worker's caches by vLLM KV cache group, in vLLM's group order.
+def layer_groups(kv_cache_config: Any, kv_caches: Mapping[str, torch.Tensor]) -> list[tuple[GroupKind, dict[str, torch.Tensor], Any]]:
+    """This worker's caches by vLLM KV cache group, in vLLM's group order,
+    with each group's vLLM spec (None without a config).
 
     Under the hybrid allocator, layer i of every group overlays the same
     bytes (their block ids never collide), so a layer is its name in its
@@ -122,11 +128,83 @@ def layer_groups(kv_cache_config: Any, kv_caches: Mapping[str, torch.Tensor]) ->
             if (t.data_ptr(), tuple(t.shape)) not in seen:
                 seen.add((t.data_ptr(), tuple(t.shape)))
                 unique[name] = t
-        return [(FULL_ATTENTION, unique)]
+        return [(FULL_ATTENTION, unique, None)]
     out = []
     for i, g in enumerate(groups):
         caches = {name: kv_caches[name] for name in g.layer_names if name in kv_caches}
         if not caches:
             raise KvdError(f"KV cache group {i} has no layer on this worker ({list(g.layer_names)[:3]}...)")
-        out.append((_group_kind(g.kv_cache_spec), caches))
+        out.append((_group_kind(g.kv_cache_spec), caches, g.kv_cache_spec))
     return out
+
+
+def rebind_layers(vc: VllmConfig, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    """Have every layer take its cache again from the tensor kvd registered.
+
+    kvd moves CPU caches into shared memory by re-pointing the very tensors
+    vLLM passed; but a layer that keeps views of its own (a Mamba layer's
+    conv and SSM state, cut from its page by ``bind_kv_cache``) would still
+    compute on the old memory, which no transfer reaches."""
+    context = vc.compilation_config.static_forward_context
+    for name, t in kv_caches.items():
+        layer = context.get(name)
+        if layer is not None and hasattr(layer, "bind_kv_cache"):
+            layer.bind_kv_cache(t)
+
+
+def _dtype_name(dt: Any) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def state_shape(spec: Any, tp_size: int) -> StateShape:
+    """A vLLM ``MambaSpec`` (this rank's state shapes) as kvd's state parts:
+    the conv state cut into its sub-projections the way each mixer shards
+    them over TP (NIXL's ``derive_mamba_conv_split`` reads them alike).
+
+    Refused by name: state kvd cannot slice exactly (other mixers, TP-replicated state)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if getattr(spec, "tp_replicated", False) or len(spec.shapes) != 2:
+        raise KvdError(f"kvd does not move this {kind} state ({len(spec.shapes)} tensors, tp_replicated={spec.tp_replicated})")
+    layout = DS if is_conv_state_dim_first() else SD
+    conv, ssm = tuple(spec.shapes[0]), tuple(spec.shapes[1])
+    conv_dim, rows = (conv[0], conv[1]) if layout == DS else (conv[1], conv[0])
+    parts: tuple[ConvPart, ...]
+    if kind == "MAMBA2":  # conv over x | B | C; SSM (heads, head_dim, d_state)
+        heads, head_dim, d_state = ssm
+        groups = (conv_dim - heads * head_dim) // 2 // d_state
+        parts = (ConvPart("x", heads * tp_size, head_dim), ConvPart("B", groups * tp_size, d_state), ConvPart("C", groups * tp_size, d_state))
+        ssm_heads, ssm_width = heads, head_dim * d_state
+    elif kind == "GDN_ATTN":  # conv over q | k | v; SSM (v_heads, v_dim, k_dim)
+        v_heads, v_dim, k_dim = ssm
+        k_heads = (conv_dim - v_heads * v_dim) // 2 // k_dim
+        parts = (ConvPart("q", k_heads * tp_size, k_dim), ConvPart("k", k_heads * tp_size, k_dim), ConvPart("v", v_heads * tp_size, v_dim))
+        ssm_heads, ssm_width = v_heads, v_dim * k_dim
+    elif kind == "MAMBA1":  # conv over x; SSM (intermediate, d_state)
+        parts = (ConvPart("x", conv_dim * tp_size, 1),)
+        ssm_heads, ssm_width = ssm[0], ssm[1]
+    else:
+        raise KvdError(f"kvd does not move {kind} state: it knows how Mamba1, Mamba2 and gated delta-net shard theirs over TP")
+    shape = StateShape(parts, rows, _dtype_name(spec.dtypes[0]), ssm_heads * tp_size, ssm_width, _dtype_name(spec.dtypes[1]), layout)
+    if shape.conv_dim(tp_size) != conv_dim:
+        raise KvdError(f"{kind} conv state of {conv_dim} columns does not split into {[p.name for p in parts]} of {shape.conv_dim(tp_size)}")
+    return shape
+
+
+def state_registration(shape: StateShape, caches: Mapping[str, torch.Tensor], tp_size: int) -> list[tuple[KVCacheSpec, dict[str, KVCacheTensors]]]:
+    """A state group's pages (vLLM's ``[blocks, 1, 1, page_bytes]`` int8 per
+    layer) as kvd registers them: one group per part, each a strided view."""
+    views = {name: shape.views(t.reshape(t.shape[0], -1), tp_size) for name, t in caches.items()}
+    blocks = next(iter(caches.values())).shape[0]
+    return [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(shape.specs(tp_size, blocks))]
+
+
+def group_parts(kv_cache_config: Any, tp_size: int) -> list[int]:
+    """How many kvd groups each vLLM KV cache group becomes: one, or a
+    state group's parts (each of them carries the group's block ids)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    out = [len(state_shape(g.kv_cache_spec, tp_size).part_names()) if isinstance(g.kv_cache_spec, MambaSpec) else 1 for g in groups]
+    return out or [1]

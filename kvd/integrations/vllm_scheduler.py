@@ -1,0 +1,233 @@
+"""KvdConnector's scheduler side: which requests publish, load or release
+what, decided from vLLM's block tables and ``kv_transfer_params``.
+
+It runs in vLLM's scheduler process; what it decides reaches the workers as
+``KvdConnectorMetadata`` on the next engine step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.request import RequestStatus
+
+from kvd.auth import AuthConfig
+from kvd.client import daemon_status
+from kvd.errors import KvdError
+from kvd.integrations.kv_params import (
+    GroupBlocks,
+    LoadRequest,
+    Publication,
+    check_params,
+    group_blocks,
+    is_kvd_load,
+    load_request,
+    make_params,
+    release_params,
+)
+from kvd.integrations.vllm_caches import group_parts
+from kvd.proto import kvd_pb2 as pb
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvd")
+
+T = TypeVar("T")
+
+_PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    """One step's instructions from the scheduler to every worker."""
+
+    to_publish: dict[str, Publication] = field(default_factory=dict)
+    to_load: dict[str, LoadRequest] = field(default_factory=dict)
+    # Loads claimed but impossible: the worker reports them failed, with their blocks.
+    failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Publications D will not read (it holds the whole prompt already): P may free them now.
+    to_release: dict[str, pb.TransferParams] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Settings:
+    address: str
+    advertise_address: str
+    lease_seconds: float
+    auth: AuthConfig
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
+        kvt = vllm_config.kv_transfer_config
+        extra: Mapping[str, Any] = dict(kvt.kv_connector_extra_config or {}) if kvt else {}
+        address = str(extra.get("kvd_address", "127.0.0.1:50051"))
+        auth = AuthConfig.load(str(extra.get("kvd_auth", "none")), str(extra.get("kvd_token_file", "")),
+                               str(extra.get("kvd_tls_cert_file", "")), str(extra.get("kvd_tls_key_file", "")),
+                               str(extra.get("kvd_tls_ca_file", "")))
+        return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth)
+
+
+def _group_block_sizes(vllm_config: VllmConfig, kv_cache_config: Any) -> list[int]:
+    """Tokens per block of each KV cache group, in vLLM's group order."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups:
+        return [int(g.kv_cache_spec.block_size) for g in groups]
+    return [int(vllm_config.cache_config.block_size)]
+
+
+def _loadable(blocks: Any, block_size: int) -> GroupBlocks:
+    """D's blocks of one group that a load fills: neither in its own prefix
+    cache (hashed) nor null (before a window); they run to the end."""
+    kept = [(i, b.block_id) for i, b in enumerate(blocks) if b.block_hash is None and not b.is_null]
+    if not kept:
+        return GroupBlocks(len(blocks) * block_size, ())
+    if [i for i, _ in kept] != list(range(kept[0][0], kept[0][0] + len(kept))):
+        raise KvdError(f"blocks to load are not one run: positions {[i for i, _ in kept][:8]}")
+    return GroupBlocks(kept[0][0] * block_size, tuple(b for _, b in kept))
+
+
+def _state_block(ids: Any, scratch: int) -> GroupBlocks:
+    """A state group's running state: its last real block, before the
+    speculative scratch blocks (NIXL's ``clip_ssm_state_blocks`` alike)."""
+    real = [int(getattr(b, "block_id", b)) for b in ids if not getattr(b, "is_null", False) and int(getattr(b, "block_id", b)) != 0]
+    real = real[: len(real) - scratch] if scratch else real
+    return GroupBlocks(0, tuple(real[-1:]))
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: VllmConfig, settings: Settings, kv_cache_config: Any = None) -> None:
+        self.settings = settings
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.block_sizes = _group_block_sizes(vllm_config, kv_cache_config)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        # A state group (Mamba, linear attention) moves as several kvd groups, one per state part.
+        self.parts = group_parts(kv_cache_config, self.tp_size)
+        specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
+        self.scratch = [int(getattr(sp, "num_speculative_blocks", 0) or 0) for sp in specs] or [0]
+        self.state = [sp.__class__.__name__ == "MambaSpec" for sp in specs] or [False]
+        self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+        self._engine_id = ""
+        self._to_publish: dict[str, Publication] = {}
+        self._to_load: dict[str, LoadRequest] = {}
+        self._failed_loads: dict[str, tuple[int, ...]] = {}
+        self._to_release: dict[str, pb.TransferParams] = {}
+
+    def expand(self, per_group: Sequence[T]) -> tuple[T, ...]:
+        """Per vLLM group -> per kvd group: each state part carries its group's entry."""
+        return tuple(x for x, n in zip(per_group, self.parts, strict=True) for _ in range(n))
+
+    def on_new_request(self, request: Request) -> None:
+        """P's side of a model with state: stop short of the last prompt token.
+        D computes that token itself, on top of the state P's prefill leaves,
+        h(N - 1); were it P's h(N), the token would count twice (NIXL's
+        ``_truncate_request_for_prefill``)."""
+        params = request.kv_transfer_params
+        if not any(self.state) or not params or not params.get("do_remote_decode") or params.get("_kvd_truncated"):
+            return
+        if request.prompt_token_ids is None or request.num_prompt_tokens < 2:
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvd_truncated"] = True
+
+    @property
+    def engine_id(self) -> str:
+        """The daemon's engine id (vLLM's own engine_id is a different name space)."""
+        if not self._engine_id:
+            self._engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
+        return self._engine_id
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not is_kvd_load(params):
+            return 0, False
+        assert params is not None
+        # D loads the prompt but its last token, less its own prefix-cache hit,
+        # from wherever that ends (inside one of P's blocks too: tokens are
+        # positions on both sides), and computes the last token itself for the
+        # logits. Claiming that token too would be the same work (vLLM would
+        # recompute it), but vLLM would then lay out a window group's blocks
+        # for position N, and when N - W + 1 starts a block it would drop the
+        # block holding token N - W, which position N - 1 attends to.
+        count = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
+        if count <= 0:
+            return 0, False  # nothing to load: P is told to free its blocks after allocation
+        try:
+            check_params(params)
+        except KvdError as e:
+            # Compute the prompt here instead of waiting for a load that cannot happen.
+            log.error("kvd: request %s: unusable kv_transfer_params, prefilling locally: %s", request.request_id, e.message)
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not is_kvd_load(params):
+            return
+        assert params is not None
+        if num_external_tokens > 0:
+            try:
+                local = [_state_block(g, n) if st else _loadable(g, bs)
+                         for g, bs, st, n in zip(blocks.blocks, self.block_sizes, self.state, self.scratch, strict=True)]
+                self._to_load[request.request_id] = load_request(request.request_id, params, self.expand(local), self.expand(self.block_sizes),
+                                                                 state=self.expand(self.state), prompt_tokens=len(request.prompt_token_ids or ()))
+            except (KvdError, ValueError) as e:
+                # Already claimed as a load: vLLM must hear it failed, with its blocks.
+                log.error("kvd: request %s: cannot load from kv_transfer_params: %s", request.request_id, getattr(e, "message", e))
+                self._failed_loads[request.request_id] = tuple(b for g in blocks.get_unhashed_block_ids_all_groups() for b in g)
+                with contextlib.suppress(KvdError):  # and P need not hold what we will not read
+                    self._to_release[request.request_id] = release_params(params)
+        else:
+            # A full local prefix hit: nothing to load, but P still holds the blocks for us.
+            with contextlib.suppress(KvdError):
+                self._to_release[request.request_id] = release_params(params)
+        # One load per request, even if vLLM calls this again after the load.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self) -> KvdConnectorMetadata:
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release)
+        self._to_publish, self._to_load, self._failed_loads, self._to_release = {}, {}, {}, {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not any(block_ids):
+            return False, None
+        try:
+            engine_id = self.engine_id
+        except KvdError as e:
+            # No daemon, no transfer: free the blocks now; D will find nothing to load.
+            log.error("kvd: daemon at %s unreachable, request %s is not offered to decode: %s", self.settings.address, request.request_id, e.message)
+            return False, None
+        num_tokens = min([int(request.num_computed_tokens),
+                          *(len(ids) * bs for ids, bs, st in zip(block_ids, self.block_sizes, self.state, strict=True) if not st)])
+        # Each group from its first real block: a window's null blocks hold nothing; a state group its running state.
+        groups = [_state_block(ids, n) if st else group_blocks(ids, bs, num_tokens)
+                  for ids, bs, st, n in zip(block_ids, self.block_sizes, self.state, self.scratch, strict=True)]
+        if not all(g.ids for g in groups):
+            # vLLM kept no block of a group (a prompt ending where a chunk
+            # ends): decode could not load it, so it computes the prompt itself.
+            log.info("kvd: request %s keeps no block of KV cache group %d: not offered to decode", request.request_id,
+                     next(i for i, g in enumerate(groups) if not g.ids))
+            return False, None
+        # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
+        lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
+        groups_out = self.expand(groups)
+        pub = Publication(request.request_id, tuple(g.ids for g in groups_out), num_tokens, secrets.token_bytes(32), lease,
+                          tuple(g.first_token for g in groups_out))
+        self._to_publish[request.request_id] = pub
+        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
+                          block_size=self.block_size)
+        # Keep P's blocks until its daemon reports the request in finished_sending.
+        return True, out
