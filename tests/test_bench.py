@@ -39,6 +39,9 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert row["rounds"] == each and out[key] == row["worst"]
         assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
+    # The hybrid shape: a batch of requests' Mamba2 state, across TP and conv layouts, every byte checked.
+    state = out["rounds"][-1]["state_relayout"]
+    assert state["bytes"] > 0 and state["ratio"] > 0 and state["pairing"].startswith("Mamba2 state")
     p50 = out["rounds"][-1]
     assert p50["small_request_p50_vs_floor"] == p50["small_request_p50_ms"] / p50["small_request_floor_ms"]
     if "gpu_tcp_1m_gbps" in out:  # a CUDA machine

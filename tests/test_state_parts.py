@@ -10,45 +10,23 @@ import pytest
 import torch
 
 from kvd.core.errors import Incompatible, InvalidArgument
-from kvd.core.groups import STATE_PART
 from kvd.core.pairing import check_compatible
 from kvd.core.pieces import serve_segment
 from kvd.core.reads import Offer
-from kvd.core.relayout import GroupTensors
-from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, LayerSpec, ModelInfo, TensorRef
+from kvd.core.spec import GroupSpec
 from kvd.core.transfer import plan_pull
 from kvd.state_parts import DS, SD, StateShape, gated_delta_net, mamba2
 from kvd.testing import pattern
+from kvd.testing.sim import make_state_engine
 from kvd.transport.base import Staging
 
 LAYERS = (0, 1)
 NUM_BLOCKS = 6
 
 
-def _rank(shape: StateShape, tp: int, tp_rank: int):
-    """One rank's state pages in a plain buffer, its parts as groups."""
-    page_bytes = shape.page_bytes(tp) + 32  # padding after the state, as vLLM pads pages
-    buf = torch.zeros(len(LAYERS) * NUM_BLOCKS * page_bytes, dtype=torch.uint8)
-    pages = buf.view(len(LAYERS), NUM_BLOCKS, page_bytes)
-    per_layer = [shape.views(pages[i], tp) for i in range(len(LAYERS))]
-    groups, tensors = [], []
-    for pi, spec in enumerate(shape.specs(tp, NUM_BLOCKS)):
-        layers = []
-        for li, layer in enumerate(LAYERS):
-            v = per_layer[li][pi]
-            ref = TensorRef("r", v.data_ptr() - buf.data_ptr(), tuple(v.shape), tuple(v.stride()), spec.layout)
-            layers.append(LayerSpec(f"model.layers.{layer}.mixer", layer, (ref,)))
-        g = GroupSpec(pi, spec, tuple(layers), STATE_PART)
-        groups.append(g)
-        tensors.append(GroupTensors.build(g, {"r": buf}))
-    return buf, groups, tensors
-
-
 def _engine(name: str, shape: StateShape, tp: int):
-    ranks = [_rank(shape, tp, r) for r in range(tp)]
-    meta = EngineMeta(name, "e-" + name, "h", "x:1", tp, 1, ModelInfo(len(LAYERS), 0),
-                      tuple(EngineLayout(r, 0, tuple(ranks[r][1])) for r in range(tp)))
-    return meta, ranks
+    meta, ranks = make_state_engine(name, shape, tp, LAYERS, NUM_BLOCKS)
+    return meta, [(r.buffer, r.groups, r.tensors) for r in ranks]
 
 
 def _coords(groups, tp_rank):

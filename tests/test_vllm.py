@@ -197,29 +197,30 @@ SW_PROMPTS = [PROMPTS[0], PROMPTS[1][:159], PROMPTS[2][:127], PROMPTS[3]]
 
 
 @pytest.fixture(scope="module")
-def sliding_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
-    """The tiny Llama with layer 0 on a 64-token window, and its one-engine
-    tokens (float32, to compare with a TP2 prefill)."""
+def sliding_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with layer 0 on a 64-token window."""
     d = tmp_path_factory.mktemp("tiny-llama-sw")
     r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--model", str(d), "--sliding-window", str(SW_WINDOW)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-sw"), "baseline", d, "--block-size", str(SW_BLOCK), "--dtype", "float32",
-                       prompts_list=SW_PROMPTS)
-    return d, result["tokens"]
+    return d
 
 
 def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_engine(vllm_python, sliding_model, baseline_f32, daemons, tmp_path):
     """vLLM's hybrid allocator stays on with KvdConnector (it supports HMA):
     the windowed layer's group holds, and kvd moves, only its last window,
     here from a TP2 prefill of 64-token blocks to a TP1 decode of 32."""
-    model, sw_baseline = sliding_model
-    # The window matters: the model's tokens are not the full-attention model's.
-    assert sw_baseline[0] != baseline_f32[0]
+    model = sliding_model
     p, d = daemons.start("prefill"), daemons.start("decode")
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps(SW_PROMPTS))
+    # D computes the prompts alone first (one TP1 engine, float32, to compare with a TP2 prefill), then P/D runs.
     result, log = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--d-metrics", d.metrics_url,
                          "--dtype", "float32", "--p-tp", "2", "--p-block-size", str(SW_P_BLOCK), "--d-block-size", str(SW_BLOCK),
-                         prompts_list=SW_PROMPTS)
+                         "--baseline-prompts", str(alone), prompts_list=SW_PROMPTS)
+    sw_baseline = result["baseline_tokens"]
+    # The window matters: the model's tokens are not the full-attention model's.
+    assert sw_baseline[0] != baseline_f32[0]
     assert "group sliding_window(64)" in log and "group full" in log, "the hybrid allocator was turned off"
     assert result["tokens"] == sw_baseline[:-1]
     # Two groups in the params; the window's starts at P's first kept block.

@@ -151,6 +151,54 @@ def make_model(d: Path, sliding_window: int = 0) -> None:
     make_tokenizer(d, vocab)
 
 
+# Tiny hybrids and a pure Mamba2, as transformers defines them (its random
+# init, then scaled): state heads split over TP2 (Mamba2 groups too), and a
+# CPU-kernel-friendly gated delta-net (head dims of 128, bf16 only on CPU).
+HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mamba2": ("Mamba2ForCausalLM", {"num_hidden_layers": 2, "num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16,
+                                     "conv_kernel": 4, "expand": 1, "chunk_size": 64}),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", {
+        "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2,
+        "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 1, "mamba_chunk_size": 64, "num_local_experts": 0,
+        "shared_intermediate_size": 256, "position_embedding_type": "rope", "embedding_multiplier": 1.0, "logits_scaling": 1.0,
+        "residual_multiplier": 1.0, "attention_multiplier": 1 / 32**0.5}),
+    "qwen3_next": ("Qwen3NextForCausalLM", {
+        "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 2, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1}),
+}
+
+
+def make_hybrid(d: Path, family: str) -> None:
+    """A tiny random model of ``family`` whose output depends on its state.
+    At transformers' default init the state barely reaches the logits, so
+    the in/out projections are scaled up, and every SSM and gated delta-net
+    layer decays by exp(-0.001 dt) a step: a token 250 back still counts."""
+    import torch
+    import transformers
+
+    arch, fields = HYBRIDS[family]
+    torch.manual_seed(0)
+    config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    c = config_class(vocab_size=1000, hidden_size=128, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                     tie_word_embeddings=False, initializer_range=0.08, **fields)
+    c.architectures = [arch]
+    model = getattr(transformers, arch)(c).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.fill_(float(torch.log(torch.tensor(0.001))))
+            elif name.endswith("dt_bias"):
+                p.fill_(0.5)
+            elif name.endswith(("in_proj.weight", "out_proj.weight")):
+                p.mul_(3.0)
+    d.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(d), safe_serialization=True)
+    make_tokenizer(d, 1000)
+
+
 def make_tokenizer(d: Path, vocab: int) -> None:
     """One word per token id ("t17"), split on spaces: text and ids convert
     exactly both ways, so ``vllm bench serve`` can make random prompts of
@@ -214,6 +262,11 @@ def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, block_size=args.d_block_size, dtype=args.dtype, failure_policy="recompute",
                llm_kw=args.llm_kw)
     out: dict[str, Any] = {"tokens": [], "params": [], "received_bytes": []}
+    if args.baseline_prompts:
+        # D alone first, nothing loaded: one engine's tokens, without starting another engine.
+        alone = json.loads(Path(args.baseline_prompts).read_text())
+        out["baseline_tokens"] = [list(generate(d, pr, sampling(args.max_tokens)).outputs[0].token_ids) for pr in alone]
+        d.reset_prefix_cache()  # or D would hold these prompts itself and load only their tails
     *pd_prompts, control = prompts
     for prompt in pd_prompts:
         pre = generate(p, prompt, sampling(1, {"do_remote_decode": True}))
@@ -260,10 +313,15 @@ def main() -> None:
     ap.add_argument("--d-block-size", type=int, default=0)
     ap.add_argument("--d-metrics", default="", help="hetero: D daemon's /metrics URL, read after each request")
     ap.add_argument("--sliding-window", type=int, default=0, help="make-model: a hybrid of a windowed and a full layer")
+    ap.add_argument("--family", default="llama", choices=["llama", *HYBRIDS], help="make-model: the tiny Llama, or a model with state")
+    ap.add_argument("--baseline-prompts", default="", help="hetero: JSON prompts D computes alone first (its tokens: baseline_tokens)")
     ap.add_argument("--llm-kw", type=json.loads, default={}, help="JSON: more LLM arguments for every engine (enable_prefix_caching, ...)")
     args = ap.parse_args()
     if args.mode == "make-model":
-        make_model(Path(args.model), args.sliding_window)
+        if args.family == "llama":
+            make_model(Path(args.model), args.sliding_window)
+        else:
+            make_hybrid(Path(args.model), args.family)
         return
     prompts = json.loads(Path(args.prompts).read_text())
     t0 = time.monotonic()

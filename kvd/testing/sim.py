@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.core import iov
-from kvd.core.groups import FULL_ATTENTION, GroupKind
+from kvd.core.groups import FULL_ATTENTION, STATE_PART, GroupKind
 from kvd.core.pieces import owner_iov, serve_segment
 from kvd.core.reads import Offer
 from kvd.core.relayout import GroupTensors
@@ -30,6 +30,7 @@ from kvd.core.spec import (
 )
 from kvd.core.topology import heads_of_rank
 from kvd.core.transfer import plan_pull
+from kvd.state_parts import StateShape
 from kvd.testing import pattern
 from kvd.transport.base import Staging
 
@@ -148,3 +149,42 @@ def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_id
                 else:
                     sink.land(payload.clone())
     return read_bytes
+
+
+@dataclass
+class StateRank:
+    """One rank of a model with state only: each state part a group, all
+    views of one page buffer (as vLLM keeps a Mamba layer's state)."""
+
+    buffer: torch.Tensor
+    groups: list[GroupSpec]
+    tensors: list[GroupTensors]
+
+    def coords(self, tp_rank: int) -> list[pattern.RankCoords]:
+        """Where each part's local heads sit among the part's heads."""
+        return [pattern.RankCoords(tp_rank * g.spec.num_kv_heads) for g in self.groups]
+
+
+def make_state_engine(engine_id: str, shape: StateShape, tp: int, layers: tuple[int, ...], num_blocks: int) -> tuple[EngineMeta, list[StateRank]]:
+    """An engine of TP ``tp`` whose layers are all state layers of ``shape``,
+    each page padded after its state, as vLLM pads them."""
+    page_bytes = shape.page_bytes(tp) + 32
+    ranks = []
+    for _ in range(tp):
+        buf = torch.zeros(len(layers) * num_blocks * page_bytes, dtype=torch.uint8)
+        pages = buf.view(len(layers), num_blocks, page_bytes)
+        per_layer = [shape.views(pages[i], tp) for i in range(len(layers))]
+        groups, tensors = [], []
+        for pi, spec in enumerate(shape.specs(tp, num_blocks)):
+            refs = []
+            for li, layer in enumerate(layers):
+                v = per_layer[li][pi]
+                ref = TensorRef("r", v.data_ptr() - buf.data_ptr(), tuple(v.shape), tuple(v.stride()), spec.layout)
+                refs.append(LayerSpec(f"model.layers.{layer}.mixer", layer, (ref,)))
+            g = GroupSpec(pi, spec, tuple(refs), STATE_PART)
+            groups.append(g)
+            tensors.append(GroupTensors.build(g, {"r": buf}))
+        ranks.append(StateRank(buf, groups, tensors))
+    meta = EngineMeta(engine_id, "epoch-" + engine_id, "host", "x:1", tp, 1, ModelInfo(len(layers), 0),
+                      tuple(EngineLayout(r, 0, tuple(ranks[r].groups)) for r in range(tp)))
+    return meta, ranks

@@ -39,6 +39,7 @@ from kvd.testing import pattern
 from kvd.testing.sim import make_engine
 from kvd.tools.bench_peers import socket_baseline, socket_round_trip
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
+from kvd.tools.bench_state import bench_state
 from kvd.transport.base import Staging
 
 
@@ -405,6 +406,10 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
             say(f"  {row['pairing']:<40} {row['bytes'] / 1e6:8.1f} {row['relayout_gbps']:14.2f} {row['memcpy_gbps']:12.2f} {row['ratio']:6.2f}")
         results["relayout"] = rows
         results["relayout_vs_memcpy_min"] = min(float(r["ratio"]) for r in rows)
+        # A hybrid model's state: its own row, small per request, not one of the attention pairings above.
+        row = bench_state(layers=args.layers, heads=args.kv_heads, head_size=args.head_size, requests=64, repeat=args.repeat)
+        say(f"  {row['pairing']:<40} {row['bytes'] / 1e6:8.1f} {row['relayout_gbps']:14.2f} {row['memcpy_gbps']:12.2f} {row['ratio']:6.2f}")
+        results["state_relayout"] = row
     if "transport" in args.sections:
         t = bench_transport(args, say)
         add_derived(t)
