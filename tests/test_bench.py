@@ -33,12 +33,16 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert len(out["rounds"]) == 2
     verdict = {row["figure"]: row for row in out["verdict"]}
     for key in ("relayout_vs_memcpy_min", "samehost_vs_memcpy", "tcp_16k_vs_1m", "tcp_vs_socket_1m", "small_request_p50_vs_floor",
-                "small_request_p99_vs_floor", "tcp_cpu_vs_socket"):
+                "small_request_p99_vs_floor", "tcp_cpu_vs_socket", "control_growth", "control_vs_transfer_128k"):
         row = verdict[key]
         each = [r[key] for r in out["rounds"]]
         assert row["rounds"] == each and out[key] == row["worst"]
-        assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu")) else min(each))
+        assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu", "control")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
+    # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
+    last = out["rounds"][-1]
+    assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())
+    assert last["control_vs_transfer_128k"] == last["control_128k_ms"] / last["control_128k_transfer_ms"]
     # The hybrid shape: a batch of requests' Mamba2 state, across TP and conv layouts, every byte checked.
     state = out["rounds"][-1]["state_relayout"]
     assert state["bytes"] > 0 and state["ratio"] > 0 and state["pairing"].startswith("Mamba2 state")

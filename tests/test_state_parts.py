@@ -120,3 +120,34 @@ def test_a_state_spec_is_one_plane_and_needs_a_state_kind():
         GroupSpec(0, spec, ())
     with pytest.raises(InvalidArgument, match=r"spec\.layout"):
         dataclasses.replace(spec, layout=("kv", "block", "token", "head", "dim"))
+
+
+def test_a_daemon_takes_a_model_of_state_only_and_refuses_attention_without_heads(daemons):
+    from kvd.caches import allocate_kv_caches, allocate_state_pages
+    from kvd.client import KvdClient, daemon_status
+    from kvd.core.groups import STATE_PART
+    from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+
+    p = daemons.start("prefill")
+    shape = mamba2(num_heads=8, head_dim=4, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32")
+    pages = allocate_state_pages(["model.layers.0.mixer", "model.layers.1.mixer"], NUM_BLOCKS, shape.page_bytes(2) + 32)
+    views = {name: shape.views(page, 2) for name, page in pages.items()}
+    parts = [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(shape.specs(2, NUM_BLOCKS))]
+    client = KvdClient(p.grpc, WorkerId("prefill", 1, 2))
+    client.wait_ready()
+    # A pure Mamba2: no KV heads at all, four state groups over one page per layer.
+    resp = client.register(parts, ModelInfo(2, 0), kinds=[STATE_PART] * len(parts))
+    assert resp.registered_bytes > 0
+    assert [w.layers for w in daemon_status(p.grpc).workers] == [2 * len(parts)]
+    # An attention group in a model that says it has no KV heads is refused by name.
+    attn = KVCacheSpec(16, 1, 16, "bfloat16", parse_layout("NHD"), NUM_BLOCKS)
+    other = KvdClient(p.grpc, WorkerId("prefill", 0, 2))
+    with pytest.raises(InvalidArgument, match=r"model.total_num_kv_heads=0 must be positive: groups\[0\] is a full group"):
+        other.register([(attn, allocate_kv_caches(attn, ["model.layers.0.self_attn.attn"]))], ModelInfo(2, 0))
+    # A rank of the same engine whose state part splits differently is refused by name.
+    wrong = mamba2(num_heads=16, head_dim=2, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32")
+    pages = allocate_state_pages(["model.layers.0.mixer", "model.layers.1.mixer"], NUM_BLOCKS, wrong.page_bytes(2))
+    views = {name: wrong.views(page, 2) for name, page in pages.items()}
+    parts = [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(wrong.specs(2, NUM_BLOCKS))]
+    with pytest.raises(InvalidArgument, match=r"groups\[0\].spec.num_kv_heads=8 differs from another rank's 4"):
+        other.register(parts, ModelInfo(2, 0), kinds=[STATE_PART] * len(parts))

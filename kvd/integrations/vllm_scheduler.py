@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from kvd.auth import AuthConfig
@@ -113,7 +114,7 @@ class SchedulerSide:
         self.parts = group_parts(kv_cache_config, self.tp_size)
         specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
         self.scratch = [int(getattr(sp, "num_speculative_blocks", 0) or 0) for sp in specs] or [0]
-        self.state = [sp.__class__.__name__ == "MambaSpec" for sp in specs] or [False]
+        self.state = [isinstance(sp, MambaSpec) for sp in specs] or [False]
         self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self._engine_id = ""
         self._to_publish: dict[str, Publication] = {}

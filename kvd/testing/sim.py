@@ -59,7 +59,7 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, *, stacked: bool = True, shuffle_dims: bool = True,
-                      shuffle_memory: bool = False, kind: GroupKind = FULL_ATTENTION) -> tuple[GroupSpec, GroupTensors]:
+                      shuffle_memory: bool = False, kind: GroupKind = FULL_ATTENTION, fill: bool = True) -> tuple[GroupSpec, GroupTensors]:
     """One rank's registered tensors in a fresh buffer. ``shuffle_memory``
     stores each part in a random order of the spec's dims (not the wire
     order), as vLLM's CPU attention stores K."""
@@ -70,7 +70,8 @@ def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, 
     # Non-stacked: irregular padding between layers, so no single layer stride exists.
     pads = [0 if stacked else rng.randrange(0, 4) * 64 for _ in range(len(layers) * parts)]
     total = sum(nbytes_part + p for p in pads) + 64
-    buf = torch.zeros(total, dtype=torch.uint8)
+    # fill=False: memory never touched (planning alone), so big caches cost no RAM.
+    buf = torch.zeros(total, dtype=torch.uint8) if fill else torch.empty(total, dtype=torch.uint8)
     strides = contiguous_strides(part)
     off = 0
     layer_specs = []
@@ -98,7 +99,7 @@ def make_rank_tensors(spec: KVCacheSpec, layers: list[int], rng: random.Random, 
 
 
 def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng: random.Random, *, stacked: bool = True, use_mla: bool = False,
-                shuffle_memory: bool = False, kind: GroupKind = FULL_ATTENTION) -> SimEngine:
+                shuffle_memory: bool = False, kind: GroupKind = FULL_ATTENTION, fill: bool = True) -> SimEngine:
     """An engine of one KV cache group of ``kind`` (full attention by default)."""
     per = -(-model.num_layers // pp)
     ranks = {}
@@ -107,7 +108,7 @@ def make_engine(engine_id: str, tp: int, pp: int, model: ModelInfo, spec_of, rng
         layers = list(range(pp_rank * per, min(model.num_layers, (pp_rank + 1) * per)))
         for tp_rank in range(tp):
             spec = spec_of(tp_rank)
-            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked, shuffle_memory=shuffle_memory, kind=kind)
+            group, tensors = make_rank_tensors(spec, layers, rng, stacked=stacked, shuffle_memory=shuffle_memory, kind=kind, fill=fill)
             coords = pattern.RankCoords(heads_of_rank(tp_rank, tp, model.total_num_kv_heads, use_mla).start)
             ranks[(tp_rank, pp_rank)] = SimRank(tp_rank, pp_rank, group, tensors, coords)
             layouts.append(EngineLayout(tp_rank, pp_rank, (group,)))

@@ -11,6 +11,9 @@ Sections:
   latency of a small request from pull to the engine's finished set, against
   its floor on this machine (a gRPC round trip plus a plain socket round trip
   of the same bytes).
+* ``control``: kvd's control plane per request from 1k to 100k blocks
+  (publish, pull, plan, READ messages, authorisation), and a 128k-token
+  request's against its transfer time.
 * ``gpu`` (where CUDA is available): GPU caches on both sides, over TCP
   against a plain socket and the pinned PCIe copies, and same-host (CUDA IPC)
   against a device memcpy.
@@ -37,6 +40,7 @@ from kvd.core.topology import heads_of_rank
 from kvd.core.transfer import plan_pull
 from kvd.testing import pattern
 from kvd.testing.sim import make_engine
+from kvd.tools.bench_control import bench_control
 from kvd.tools.bench_peers import socket_baseline, socket_round_trip
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_state import bench_state
@@ -429,6 +433,9 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
             say(f"    vs_mooncake         not measured: {t['mooncake_missing']}")
         else:
             say(f"    vs_mooncake         {t['vs_mooncake']:.2f}  (kvd TCP / Mooncake TE tcp, worst unit size)")
+    if "control" in args.sections:
+        results.update(bench_control(layers=args.layers, heads=args.kv_heads, head_size=args.head_size, repeat=args.repeat,
+                                     wire_gbps=results.get("tcp_1m_gbps"), say=say))
     if "gpu" in args.sections:
         results.update(bench_gpu(args, say))
     return results
@@ -436,7 +443,7 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "gpu"], choices=["relayout", "transport", "gpu"],
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "gpu"], choices=["relayout", "transport", "control", "gpu"],
                    help="gpu is measured only where CUDA is available")
     p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
     p.add_argument("--latency-requests", type=int, default=200)
