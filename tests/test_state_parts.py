@@ -151,3 +151,14 @@ def test_a_daemon_takes_a_model_of_state_only_and_refuses_attention_without_head
     parts = [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(wrong.specs(2, NUM_BLOCKS))]
     with pytest.raises(InvalidArgument, match=r"groups\[0\].spec.num_kv_heads=8 differs from another rank's 4"):
         other.register(parts, ModelInfo(2, 0), kinds=[STATE_PART] * len(parts))
+
+
+def test_a_state_prefill_did_not_offer_is_refused_not_left_as_it_was():
+    shape = mamba2(num_heads=8, head_dim=4, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16")
+    p_meta, _ = _engine("p", shape, 1)
+    d_meta, d_ranks = _engine("d", shape, 1)
+    _buf, groups, tensors = d_ranks[0]
+    offer = Offer("req", 1, b"", ((3,), (), (3,), (3,)), 100)
+    with pytest.raises(Incompatible, match=r"group\[1\].block_ids"):
+        plan_pull(local_meta=d_meta, local_tp_rank=0, local_pp_rank=0, local_groups=tensors, local_group_specs=groups,
+                  remote=p_meta, params=offer, local_block_ids=[[5]] * 4)

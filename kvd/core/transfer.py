@@ -234,8 +234,12 @@ def plan_pull(
                 continue
             remote_ids, local_ids = list(params.block_ids[gi]), list(local_block_ids[gi])
             if lspec.kind.is_state:
-                if not remote_ids or not local_ids:
-                    continue  # no state offered or wanted (nothing computed yet)
+                if not local_ids:
+                    continue  # decode wants no state of this group
+                if not remote_ids:
+                    # Landing nothing would leave decode's state as it was: silently wrong.
+                    raise Incompatible(f"group[{lspec.group_id}].block_ids", f"<{len(local_ids)} blocks>", "<none>",
+                                       "prefill offered no state for this state group")
                 # The running state is each side's last block; its rows move whole.
                 remote_ids, local_ids = remote_ids[-1:], local_ids[-1:]
                 tokens: TokenRange | None = TokenRange(lspec.spec.block_size, 0, 0, 0)
