@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvd.core.errors import Incompatible, InvalidArgument
 from kvd.core.pairing import check_compatible
@@ -162,3 +164,29 @@ def test_a_state_prefill_did_not_offer_is_refused_not_left_as_it_was():
     with pytest.raises(Incompatible, match=r"group\[1\].block_ids"):
         plan_pull(local_meta=d_meta, local_tp_rank=0, local_pp_rank=0, local_groups=tensors, local_group_specs=groups,
                   remote=p_meta, params=offer, local_block_ids=[[5]] * 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p_tp=st.sampled_from([1, 2, 4]), d_tp=st.sampled_from([1, 2, 4]), p_layout=st.sampled_from([SD, DS]), d_layout=st.sampled_from([SD, DS]),
+       groups=st.sampled_from([4, 8]), head_dim=st.sampled_from([2, 4, 8]), spare=st.integers(1, NUM_BLOCKS - 1), data=st.data())
+def test_any_state_pairing_lands_each_rank_its_own_heads_exactly(p_tp, d_tp, p_layout, d_layout, groups, head_dim, spare, data):
+    """Any TP pair, conv layouts and shape: each decode rank's parts hold
+    exactly its heads of prefill's state, in its own block, and nothing else."""
+    def shape(layout):
+        return mamba2(num_heads=8, head_dim=head_dim, n_groups=groups, d_state=4, conv_kernel=3, dtype="float16", ssm_dtype="float32",
+                      conv_layout=layout)
+
+    p_block = data.draw(st.integers(1, NUM_BLOCKS - 1))
+    p_meta, p_ranks = _engine("p", shape(p_layout), p_tp)
+    d_meta, d_ranks = _engine("d", shape(d_layout), d_tp)
+    for tp, (_b, gs, tensors) in enumerate(p_ranks):
+        for t, c in zip(tensors, _coords(gs, tp), strict=True):
+            pattern.fill(t, 11, [p_block], c)
+    _move(p_meta, p_ranks, d_meta, d_ranks, p_block, spare)
+    for tp, (_b, gs, tensors) in enumerate(d_ranks):
+        for g, t, c in zip(gs, tensors, _coords(gs, tp), strict=True):
+            assert pattern.mismatch(t, 11, [spare], c, g.spec.block_size) is None
+            others = torch.ones(NUM_BLOCKS, dtype=torch.bool)
+            others[spare] = False
+            for _i, _c, view in t.layer_runs(0, tuple(range(len(LAYERS)))):
+                assert not view[:, :, others].any()
