@@ -16,7 +16,7 @@ one strided copy kvd does for attention.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -102,6 +102,14 @@ class StateShape:
         out.append(_typed(flat, self.ssm_dtype, rows * conv_dim * csize, (nb, 1, heads, self.ssm_width),
                           (stride_bytes // ssize, heads * self.ssm_width, self.ssm_width, 1)))
         return out
+
+
+    def layer_parts(self, pages: Mapping[str, torch.Tensor], tp_size: int) -> list[tuple[KVCacheSpec, dict[str, torch.Tensor]]]:
+        """Every layer's page (by name) cut into parts: per part, its spec and
+        each layer's view of it, as a worker registers them (one group each)."""
+        views = {name: self.views(page, tp_size) for name, page in pages.items()}
+        blocks = next(iter(pages.values())).shape[0]
+        return [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(self.specs(tp_size, blocks))]
 
 
 def _typed(flat: torch.Tensor, dtype: str, offset_bytes: int, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:

@@ -133,8 +133,7 @@ def test_a_daemon_takes_a_model_of_state_only_and_refuses_attention_without_head
     p = daemons.start("prefill")
     shape = mamba2(num_heads=8, head_dim=4, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32")
     pages = allocate_state_pages(["model.layers.0.mixer", "model.layers.1.mixer"], NUM_BLOCKS, shape.page_bytes(2) + 32)
-    views = {name: shape.views(page, 2) for name, page in pages.items()}
-    parts = [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(shape.specs(2, NUM_BLOCKS))]
+    parts = shape.layer_parts(pages, 2)
     client = KvdClient(p.grpc, WorkerId("prefill", 1, 2))
     client.wait_ready()
     # A pure Mamba2: no KV heads at all, four state groups over one page per layer.
@@ -149,8 +148,7 @@ def test_a_daemon_takes_a_model_of_state_only_and_refuses_attention_without_head
     # A rank of the same engine whose state part splits differently is refused by name.
     wrong = mamba2(num_heads=16, head_dim=2, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32")
     pages = allocate_state_pages(["model.layers.0.mixer", "model.layers.1.mixer"], NUM_BLOCKS, wrong.page_bytes(2))
-    views = {name: wrong.views(page, 2) for name, page in pages.items()}
-    parts = [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(wrong.specs(2, NUM_BLOCKS))]
+    parts = wrong.layer_parts(pages, 2)
     with pytest.raises(InvalidArgument, match=r"groups\[0\].spec.num_kv_heads=8 differs from another rank's 4"):
         other.register(parts, ModelInfo(2, 0), kinds=[STATE_PART] * len(parts))
 

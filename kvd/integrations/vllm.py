@@ -76,7 +76,6 @@ from kvd.integrations.vllm_caches import (
     layer_groups,
     rebind_layers,
     request_amx_permission,
-    state_registration,
     state_shape,
 )
 from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, SchedulerSide, Settings
@@ -231,7 +230,8 @@ class _WorkerSide:
         kinds, attention_dims = [], []
         for kind, caches, vllm_spec in by_group:
             if kind.is_state:
-                parts = state_registration(state_shape(vllm_spec, tp), caches, tp)
+                # vLLM's pages are [blocks, 1, 1, page_bytes] int8: one group per state part.
+                parts = state_shape(vllm_spec, tp).layer_parts(caches, tp)
                 groups += parts
                 kinds += [kind] * len(parts)
                 continue

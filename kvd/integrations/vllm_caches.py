@@ -192,14 +192,6 @@ def state_shape(spec: Any, tp_size: int) -> StateShape:
     return shape
 
 
-def state_registration(shape: StateShape, caches: Mapping[str, torch.Tensor], tp_size: int) -> list[tuple[KVCacheSpec, dict[str, KVCacheTensors]]]:
-    """A state group's pages (vLLM's ``[blocks, 1, 1, page_bytes]`` int8 per
-    layer) as kvd registers them: one group per part, each a strided view."""
-    views = {name: shape.views(t.reshape(t.shape[0], -1), tp_size) for name, t in caches.items()}
-    blocks = next(iter(caches.values())).shape[0]
-    return [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(shape.specs(tp_size, blocks))]
-
-
 def group_parts(kv_cache_config: Any, tp_size: int) -> list[int]:
     """How many kvd groups each vLLM KV cache group becomes: one, or a
     state group's parts (each of them carries the group's block ids)."""

@@ -174,15 +174,12 @@ def make_state_engine(engine_id: str, shape: StateShape, tp: int, layers: tuple[
     for _ in range(tp):
         buf = torch.zeros(len(layers) * num_blocks * page_bytes, dtype=torch.uint8)
         pages = buf.view(len(layers), num_blocks, page_bytes)
-        per_layer = [shape.views(pages[i], tp) for i in range(len(layers))]
+        named = {f"model.layers.{layer}.mixer": pages[i] for i, layer in enumerate(layers)}
         groups, tensors = [], []
-        for pi, spec in enumerate(shape.specs(tp, num_blocks)):
-            refs = []
-            for li, layer in enumerate(layers):
-                v = per_layer[li][pi]
-                ref = TensorRef("r", v.data_ptr() - buf.data_ptr(), tuple(v.shape), tuple(v.stride()), spec.layout)
-                refs.append(LayerSpec(f"model.layers.{layer}.mixer", layer, (ref,)))
-            g = GroupSpec(pi, spec, tuple(refs), STATE_PART)
+        for pi, (spec, views) in enumerate(shape.layer_parts(named, tp)):
+            refs = tuple(LayerSpec(name, layer, (TensorRef("r", v.data_ptr() - buf.data_ptr(), tuple(v.shape), tuple(v.stride()), spec.layout),))
+                         for layer, (name, v) in zip(layers, views.items(), strict=True))
+            g = GroupSpec(pi, spec, refs, STATE_PART)
             groups.append(g)
             tensors.append(GroupTensors.build(g, {"r": buf}))
         ranks.append(StateRank(buf, groups, tensors))

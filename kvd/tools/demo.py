@@ -137,9 +137,7 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                     # One page per Mamba2 layer and block; each of its parts is a group of its own.
                     state = model.state_shape(engine.conv_layout)
                     pages = allocate_state_pages([f"model.layers.{i}.mixer" for i in layers], engine.num_blocks, state.page_bytes(worker.tp_size) + 64)
-                    views = {name: state.views(page, worker.tp_size) for name, page in pages.items()}
-                    for pi, pspec in enumerate(state.specs(worker.tp_size, engine.num_blocks)):
-                        caches = {name: v[pi] for name, v in views.items()}
+                    for pspec, caches in state.layer_parts(pages, worker.tp_size):
                         registered.append((pspec, caches))
                         tensors.append(local_group_tensors(pspec, caches))
                         kinds.append(kind)
