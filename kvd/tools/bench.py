@@ -37,13 +37,13 @@ from kvd.core.pieces import serve_segment
 from kvd.core.reads import Offer
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
 from kvd.core.topology import heads_of_rank
-from kvd.core.transfer import plan_pull
+from kvd.core.transfer import SegmentSink, plan_pull
 from kvd.testing import pattern
 from kvd.testing.sim import make_engine
 from kvd.tools.bench_control import bench_control
 from kvd.tools.bench_peers import socket_baseline, socket_round_trip
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
-from kvd.tools.bench_state import bench_state
+from kvd.tools.bench_state import state_work
 from kvd.transport.base import Staging
 
 
@@ -102,6 +102,15 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
         owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
         for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
             work.append((sink, serve_segment(owner.tensors, seg, *rr.read.heads_of(seg), staging).clone()))
+    return relayout_row(pairing.name, work, lambda: pattern.mismatch(rank.tensors, 1, d_ids, rank.coords, tokens), repeat)
+
+
+Work = list[tuple[SegmentSink, torch.Tensor]]  # each received segment's sink and payload
+
+
+def relayout_row(name: str, work: Work, check: Callable[[], str | None], repeat: int) -> dict[str, Any]:
+    """Time landing every received segment against memcpy of the same
+    bytes, then ``check`` the landed bytes (a mismatch stops the bench)."""
     nbytes = sum(s.nbytes for s, _ in work)
 
     def land() -> None:
@@ -116,11 +125,11 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
     t_relayout = _best(land, repeat)
     t_memcpy = _best(lambda: dst.copy_(src), repeat)
-    bad = pattern.mismatch(rank.tensors, 1, d_ids, rank.coords, tokens)
+    bad = check()
     if bad:
-        raise SystemExit(f"relayout bench produced wrong bytes for {pairing.name}: {bad}")
+        raise SystemExit(f"relayout bench produced wrong bytes for {name}: {bad}")
     return {
-        "pairing": pairing.name,
+        "pairing": name,
         "bytes": nbytes,
         "relayout_gbps": nbytes / t_relayout / 1e9,
         "memcpy_gbps": nbytes / t_memcpy / 1e9,
@@ -411,7 +420,7 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
         results["relayout"] = rows
         results["relayout_vs_memcpy_min"] = min(float(r["ratio"]) for r in rows)
         # A hybrid model's state: its own row, small per request, not one of the attention pairings above.
-        row = bench_state(layers=args.layers, heads=args.kv_heads, head_size=args.head_size, requests=64, repeat=args.repeat)
+        row = relayout_row(*state_work(layers=args.layers, heads=args.kv_heads, head_size=args.head_size, requests=64), args.repeat)
         say(f"  {row['pairing']:<40} {row['bytes'] / 1e6:8.1f} {row['relayout_gbps']:14.2f} {row['memcpy_gbps']:12.2f} {row['ratio']:6.2f}")
         results["state_relayout"] = row
     if "transport" in args.sections:
