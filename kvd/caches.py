@@ -35,6 +35,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _shm_bytes(nbytes: int) -> torch.Tensor:
+    """A fresh zero-filled shm region this process owns, as bytes (kept, so any tensor in it can be described)."""
+    region = ShmRegion.create(nbytes)
+    _REGIONS[region.tensor.data_ptr()] = region
+    return region.tensor
+
+
 def allocate_kv_caches(spec: KVCacheSpec, layer_names: Sequence[str], *, shm: bool = True) -> dict[str, KVCacheTensors]:
     """Per-layer cache tensors shaped in ``spec.layout`` order, stacked in one
     buffer (in shm unless ``shm=False``), zero-filled."""
@@ -44,12 +51,7 @@ def allocate_kv_caches(spec: KVCacheSpec, layer_names: Sequence[str], *, shm: bo
     for n in part:
         numel *= n
     nbytes = numel * spec.itemsize * parts * len(layer_names)
-    if shm:
-        region = ShmRegion.create(nbytes)
-        _REGIONS[region.tensor.data_ptr()] = region
-        flat = region.tensor
-    else:
-        flat = torch.zeros(nbytes, dtype=torch.uint8)
+    flat = _shm_bytes(nbytes) if shm else torch.zeros(nbytes, dtype=torch.uint8)
     typed = flat.view(torch_dtype(spec.dtype)).view(len(layer_names), parts, *part)
     out: dict[str, KVCacheTensors] = {}
     for i, name in enumerate(layer_names):
@@ -71,10 +73,9 @@ def adopt_into_shm(kv_caches: Mapping[str, KVCacheTensors]) -> dict[str, KVCache
         if _region_of(key) is not None:
             continue
         if key not in moved:
-            region = ShmRegion.create(max(st.nbytes(), 1))
-            _REGIONS[region.tensor.data_ptr()] = region
-            region.tensor[: st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
-            moved[key] = region.tensor.untyped_storage()
+            flat = _shm_bytes(max(st.nbytes(), 1))
+            flat[: st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+            moved[key] = flat.untyped_storage()
         t.set_(moved[key], t.storage_offset(), t.shape, t.stride())
     return dict(kv_caches)
 
@@ -174,9 +175,7 @@ def _part_dims(dims: Sequence[str] | Sequence[Sequence[str]] | None, part: int) 
 def allocate_state_pages(layer_names: Sequence[str], num_blocks: int, page_bytes: int) -> dict[str, torch.Tensor]:
     """State layers' pages as vLLM's CPU backend keeps them, ``[num_blocks,
     page_bytes]`` bytes per layer, stacked in one shm buffer, zero-filled."""
-    region = ShmRegion.create(len(layer_names) * num_blocks * page_bytes)
-    _REGIONS[region.tensor.data_ptr()] = region
-    pages = region.tensor.view(len(layer_names), num_blocks, page_bytes)
+    pages = _shm_bytes(len(layer_names) * num_blocks * page_bytes).view(len(layer_names), num_blocks, page_bytes)
     return {name: pages[i] for i, name in enumerate(layer_names)}
 
 
@@ -184,9 +183,7 @@ def allocate_cpu_attention_caches(spec: KVCacheSpec, layer_names: Sequence[str])
     """vLLM CPU attention's per-layer tensors, ``[num_blocks, num_kv_heads,
     block_size, 2 * head_size]``, stacked in one shm buffer, zero-filled."""
     shape = (len(layer_names), spec.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
-    region = ShmRegion.create(math.prod(shape) * spec.itemsize)
-    _REGIONS[region.tensor.data_ptr()] = region
-    typed = region.tensor.view(torch_dtype(spec.dtype)).view(shape)
+    typed = _shm_bytes(math.prod(shape) * spec.itemsize).view(torch_dtype(spec.dtype)).view(shape)
     return {name: typed[i] for i, name in enumerate(layer_names)}
 
 
