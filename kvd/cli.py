@@ -83,6 +83,7 @@ SERVE_FLAGS = {
     "data-advertise-address": "host:port peers dial for the data plane",
     "lease-seconds": "how long published blocks are held without a heartbeat (default 120)",
     "publish-wait-seconds": "how long a read of params made before publishing (vLLM) waits for the publication (default 10)",
+    "layer-wait-seconds": "layer-wise streaming: how long a read waits for prefill to save its next layer (default 30)",
     "connections-per-peer": "data connections to each peer (default 4)",
     "segment-bytes": "bytes of one data frame, the unit of pipelining (default 4 MiB)",
     "stripes-per-read": "connections one big read of a remote rank is striped over (default 2)",

@@ -17,10 +17,12 @@ For a vLLM developer, the mapping is:
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -98,6 +100,7 @@ class KvdClient:
         self._worker = pbg.WorkerStub(self._channel)
         self._wid = worker_to_pb(worker)
         self.worker_token = b""  # issued by register(); proves we are this worker
+        self._saves: collections.deque[Any] = collections.deque()  # layers_saved calls in flight
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         token = ((WORKER_TOKEN_HEADER, self.worker_token.hex()),) if self.worker_token else ()
@@ -148,14 +151,41 @@ class KvdClient:
         return resp
 
     def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "",
-                lease_seconds: float = 0.0, first_tokens: Sequence[int] = ()) -> pb.TransferParams:
+                lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False) -> pb.TransferParams:
         """Offer this worker's blocks of ``request_id``, per group; a group's
-        ids hold the tokens from its ``first_tokens`` entry on (0 if none)."""
+        ids hold the tokens from its ``first_tokens`` entry on (0 if none).
+        ``stream``: offered before they are computed (layer-wise streaming);
+        each layer is served once ``layers_saved`` says it is written."""
         resp = self._call(self._worker.Publish, pb.PublishRequest(
             worker=self._wid, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
             num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
+            stream=stream,
         ))
         return resp.params
+
+    def layers_saved(self, request_ids: Sequence[str], layers_saved: int, *, wait: bool = False) -> None:
+        """Layer-wise streaming: every model layer below ``layers_saved`` of
+        these streaming publications is written on this rank. Sent without
+        waiting (prefill must never wait on the network); a call the daemon
+        refused raises from a later one, or from ``flush_saves``."""
+        req = pb.LayersSavedRequest(worker=self._wid, request_ids=list(request_ids), layers_saved=layers_saved)
+        self._check_saves(block=False)
+        if wait:
+            self._call(self._worker.LayersSaved, req)
+        else:
+            self._saves.append(self._worker.LayersSaved.future(req, timeout=self.timeout, metadata=self._metadata()))
+
+    def flush_saves(self) -> None:
+        """Wait for every ``layers_saved`` sent so far; raise the first refusal."""
+        self._check_saves(block=True)
+
+    def _check_saves(self, *, block: bool) -> None:
+        while self._saves and (block or self._saves[0].done()):
+            f = self._saves.popleft()
+            try:
+                f.result()
+            except grpc.RpcError as e:
+                raise from_code(e.code().name, e.details() or "") from None
 
     def pull(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]], *, first_tokens: Sequence[int] = ()) -> None:
         """Read ``params``' blocks into ours, per group from its ``first_tokens``

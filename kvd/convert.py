@@ -127,7 +127,7 @@ def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, in
         model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
         ranks=[pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=regions is not None) for g in r.groups],
                            regions=(regions or {}).get((r.tp_rank, r.pp_rank), [])) for r in meta.ranks],
-        fingerprint=fingerprint,
+        fingerprint=fingerprint, features=list(meta.features),
     )
 
 
@@ -145,13 +145,13 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
     return EngineMeta(
         engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
         tp_size=e.tp_size, pp_size=e.pp_size, model=ModelInfo(e.model.num_layers, e.model.total_num_kv_heads),
-        ranks=tuple(ranks),
+        ranks=tuple(ranks), features=tuple(e.features),
     )
 
 
 def offer_from_pb(p: pb.TransferParams) -> Offer:
     return Offer(p.request_id, p.generation, p.capability, tuple(tuple(b.ids) for b in p.block_ids), p.num_tokens,
-                 tuple(int(b.first_token) for b in p.block_ids))
+                 tuple(int(b.first_token) for b in p.block_ids), p.stream)
 
 
 def segment_to_pb(s: DataSegment) -> pb.DataSegment:
@@ -165,7 +165,7 @@ def read_to_pb(r: DataRead) -> pb.DataRead:
         owner_engine_id=r.owner_engine_id, request_id=r.request_id, generation=r.generation, capability=r.capability,
         tp_rank=r.tp_rank, pp_rank=r.pp_rank, head_start=r.head_start, head_count=r.head_count,
         segments=[segment_to_pb(s) for s in r.segments], reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank,
-        nixl_metadata_version=r.nixl_metadata_version, stripe=r.stripe, stripes=r.stripes,
+        nixl_metadata_version=r.nixl_metadata_version, stripe=r.stripe, stripes=r.stripes, stream=r.stream,
     )
 
 
@@ -176,5 +176,5 @@ def read_from_pb(r: pb.DataRead) -> DataRead:
         segments=tuple(DataSegment(s.group_id, tuple(s.layers), s.block_start, s.block_count, s.token_start, s.token_count,
                                    s.kv_start, s.kv_count, tuple(s.block_ids), s.head_start, s.head_count) for s in r.segments),
         reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank, nixl_metadata_version=r.nixl_metadata_version,
-        stripe=r.stripe, stripes=r.stripes,
+        stripe=r.stripe, stripes=r.stripes, stream=r.stream,
     )

@@ -35,6 +35,8 @@ CAPABILITY_BYTES = 32
 MAX_TOMBSTONES = 4096
 RankKey = tuple[int, int]  # (tp_rank, pp_rank)
 PinKey = tuple[str, int, RankKey]  # (request_id, generation, rank)
+# A rank's layer watermark when it published whole (not streaming): every layer is saved.
+ALL_LAYERS = 1 << 31
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Publication:
     acked: dict[RankKey, set[tuple[str, int, int, int]]] = field(default_factory=dict)
     lease_s: float = 0.0  # what one renewal extends by
     first_tokens: tuple[int, ...] = ()  # per group, as the first rank published them
+    # Per rank: every model layer below this is written (layer-wise
+    # streaming publishes before computing; ALL_LAYERS when published whole).
+    saved: dict[RankKey, int] = field(default_factory=dict)
+    stream: bool = False
 
     def live(self, now: float) -> bool:
         """The one lease check: every read, renewal and sweep asks it."""
@@ -94,6 +100,7 @@ class PublicationTable:
         lease_s: float = 0.0,
         block_sizes: Sequence[int] = (),
         first_tokens: Sequence[int] = (),
+        stream: bool = False,
     ) -> Publication:
         """Offer ``rank``'s blocks of ``request_id``. With ``block_sizes``
         (tokens per block, per group), every group must hold the prompt up to
@@ -134,6 +141,7 @@ class PublicationTable:
                 expires_at=now + lease,
                 lease_s=lease,
                 first_tokens=tuple(first_tokens),
+                stream=stream,
             )
             self._next_generation += 1
             self.by_request[request_id] = pub
@@ -146,13 +154,35 @@ class PublicationTable:
                 # Every rank holds the same tokens of the request: a reader plans one mapping for all.
                 raise FailedPrecondition(f"request_id={request_id!r} tp{rank[0]}/pp{rank[1]} publishes num_tokens={num_tokens} and first_tokens="
                                          f"{list(first_tokens)}, other ranks {pub.num_tokens} and {list(pub.first_tokens)}")
+            if stream != pub.stream:
+                raise FailedPrecondition(f"request_id={request_id!r} tp{rank[0]}/pp{rank[1]} publishes stream={stream}, other ranks {pub.stream}")
             if (request_id, pub.generation, rank) in self._held:
                 raise FailedPrecondition(f"request_id={request_id!r} of rank tp{rank[0]}/pp{rank[1]} ended but is still being read; publish it after its finished_sending")
             pub.expires_at = max(pub.expires_at, now + lease)
         pub.masks[rank] = masks
         pub.block_ids[rank] = arrays
         pub.acked[rank] = set()
+        pub.saved[rank] = 0 if stream else ALL_LAYERS
         return pub
+
+    def layers_saved(self, rank: RankKey, request_ids: Sequence[str], upto: int) -> int:
+        """``rank`` wrote every layer below ``upto`` of these streaming
+        requests. How many publications moved forward (a request not
+        published here, or already further, is skipped: the worker may
+        report after an abort)."""
+        advanced = 0
+        for rid in request_ids:
+            pub = self.by_request.get(rid)
+            if pub is not None and pub.saved.get(rank, ALL_LAYERS) < upto:
+                pub.saved[rank] = upto
+                advanced += 1
+        return advanced
+
+    def saved_below(self, request_id: str, generation: int, rank: RankKey, now: float) -> int:
+        """The layer watermark of a read's rank; raises like ``check_alive``
+        if its publication ended."""
+        self.check_alive(request_id, generation, rank, now)
+        return self.by_request[request_id].saved.get(rank, ALL_LAYERS)
 
     def ended_before(self, request_id: str, capability: bytes, rank: RankKey, now: float) -> list[Ended]:
         """Right after ``rank`` published: if this publication (the same
@@ -293,6 +323,7 @@ class PublicationTable:
         pub.masks.pop(rank, None)
         pub.block_ids.pop(rank, None)
         pub.acked.pop(rank, None)
+        pub.saved.pop(rank, None)
         if not pub.masks and self.by_request.get(pub.request_id) is pub:
             del self.by_request[pub.request_id]
             self.bury(pub.request_id, pub.capability, outcome, reason or "the request's publication had already ended", pub.expires_at)

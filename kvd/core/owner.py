@@ -126,6 +126,21 @@ class Owner:
         owner says END only after this holds past the last byte."""
         self.publications.check_alive(read.request_id, read.generation, read.rank, now)
 
+    @staticmethod
+    def layer_needs(read: DataRead, tensors: Sequence[GroupTensors]) -> list[int]:
+        """Per segment, the layer watermark it needs (its last model layer
+        + 1): a streaming publication serves a segment only once its rank's
+        layers below that are saved."""
+        return [max(tensors[s.group_id].layer_indices[p] for p in s.layers) + 1 for s in read.segments]
+
+    def saved_below(self, read: DataRead, now: float) -> int:
+        """The read rank's layer watermark; raises if the publication ended."""
+        return self.publications.saved_below(read.request_id, read.generation, read.rank, now)
+
+    def layers_saved(self, rank: RankKey, request_ids: Sequence[str], upto: int) -> int:
+        """A streaming worker wrote every layer below ``upto`` of these requests."""
+        return self.publications.layers_saved(rank, request_ids, upto)
+
     def release(self, grant: Grant) -> list[Ended]:
         """The read is over (acknowledged, refused midway, connection gone):
         an end held for its pin is reported now."""
@@ -184,7 +199,7 @@ class Owner:
 
     def publish(self, rank: RankKey, request_id: str, block_ids: Sequence[Sequence[int]], tensors: Sequence[GroupTensors],
                 num_tokens: int, now: float, *, capability: bytes = b"", reader_engine_id: str = "",
-                lease_s: float = 0.0, first_tokens: Sequence[int] = ()) -> tuple[Publication, list[Ended]]:
+                lease_s: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False) -> tuple[Publication, list[Ended]]:
         """Offer ``rank``'s blocks; and what ends at once because this
         publication already ended (aborted by its reader before we
         published, or read and finished before this rank published)."""
@@ -192,7 +207,7 @@ class Owner:
             rank, request_id, block_ids, [g.spec.num_blocks for g in tensors], num_tokens, now, capability=capability,
             reader_engine_id=reader_engine_id, lease_s=lease_s,
             # A state part holds no tokens: its blocks are not checked against num_tokens.
-            block_sizes=[0 if g.spec.state else g.spec.block_size for g in tensors], first_tokens=first_tokens)
+            block_sizes=[0 if g.spec.state else g.spec.block_size for g in tensors], first_tokens=first_tokens, stream=stream)
         return pub, self.publications.ended_before(request_id, capability, rank, now)
 
     def reader_aborted(self, request_id: str, generation: int, capability: bytes, reason: str, now: float) -> list[Ended] | None:

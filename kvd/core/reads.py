@@ -55,6 +55,9 @@ class DataRead:
     # the rank's publication once every stripe of every expected reader is ACKed.
     stripe: int = 0
     stripes: int = 0
+    # A streaming publication (layer-wise): segments come layer-major, each
+    # served once its layers are saved, so the reader waits between them.
+    stream: bool = False
 
     def heads_of(self, seg: DataSegment) -> tuple[int, int]:
         """The owner-rank heads ``seg`` reads: its own, else the read's."""
@@ -81,6 +84,7 @@ class Offer:
     num_tokens: int
     # per group: the token its first block starts at (empty: all 0)
     first_tokens: tuple[int, ...] = ()
+    stream: bool = False  # published before computed: read layer-major as layers are saved
 
     def first_token(self, group: int) -> int:
         return self.first_tokens[group] if group < len(self.first_tokens) else 0

@@ -361,6 +361,10 @@ class EngineLayout:
     groups: tuple[GroupSpec, ...]
 
 
+# A daemon that serves streaming publications: reads wait for each layer's save.
+LAYER_STREAM = "layer-stream"
+
+
 @dataclass(frozen=True)
 class EngineMeta:
     """One engine as a peer sees it after the handshake."""
@@ -373,6 +377,8 @@ class EngineMeta:
     pp_size: int
     model: ModelInfo
     ranks: tuple[EngineLayout, ...] = field(default_factory=tuple)
+    # What the engine's daemon can serve beyond plain pulls (LAYER_STREAM).
+    features: tuple[str, ...] = ()
 
     def rank(self, tp_rank: int, pp_rank: int) -> EngineLayout | None:
         for r in self.ranks:

@@ -206,7 +206,10 @@ def plan_pull(
     """Every read one local rank makes for one request.
 
     Each group moves only the tokens decode needs of it (see ``core.groups``),
-    from the later of that and the token its local ids start at."""
+    from the later of that and the token its local ids start at. A streaming
+    offer (``params.stream``) is planned layer-major: one layer a segment,
+    in model layer order, so each can leave as soon as prefill saved it."""
+    layer_major = params.stream
     if len(local_block_ids) != len(local_group_specs):
         raise InvalidArgument("local_block_ids", f"<{len(local_block_ids)} groups>", f"must give one list per KV cache group ({len(local_group_specs)})")
     if len(params.block_ids) != len(local_group_specs):
@@ -249,7 +252,7 @@ def plan_pull(
             if tokens is None:
                 continue
             _plan_group(segments, sinks, lspec, ltensors, rgroup, layers, tokens, remote_ids, local_ids, target,
-                        segment_bytes, zero_copy_min_bytes or segment_bytes)
+                        segment_bytes, zero_copy_min_bytes or segment_bytes, layer_major)
         if target.groups is not None:
             segments = [dataclasses.replace(x, head_start=target.remote_head_start, head_count=target.head_count) for x in segments]
         if not sinks:
@@ -261,13 +264,25 @@ def plan_pull(
                 owner_engine_id=remote.engine_id, request_id=params.request_id, generation=params.generation,
                 capability=params.capability, tp_rank=target.remote_tp_rank, pp_rank=target.remote_pp_rank,
                 head_start=target.remote_head_start, head_count=target.head_count, segments=tuple(segments),
-                reader_tp_rank=local_tp_rank, reader_pp_rank=local_pp_rank,
+                reader_tp_rank=local_tp_rank, reader_pp_rank=local_pp_rank, stream=layer_major,
             )
             by_rank[key] = RankRead(target, read, sinks)
         else:
             rr.read = dataclasses.replace(rr.read, segments=rr.read.segments + tuple(segments))
             rr.sinks.extend(sinks)
-    return list(by_rank.values())
+    reads = list(by_rank.values())
+    return [_layer_order(rr, remote) for rr in reads] if layer_major else reads
+
+
+def _layer_order(rr: RankRead, remote: EngineMeta) -> RankRead:
+    """The read's segments in model layer order (stable): the order prefill saves them."""
+    rank = remote.rank(*rr.read.rank)
+    assert rank is not None
+    indices = {g.group_id: g.layer_indices for g in rank.groups}
+    last = [max(indices[s.group_id][p] for p in s.layers) for s in rr.read.segments]
+    order = sorted(range(len(rr.sinks)), key=last.__getitem__)
+    read = dataclasses.replace(rr.read, segments=tuple(rr.read.segments[i] for i in order))
+    return RankRead(rr.target, read, [rr.sinks[i] for i in order])
 
 
 @dataclass(frozen=True)
@@ -350,6 +365,7 @@ def _plan_group(
     target: ReadTarget,
     segment_bytes: int,
     zero_copy_min_bytes: int,
+    layer_major: bool = False,
 ) -> None:
     rspec, lspec = rgroup.spec, lgroup.spec
     heads = target.head_count
@@ -368,7 +384,7 @@ def _plan_group(
     ext: Extents = plan_extents(remote_ids, rspec.block_size, list(local_ids), lspec.block_size, tokens.num_tokens, max_units=fine_max_units,
                                 remote_first=tokens.remote_first, local_first=tokens.local_first, start=tokens.start,
                                 label=f"[{lgroup.group_id}]")
-    coarse_layers = max(1, min(len(layers), segment_bytes // max(1, unit_plane_bytes * num_kv)))
+    coarse_layers = 1 if layer_major else max(1, min(len(layers), segment_bytes // max(1, unit_plane_bytes * num_kv)))
     r_pos = {idx: i for i, idx in enumerate(rgroup.layer_indices)}
     l_pos = {idx: i for i, idx in enumerate(lgroup.layer_indices)}
     kvs_per_fine = num_kv // planes
@@ -378,7 +394,8 @@ def _plan_group(
     if same_blocks and (~fine_mask).any():
         # Small scattered extents: batch their blocks into few segments, moved
         # with one gather on the owner and one scatter here (numpy, no loop per block).
-        _plan_batched(segments, sinks, rgroup, ltensors, layers, ext, ~fine_mask, r_pos, l_pos, target, unit_plane_bytes * num_kv, segment_bytes)
+        _plan_batched(segments, sinks, rgroup, ltensors, layers, ext, ~fine_mask, r_pos, l_pos, target, unit_plane_bytes * num_kv, segment_bytes,
+                      1 if layer_major else len(layers))
     for e in range(len(ext)):
         if same_blocks and not fine_mask[e]:
             continue
@@ -431,6 +448,7 @@ def _plan_batched(
     target: ReadTarget,
     block_layer_bytes: int,
     segment_bytes: int,
+    max_layers: int,
 ) -> None:
     rspec = rgroup.spec
     lens = (ext.n * ext.u)[mask]
@@ -439,7 +457,7 @@ def _plan_batched(
     run = np.repeat(np.arange(lens.shape[0]), lens)
     within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
     r_ids, l_ids = r_starts[run] + within, l_starts[run] + within
-    layer_chunk = max(1, min(len(layers), segment_bytes // max(1, block_layer_bytes)))
+    layer_chunk = max(1, min(len(layers), max_layers, segment_bytes // max(1, block_layer_bytes)))
     per_batch = int(min(MAX_BATCH_BLOCKS, max(1, segment_bytes // (block_layer_bytes * layer_chunk))))
     tokens = 1 if rspec.opaque else rspec.block_size
     heads = target.head_count

@@ -62,6 +62,10 @@ class DaemonConfig:
     # Params made before P's worker published (vLLM's scheduler hands them out
     # first): how long P waits for the publication when D resolves them.
     publish_wait_seconds: float = 10.0
+    # Layer-wise streaming: how long a read of a streaming publication waits
+    # for prefill to save its next layer (its worker died, or stalled) before
+    # it fails; readers allow this on top of stall_timeout_seconds.
+    layer_wait_seconds: float = 30.0
     max_pending_resolves: int = 1024
     # Data plane backend: tcp (kvd's own), or nixl (NIXL/UCX moves the bytes;
     # control, leases and relayout stay kvd's). nixl needs `pip install 'kvd[nixl]'`.
@@ -96,6 +100,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_segments_per_read": (lambda v: 1 <= v <= 1 << 20, "in [1, 1048576]"),
     "max_pending_handshakes": (lambda v: v >= 1, ">= 1"),
     "publish_wait_seconds": (lambda v: v >= 0, ">= 0"),
+    "layer_wait_seconds": (lambda v: v > 0, "> 0"),
     "max_pending_resolves": (lambda v: v >= 1, ">= 1"),
     "transport": (lambda v: v in ("tcp", "nixl"), "tcp or nixl"),
     "nixl_staging_bytes": (lambda v: v >= 1 << 20, ">= 1 MiB"),

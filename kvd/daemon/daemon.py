@@ -39,7 +39,15 @@ from kvd.core.errors import (
 from kvd.core.leases import Ended, PublicationTable, RankKey
 from kvd.core.relayout import GroupTensors
 from kvd.core.session import Hello
-from kvd.core.spec import EngineLayout, EngineMeta, GroupSpec, ModelInfo, WorkerId, check_request_id
+from kvd.core.spec import (
+    LAYER_STREAM,
+    EngineLayout,
+    EngineMeta,
+    GroupSpec,
+    ModelInfo,
+    WorkerId,
+    check_request_id,
+)
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.metrics import ActiveClock, Metrics
@@ -121,7 +129,7 @@ class Daemon:
                                          nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
         self.data_client = TcpDataClient(Hello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer, copy_threads=config.copy_threads,
-                                         stall_timeout_s=config.stall_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
+                                         stall_timeout_s=config.stall_timeout_seconds, layer_wait_s=config.layer_wait_seconds, on_relayout=self.metrics.relayout_seconds.inc,
                                          tls=self.auth.data_plane_context(server=False), nixl=self.nixl)
 
     def _nixl_agent(self, config: DaemonConfig) -> NixlAgent | None:
@@ -306,6 +314,7 @@ class Daemon:
             engine_id=self.config.engine_id, epoch=self.epoch, host_id=self.host_id, data_address=self.data_address,
             tp_size=w.tp_size, pp_size=w.pp_size, model=regs[0].model,
             ranks=tuple(EngineLayout(r.worker.tp_rank, r.worker.pp_rank, tuple(r.groups)) for r in sorted(regs, key=lambda r: (r.worker.pp_rank, r.worker.tp_rank))),
+            features=(LAYER_STREAM,),
         )
         self._meta_cache = (self.registration_version, meta)
         return meta

@@ -33,6 +33,8 @@ class Metrics:
         self.leases_expired = Counter("kvd_leases_expired", "Publications that ended by lease expiry", registry=r)
         self.reader_releases = Counter("kvd_reader_releases", "Published ranks ended early by their reader (it failed, aborted, or did not need them)", registry=r)
         self.window_skipped = Counter("kvd_window_skipped_bytes", "KV bytes a pull did not move because its group needs only a window (sliding window, chunked local) where full attention would move every token", ["kind"], registry=r)
+        self.layers_saved = Counter("kvd_stream_layers_saved", "Layer saves reported by streaming prefill workers (one per request and call)", registry=r)
+        self.layer_wait_seconds = Counter("kvd_stream_layer_wait_seconds", "Time data-plane reads spent waiting for prefill to save a layer", registry=r)
         self.regions = Gauge("kvd_registered_regions", "Mapped memory regions", registry=r)
         self.region_bytes = Gauge("kvd_registered_bytes", "Bytes of mapped memory regions", registry=r)
         self.relayout_seconds = Counter("kvd_relayout_seconds", "Time spent landing (relaying out) received segments", registry=r)

@@ -20,6 +20,7 @@ import torch
 
 from kvd.convert import worker_from_pb
 from kvd.core.errors import (
+    DeadlineExceeded,
     InvalidArgument,
     KvdError,
     PermissionDenied,
@@ -56,6 +57,9 @@ class Publisher:
         # plane's connection threads, which authorise reads without a hop to
         # the loop (a hop costs more than the check): every access holds this.
         self.lock = threading.Lock()
+        # Reads of a streaming publication wait on this for their layers;
+        # every save and every end wakes them.
+        self.saved = threading.Condition(self.lock)
         self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
         self._resolves = 0
 
@@ -77,7 +81,7 @@ class Publisher:
             pub, ended = self.owner.publish(
                 (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], reg.tensors,
                 req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
-                lease_s=req.lease_seconds, first_tokens=[b.first_token for b in req.block_ids],
+                lease_s=req.lease_seconds, first_tokens=[b.first_token for b in req.block_ids], stream=req.stream,
             )
         self.report(ended)
         event = self._published.pop(req.request_id, None)
@@ -88,8 +92,20 @@ class Publisher:
             request_id=req.request_id, generation=pub.generation, capability=pub.capability,
             block_ids=[pb.BlockIds(ids=list(b.ids), first_token=b.first_token) for b in req.block_ids], num_tokens=req.num_tokens,
             remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
-            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds,
+            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds, stream=req.stream,
         ))
+
+    def layers_saved(self, req: pb.LayersSavedRequest, token: bytes | None = None) -> int:
+        """A streaming worker wrote every layer below ``layers_saved`` of
+        these requests: wake the reads waiting for them."""
+        reg = self.d.registered(worker_from_pb(req.worker), token)
+        for i, rid in enumerate(req.request_ids):
+            check_request_id(f"request_ids[{i}]", rid)
+        with self.lock:
+            advanced = self.owner.layers_saved((reg.worker.tp_rank, reg.worker.pp_rank), list(req.request_ids), req.layers_saved)
+            self.saved.notify_all()
+        self.d.metrics.layers_saved.inc(advanced)
+        return advanced
 
     async def resolve(self, req: pb.ResolveRequest) -> pb.ResolveResponse:
         """The generation of ``request_id`` published under ``capability``,
@@ -164,6 +180,9 @@ class Publisher:
             await asyncio.sleep(0.5)
 
     def report(self, ended: list[Ended]) -> None:
+        if ended:
+            with self.lock:  # a read waiting for a layer of what ended fails now
+                self.saved.notify_all()
         for e in ended:
             self.d.report_sending(e)
         self.d.metrics.leases_held.set(len(self.publications))
@@ -209,6 +228,39 @@ class OpenRead:
         self.read = grant.read
         self.pin: object | None = grant.pin  # the reader copies our memory itself: the rank is pinned until close()
         self._metrics = publisher.d.metrics
+        tensors = reg.tensors
+        # A streaming publication: per segment, the layer watermark it needs.
+        self._needs = publisher.owner.layer_needs(self.read, tensors) if grant.publication.stream else None
+
+    def wait_saved(self, index: int | None = None) -> None:
+        """Block until segment ``index`` (None: every segment) may be
+        served: its layers are saved. Raises if the publication ends first,
+        or no layer comes within ``layer_wait_seconds``."""
+        if self._needs is None:
+            return
+        need = max(self._needs) if index is None else self._needs[index]
+        p = self.publisher
+        wait_s = p.d.config.layer_wait_seconds
+        t0 = last_progress = time.monotonic()
+        last = -1
+        with p.lock:
+            while (saved := p.owner.saved_below(self.read, now := time.monotonic())) < need:
+                if saved > last:  # the bound is on each layer, not on the whole prefill
+                    last, last_progress = saved, now
+                remaining = last_progress + wait_s - now
+                if remaining <= 0:
+                    raise DeadlineExceeded(f"request_id={self.read.request_id!r}: prefill saved no layer past {saved} within "
+                                           f"{wait_s:g}s (layer_wait_seconds; layer {need - 1} is needed)")
+                p.saved.wait(remaining)
+        self._metrics.layer_wait_seconds.inc(time.monotonic() - t0)
+
+    def saved(self, index: int | None = None) -> bool:
+        """Segment ``index``'s layers (None: every segment's) are saved now."""
+        if self._needs is None:
+            return True
+        need = max(self._needs) if index is None else self._needs[index]
+        with self.publisher.lock:
+            return self.publisher.owner.saved_below(self.read, time.monotonic()) >= need
 
     def _seg(self, index: int):  # type: ignore[no-untyped-def]
         seg = self.read.segments[index]

@@ -30,7 +30,7 @@ from kvd.core.leases import RankKey, check_unique
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
-from kvd.core.spec import WorkerId, check_engine_id, check_request_id
+from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.proto import kvd_pb2 as pb
@@ -228,6 +228,9 @@ class Puller:
                 f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
             )
         offer = offer_from_pb(req.params)
+        if offer.stream and LAYER_STREAM not in peer.meta.features:
+            raise FailedPrecondition(f"params.stream: engine {req.params.remote_engine_id!r} does not serve layer-wise streaming "
+                                     f"(its features: {list(peer.meta.features)})")
         for fresh in (False, True):
             try:
                 reads = plan_pull(

@@ -171,7 +171,7 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ...) -> None: ...
 
 class TransferParams(_message.Message):
-    __slots__ = ("remote_engine_id", "remote_address", "remote_epoch", "request_id", "generation", "capability", "block_ids", "num_tokens", "remote_tp_size", "remote_pp_size", "lease_seconds")
+    __slots__ = ("remote_engine_id", "remote_address", "remote_epoch", "request_id", "generation", "capability", "block_ids", "num_tokens", "remote_tp_size", "remote_pp_size", "lease_seconds", "stream")
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class TransferParams(_message.Message):
     REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     remote_engine_id: str
     remote_address: str
     remote_epoch: str
@@ -194,10 +195,11 @@ class TransferParams(_message.Message):
     remote_tp_size: int
     remote_pp_size: int
     lease_seconds: float
-    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    stream: bool
+    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds")
+    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "stream")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,7 @@ class PublishRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -212,7 +215,24 @@ class PublishRequest(_message.Message):
     capability: bytes
     reader_engine_id: str
     lease_seconds: float
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    stream: bool
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ...) -> None: ...
+
+class LayersSavedRequest(_message.Message):
+    __slots__ = ("worker", "request_ids", "layers_saved")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerId
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    layers_saved: int
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_ids: _Optional[_Iterable[str]] = ..., layers_saved: _Optional[int] = ...) -> None: ...
+
+class LayersSavedResponse(_message.Message):
+    __slots__ = ("advanced",)
+    ADVANCED_FIELD_NUMBER: _ClassVar[int]
+    advanced: int
+    def __init__(self, advanced: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("params",)
@@ -323,7 +343,7 @@ class RankInfo(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint")
+    __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint", "features")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +353,7 @@ class EngineInfo(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
     host_id: str
@@ -342,7 +363,8 @@ class EngineInfo(_message.Message):
     model: ModelInfo
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     fingerprint: str
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("caller",)
@@ -537,7 +559,7 @@ class DataHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DataRead(_message.Message):
-    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes")
+    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes", "stream")
     OWNER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -552,6 +574,7 @@ class DataRead(_message.Message):
     NIXL_METADATA_VERSION_FIELD_NUMBER: _ClassVar[int]
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     STRIPES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     owner_engine_id: str
     request_id: str
     generation: int
@@ -566,7 +589,8 @@ class DataRead(_message.Message):
     nixl_metadata_version: int
     stripe: int
     stripes: int
-    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ...) -> None: ...
+    stream: bool
+    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class DataSegment(_message.Message):
     __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids", "head_start", "head_count")

@@ -78,16 +78,23 @@ def _expected_for(group: GroupTensors, seed: int, block_ids: Sequence[int], coor
     )
 
 
-def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, first_token: int = 0) -> None:
-    """Write the request's values into its blocks of every layer (the
-    first block holding the tokens from ``first_token`` on)."""
+def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, first_token: int = 0,
+         positions: Sequence[int] | None = None) -> None:
+    """Write the request's values into its blocks of every layer (only the
+    group's layer ``positions``, when given: a layer computed at a time), the
+    first block holding the tokens from ``first_token`` on."""
     exp = _expected_for(group, seed, block_ids, coords, first_token)
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
     for kv, runs in _views(group):
         plane = exp if kv is None else exp[:, kv : kv + 1]
         for i, view in runs:
             c = view.shape[0]
-            view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
+            if positions is None:
+                view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
+                continue
+            for p in positions:
+                if i <= p < i + c:
+                    view[p - i, :, ids.to(view.device)] = plane[p].to(view.device)
 
 
 def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int, first_token: int = 0,

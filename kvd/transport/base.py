@@ -64,6 +64,15 @@ class OpenRead(Protocol):
         """Raise a KvdError if the read may no longer be served (abort, expiry)."""
         ...
 
+    def wait_saved(self, index: int | None = None) -> None:
+        """Block until segment ``index`` (None: all) may be served: a
+        streaming publication's layers are saved as prefill computes them."""
+        ...
+
+    def saved(self, index: int | None = None) -> bool:
+        """Whether ``wait_saved(index)`` would return at once."""
+        ...
+
     def count_sent(self, nbytes: int, blocks: int, transport: str) -> None:
         """Metrics for bytes that left without ``segment`` (in place)."""
         ...

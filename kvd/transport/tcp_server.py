@@ -12,7 +12,9 @@ memory on a side stream while the previous segment is sent
 (``kvd.transport.device``).
 
 END goes out only after the publication is seen alive past the last byte:
-the engine may reuse the blocks the moment the publication ends.
+the engine may reuse the blocks the moment the publication ends. A
+streaming publication's segment leaves only once prefill saved its layers
+(``OpenRead.wait_saved``); the thread waits for them between segments.
 """
 
 from __future__ import annotations
@@ -196,6 +198,8 @@ class TcpDataServer:
         failed: errors.KvdError | None = None
         total = 0
         try:
+            if ev.nixl or ev.local:
+                opened.wait_saved()  # the reader copies it all at once: every layer first
             if ev.nixl:
                 msg, total = self._descriptors(fs, opened, count, arena, ev.read.nixl_metadata_version)
                 fs.send(Descriptors(msg))
@@ -217,8 +221,8 @@ class TcpDataServer:
     def _send_whole(self, fs: FrameSocket, opened: OpenRead, count: int) -> int:
         """A small read whose segments all lie in place: every DATA frame in
         one sendmsg. Returns its payload bytes, or -1 where it is not that."""
-        if fs.tls:
-            return -1
+        if fs.tls or not opened.saved():
+            return -1  # a streaming read goes segment by segment, each once its layers are saved
         total, iovs = 0, []
         for i in range(count):
             total += opened.segment_nbytes(i)
@@ -287,13 +291,14 @@ def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Stagin
 
     try:
         for i in range(count):
+            opened.wait_saved(i)
             opened.check_alive()
             iov: np.ndarray | None = None if fs.tls else opened.segment_iov(i)
             if iov is not None:
                 n = fs.send_data(i, iov)
                 opened.count_sent(n, opened.segment_blocks(i), "tcp")
             elif start_on_device(i):
-                if i + 1 < count:
+                if i + 1 < count and opened.saved(i + 1):
                     start_on_device(i + 1)  # its copy runs while this one is sent
                 n = fs.send_data(i, to_host.take(i))
             else:

@@ -1,0 +1,141 @@
+"""Layer-wise streaming with real daemons: prefill publishes before it
+computes, decode's pull starts at once, and each layer crosses as soon as
+prefill saves it; nothing is served before its layer is saved, and a
+prefill that dies or stops mid-stream gives exactly the blocks that did not
+land."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from kvd.caches import local_group_tensors
+from kvd.errors import KvdError
+from kvd.testing import pattern
+from tests.conftest import make_worker, scrape
+
+SHAPE = dict(layers=8, heads=4, head_size=64, num_blocks=256)
+IDS = list(range(1, 129))
+NTOK = len(IDS) * 16
+
+
+def layer_mismatch(w, layer: int, seed: int, ids, ntok: int):
+    """The first difference in one layer of a test worker's blocks."""
+    name = f"model.layers.{layer}.self_attn.attn"
+    return pattern.mismatch(local_group_tensors(w.spec, {name: w.caches[name]}), seed, ids, w.coords, ntok)
+
+
+def compute(pw, seed: int, positions) -> None:
+    """Prefill 'computes' layers: writes their KV, then says they are saved."""
+    for p in positions:
+        pattern.fill(pw.tensors, seed, IDS, pw.coords, positions=[p])
+        pw.client.layers_saved(["r"], p + 1)
+
+
+def test_each_layer_crosses_once_saved_and_not_before(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    pw.fill(99, IDS)  # what the blocks held before this prompt: never to be read
+    dw.fill(5, IDS)
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    assert params.stream
+    dw.client.pull("r", params, [IDS])
+    time.sleep(0.5)
+    assert dw.client.get_finished().finished_recving == set()
+    assert dw.mismatch(5, IDS, NTOK) is None  # nothing landed: no layer is saved
+
+    compute(pw, 7, range(4))
+    deadline = time.monotonic() + 10
+    while layer_mismatch(dw, 3, 7, IDS, NTOK) is not None:
+        assert time.monotonic() < deadline, "saved layers did not cross while later ones were still being computed"
+        time.sleep(0.02)
+    assert layer_mismatch(dw, 0, 7, IDS, NTOK) is None
+    assert layer_mismatch(dw, 4, 5, IDS, NTOK) is None  # layer 4 not saved: decode's blocks untouched
+    assert dw.client.get_finished().finished_recving == set()
+
+    compute(pw, 7, range(4, 8))
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done" and not f.invalid_block_ids
+    assert dw.mismatch(7, IDS, NTOK) is None
+    assert pw.client.wait_finished(sending={"r"}, timeout=10).details[("sending", "r")].outcome == "done"
+    assert scrape(p.metrics_url, "kvd_stream_layers_saved_total") == 8
+
+
+def test_a_layer_reported_saved_but_not_written_is_caught(daemons):
+    """The negative control: the check above would see prefill's old bytes."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    pw.fill(99, IDS)
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    dw.client.pull("r", params, [IDS])
+    compute(pw, 7, range(7))
+    pw.client.layers_saved(["r"], 8)  # layer 7 never written
+    assert dw.client.wait_finished(recving={"r"}, timeout=30).details[("recving", "r")].outcome == "done"
+    assert layer_mismatch(dw, 6, 7, IDS, NTOK) is None
+    bad = dw.mismatch(7, IDS, NTOK)
+    assert bad is not None and bad.startswith("layer 7")
+
+
+@pytest.mark.faults
+def test_prefill_that_stops_saving_fails_the_pull_with_every_block_invalid(daemons):
+    p = daemons.start("prefill", "--layer-wait-seconds", "1.5")
+    d = daemons.start("decode", "--layer-wait-seconds", "1.5")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    dw.client.pull("r", params, [IDS])
+    compute(pw, 7, range(3))  # then the worker hangs (or died: the daemon cannot tell)
+    t0 = time.monotonic()
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and "layer_wait_seconds" in detail.reason, detail
+    assert f.invalid_block_ids == set(IDS)  # each block lacks layers 3..7
+    assert time.monotonic() - t0 < 10
+    # P is told, and frees the blocks at once rather than at its lease.
+    assert pw.client.wait_finished(sending={"r"}, timeout=10).details[("sending", "r")].outcome == "aborted"
+
+
+@pytest.mark.faults
+def test_prefill_daemon_killed_mid_stream_gives_exact_invalid_blocks(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode", "--stall-timeout-seconds", "3")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    # Two requests: one streams to the end, one is cut off by the kill.
+    other = list(range(129, 161))
+    params_done = pw.client.publish("done", [other], len(other) * 16)
+    dw.client.pull("done", params_done, [other])
+    assert dw.client.wait_finished(recving={"done"}, timeout=30).details[("recving", "done")].outcome == "done"
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    dw.client.pull("r", params, [IDS])
+    compute(pw, 7, range(2))
+    time.sleep(0.3)
+    p.stop(signal.SIGKILL)
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "failed"
+    assert f.invalid_block_ids == set(IDS)  # exactly this request's blocks, none of the other's
+
+
+def test_abort_on_prefill_mid_stream_ends_the_read_at_once(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    dw.client.pull("r", params, [IDS])
+    compute(pw, 7, range(2))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert pw.client.abort("r")
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "failed" and f.invalid_block_ids == set(IDS)
+    assert time.monotonic() - t0 < 5  # woken by the abort, not by layer_wait_seconds (30 s)
+
+
+def test_refused_layers_saved_names_the_request(daemons):
+    p = daemons.start("prefill")
+    pw = make_worker(p.grpc, "prefill", **SHAPE)
+    with pytest.raises(KvdError) as e:
+        pw.client.layers_saved(["ok", ""], 1, wait=True)
+    assert "request_ids[1]" in e.value.message
+    pw.client.layers_saved([""], 1)  # sent without waiting: refused on the next call
+    time.sleep(0.5)
+    with pytest.raises(KvdError, match="request_ids"):
+        pw.client.flush_saves()
