@@ -14,7 +14,7 @@ KEYS = ("tcp_vs_socket_1m", "tcp_cpu_vs_socket", "tcp_cpu_s_per_gb", "socket_cpu
 def test_bench_json_prints_every_ratio_from_one_real_run():
     r = subprocess.run(
         [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "2", "--latency-requests", "20",
-         "--tokens", "256", "--layers", "2"],
+         "--tokens", "256", "--layers", "2", "--stream-tokens", "256", "2048", "--stream-layers", "8"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -33,16 +33,21 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert len(out["rounds"]) == 2
     verdict = {row["figure"]: row for row in out["verdict"]}
     for key in ("relayout_vs_memcpy_min", "samehost_vs_memcpy", "tcp_16k_vs_1m", "tcp_vs_socket_1m", "small_request_p50_vs_floor",
-                "small_request_p99_vs_floor", "tcp_cpu_vs_socket", "control_growth", "control_vs_transfer_128k"):
+                "small_request_p99_vs_floor", "tcp_cpu_vs_socket", "control_growth", "control_vs_transfer_128k", "stream_vs_pull_long",
+                "stream_vs_pull_short"):
         row = verdict[key]
         each = [r[key] for r in out["rounds"]]
         assert row["rounds"] == each and out[key] == row["worst"]
-        assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu", "control")) else min(each))
+        assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu", "control", "stream")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
     # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
     last = out["rounds"][-1]
     assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())
     assert last["control_vs_transfer_128k"] == last["control_128k_ms"] / last["control_128k_transfer_ms"]
+    # Streaming: what the transfer adds to TTFT, pulled and streamed, at each prompt length, every byte checked.
+    rows = last["stream"]
+    assert [r["tokens"] for r in rows] == [256, 2048] and all(r["pull_ms"] > 0 and r["stream_ms"] > 0 for r in rows)
+    assert last["stream_vs_pull_long"] == rows[-1]["stream_ms"] / rows[-1]["pull_ms"]
     # The hybrid shape: a batch of requests' Mamba2 state, across TP and conv layouts, every byte checked.
     state = out["rounds"][-1]["state_relayout"]
     assert state["bytes"] > 0 and state["ratio"] > 0 and state["pairing"].startswith("Mamba2 state")

@@ -30,6 +30,9 @@ PAIRINGS = {
     "mamba2_hybrid_tp2_pp2_to_tp1_b16_to_b32_ds_to_sd": "--layers 6 --mamba-every 3 --kv-heads 2 --prefill-tp 2 --prefill-pp 2 --decode-tp 1 --prefill-block-size 16 --decode-block-size 32 --conv-layouts DS,SD",
     "mamba2_sliding_cpu_samehost_tp2_to_tp4": "--layers 6 --mamba-every 3 --sliding-window 64 --kv-heads 4 --prefill-tp 2 --decode-tp 4 --prefill-block-size 32 --decode-block-size 16 --prefill-layout CPU --decode-layout CPU --transport samehost",
     "pure_mamba2_tp1_to_tp2_sd_to_ds": "--mamba-every 1 --kv-heads 2 --prefill-tp 1 --decode-tp 2 --conv-layouts SD,DS",
+    # Layer-wise streaming: prefill publishes first and saves a layer every 5 ms while decode reads; a hybrid across TP, PP and block size
+    "stream_mamba2_sliding_tp2_pp2_b32_to_tp1_b16": "--stream --layer-ms 5 --layers 6 --mamba-every 3 --sliding-window 64 --kv-heads 2 --prefill-tp 2 --prefill-pp 2 --decode-tp 1 --prefill-block-size 32 --decode-block-size 16 --conv-layouts DS,SD",
+    "stream_vllm_cpu_tp1_b64_to_tp2_b128": "--stream --layer-ms 5 --prefill-layout CPU --decode-layout CPU --prefill-tp 1 --decode-tp 2 --prefill-block-size 64 --decode-block-size 128",
 }
 
 

@@ -68,12 +68,13 @@ def _views(group: GroupTensors) -> list[tuple[int | None, list[tuple[int, torch.
     return out
 
 
-def _expected_for(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, first_token: int = 0) -> torch.Tensor:
+def _expected_for(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, first_token: int = 0,
+                  layers: Sequence[int] | None = None) -> torch.Tensor:
     spec = group.spec
     tokens = 1 if spec.opaque else spec.block_size
     dim = spec.span_size if spec.opaque else spec.head_size
     return expected(
-        seed, group.layer_indices, spec.num_kv, len(block_ids), tokens, spec.num_kv_heads, coords.head_start, dim,
+        seed, group.layer_indices if layers is None else layers, spec.num_kv, len(block_ids), tokens, spec.num_kv_heads, coords.head_start, dim,
         move_dtype(spec.dtype), first_token,
     )
 
@@ -83,7 +84,8 @@ def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankC
     """Write the request's values into its blocks of every layer (only the
     group's layer ``positions``, when given: a layer computed at a time), the
     first block holding the tokens from ``first_token`` on."""
-    exp = _expected_for(group, seed, block_ids, coords, first_token)
+    exp = _expected_for(group, seed, block_ids, coords, first_token,
+                        None if positions is None else [group.layer_indices[p] for p in positions])
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
     for kv, runs in _views(group):
         plane = exp if kv is None else exp[:, kv : kv + 1]
@@ -92,9 +94,9 @@ def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankC
             if positions is None:
                 view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
                 continue
-            for p in positions:
+            for j, p in enumerate(positions):
                 if i <= p < i + c:
-                    view[p - i, :, ids.to(view.device)] = plane[p].to(view.device)
+                    view[p - i, :, ids.to(view.device)] = plane[j].to(view.device)
 
 
 def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int, first_token: int = 0,

@@ -14,6 +14,9 @@ Sections:
 * ``control``: kvd's control plane per request from 1k to 100k blocks
   (publish, pull, plan, READ messages, authorisation), and a 128k-token
   request's against its transfer time.
+* ``stream``: what the transfer adds to TTFT, from 256 to 32k tokens,
+  pulled after prefill against streamed layer by layer while prefill
+  computes (``bench_stream``).
 * ``gpu`` (where CUDA is available): GPU caches on both sides, over TCP
   against a plain socket and the pinned PCIe copies, and same-host (CUDA IPC)
   against a device memcpy.
@@ -44,6 +47,7 @@ from kvd.tools.bench_control import bench_control
 from kvd.tools.bench_peers import socket_baseline, socket_round_trip
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_state import state_work
+from kvd.tools.bench_stream import TOKENS, bench_stream
 from kvd.transport.base import Staging
 
 
@@ -445,6 +449,9 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
     if "control" in args.sections:
         results.update(bench_control(layers=args.layers, heads=args.kv_heads, head_size=args.head_size, repeat=args.repeat,
                                      wire_gbps=results.get("tcp_1m_gbps"), say=say))
+    if "stream" in args.sections:
+        results.update(bench_stream(layers=args.stream_layers, heads=args.stream_kv_heads, head_size=args.head_size,
+                                    us_per_token=args.stream_us_per_token, repeat=args.repeat, tokens=tuple(args.stream_tokens), say=say))
     if "gpu" in args.sections:
         results.update(bench_gpu(args, say))
     return results
@@ -452,7 +459,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "gpu"], choices=["relayout", "transport", "control", "gpu"],
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "gpu"],
+                   choices=["relayout", "transport", "control", "stream", "gpu"],
                    help="gpu is measured only where CUDA is available")
     p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
     p.add_argument("--latency-requests", type=int, default=200)
@@ -460,4 +468,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--stream-layers", type=int, default=32, help="stream section: model layers (a real model's count: streaming's gain is per layer)")
+    p.add_argument("--stream-kv-heads", type=int, default=2)
+    p.add_argument("--stream-us-per-token", type=float, default=3.0,
+                   help="stream section: prefill compute per token per layer (3: an 8B model on one H100)")
+    p.add_argument("--stream-tokens", type=int, nargs="+", default=list(TOKENS), help="stream section: prompt lengths")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each figure is reported as its worst round")

@@ -48,6 +48,8 @@ TARGETS = (
     Target("vs_mooncake", "kvd TCP / Mooncake TE tcp, worst unit size", True, 1.5),
     Target("control_growth", "control plane per block, 100k blocks / 1k blocks", False, 1.5),
     Target("control_vs_transfer_128k", "control plane / transfer time, 128k tokens of 16-token blocks", False, 0.05),
+    Target("stream_vs_pull_long", "TTFT added by the transfer, streamed / pulled, longest prompt", False, 0.10),
+    Target("stream_vs_pull_short", "TTFT added by the transfer, streamed / pulled, shortest prompt", False, 1.1),
     Target("gpu_tcp_vs_socket_1m", "GPU to GPU over TCP / slower of socket and PCIe", True, None),
     Target("gpu_samehost_vs_d2d_1m", "GPU same-host / device memcpy", True, None),
 )

@@ -19,205 +19,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvd.core.groups import FULL_ATTENTION, SLIDING_WINDOW, STATE_PART, GroupKind
-from kvd.core.spec import CPU_ATTENTION_PARTS, KVCacheSpec, ModelInfo, WorkerId, parse_layout
-from kvd.core.topology import heads_of_rank
-from kvd.state_parts import SD, StateShape, mamba2
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    engine_id: str
-    tp: int
-    pp: int
-    block_size: int
-    layout: str
-    num_blocks: int
-    conv_layout: str = SD  # the Mamba2 layers' conv state: SD (state_len, conv_dim) or DS
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    layers: int
-    kv_heads: int
-    head_size: int
-    dtype: str
-    mla: bool
-    # A hybrid: every ``full_every``-th layer full attention, the others on a
-    # window of ``sliding_window`` tokens (0: all full attention).
-    sliding_window: int = 0
-    full_every: int = 2
-    # Mamba2 layers: every ``mamba_every``-th layer from layer 0 (1: all of
-    # them, a pure Mamba2 model; 0: none), each moved as its state parts.
-    mamba_every: int = 0
-
-    def kind_of(self, layer: int) -> GroupKind:
-        if self.mamba_every and layer % self.mamba_every == 0:
-            return STATE_PART
-        if self.sliding_window and layer % self.full_every != self.full_every - 1:
-            return GroupKind(SLIDING_WINDOW, self.sliding_window)
-        return FULL_ATTENTION
-
-    def groups(self, layers: Sequence[int]) -> list[tuple[GroupKind, list[int]]]:
-        """The KV cache groups of ``layers``, full attention first."""
-        kinds = sorted({self.kind_of(i) for i in layers}, key=lambda k: (k.is_state, k.name != "full", k.window))
-        return [(k, [i for i in layers if self.kind_of(i) == k]) for k in kinds]
-
-    @property
-    def attention_heads(self) -> int:
-        """The model's KV heads; 0 when every layer is a Mamba2 layer."""
-        return 0 if self.mamba_every == 1 else self.kv_heads
-
-    def state_shape(self, conv_layout: str) -> StateShape:
-        """The Mamba2 layers' state: twice the KV heads of SSM heads, a group per KV head."""
-        return mamba2(num_heads=2 * self.kv_heads, head_dim=self.head_size, n_groups=self.kv_heads, d_state=16, conv_kernel=4,
-                      dtype=self.dtype, ssm_dtype="float32", conv_layout=conv_layout)
-
-
-def kept_from(kind: GroupKind, num_tokens: int, block_size: int) -> int:
-    """The first token of a group's blocks that an engine keeps for a prompt:
-    the blocks wholly before what decode needs are freed (vLLM makes them
-    null blocks), on both sides."""
-    return kind.first_needed_block_token(num_tokens, block_size)
-
-
-def rank_spec(engine: EngineConfig, model: ModelConfig, tp_rank: int) -> KVCacheSpec:
-    heads = heads_of_rank(tp_rank, engine.tp, model.kv_heads, model.mla)
-    layout = parse_layout(engine.layout)
-    opaque = "span" in layout
-    return KVCacheSpec(
-        block_size=engine.block_size, num_kv_heads=heads.count, head_size=model.head_size, dtype=model.dtype,
-        layout=layout, num_blocks=engine.num_blocks, use_mla=model.mla,
-        span_size=2 * engine.block_size * model.head_size if opaque else 0,
-    )
-
-
-def allocate_engine_caches(engine: EngineConfig, spec: KVCacheSpec, names: list[str]) -> tuple[dict[str, Any], Any]:
-    """The rank's caches in shm, and the dims to register them with: vLLM's CPU
-    attention tensors (K and V as strided parts) for layout CPU, else tensors
-    in the spec's layout order."""
-    from kvd.caches import allocate_cpu_attention_caches, allocate_kv_caches, cpu_attention_parts
-
-    if engine.layout.upper() == "CPU":
-        full = allocate_cpu_attention_caches(spec, names)
-        return {n: cpu_attention_parts(t) for n, t in full.items()}, CPU_ATTENTION_PARTS
-    return dict(allocate_kv_caches(spec, names)), None
-
-
-def stage_layers(model: ModelConfig, pp: int, pp_rank: int) -> list[int]:
-    per = -(-model.layers // pp)
-    return list(range(pp_rank * per, min(model.layers, (pp_rank + 1) * per)))
-
-
-# ---------------------------------------------------------------- worker process
-
-
-def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: ModelConfig, conn: Connection) -> None:
-    """One engine rank: owns its caches in shm, obeys the driver's commands."""
-    import torch
-
-    from kvd.caches import allocate_state_pages, local_group_tensors, release_all
-    from kvd.client import KvdClient
-    from kvd.testing import pattern
-
-    torch.set_num_threads(1)
-    try:
-        try:
-            spec = rank_spec(engine, model, worker.tp_rank)
-            groups = model.groups(stage_layers(model, worker.pp_size, worker.pp_rank))
-            registered, tensors, kinds, specs, coords = [], [], [], [], []
-            dims = None
-            attention_coords = pattern.RankCoords.of(worker.tp_rank, worker.tp_size, model.kv_heads, model.mla)
-            for kind, layers in groups:
-                if kind.is_state:
-                    # One page per Mamba2 layer and block; each of its parts is a group of its own.
-                    state = model.state_shape(engine.conv_layout)
-                    pages = allocate_state_pages([f"model.layers.{i}.mixer" for i in layers], engine.num_blocks, state.page_bytes(worker.tp_size) + 64)
-                    for pspec, caches in state.layer_parts(pages, worker.tp_size):
-                        registered.append((pspec, caches))
-                        tensors.append(local_group_tensors(pspec, caches))
-                        kinds.append(kind)
-                        specs.append(pspec)
-                        coords.append(pattern.RankCoords(worker.tp_rank * pspec.num_kv_heads))
-                    continue
-                caches, dims = allocate_engine_caches(engine, spec, [f"model.layers.{i}.self_attn.attn" for i in layers])
-                registered.append((spec, caches))
-                tensors.append(local_group_tensors(spec, caches, dims=dims))
-                kinds.append(kind)
-                specs.append(spec)
-                coords.append(attention_coords)
-            client = KvdClient(address, worker)
-            client.wait_ready()
-            client.register(registered, ModelInfo(model.layers, model.attention_heads), dims=dims, kinds=kinds)
-            # Every group takes the request's blocks from one pool, each group
-            # its share of them (from the token it keeps on): as in vLLM. A
-            # state group keeps one block, the request's running state.
-            def own(ids: list[int], ntok: int, kind: GroupKind) -> tuple[int, list[int]]:
-                if kind.is_state:
-                    return 0, ids[-1:]
-                first = kept_from(kind, ntok, spec.block_size)
-                return first, ids[first // spec.block_size :]
-        except Exception as e:  # the driver says why this rank could not start
-            conn.send(("error", f"{worker}: {type(e).__name__}: {getattr(e, 'message', e)}"))
-            return
-        conn.send(("ready", None))
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "stop":
-                break
-            try:
-                if cmd == "publish":  # [(rid, seed, block_ids, num_tokens, capability)]
-                    out = []
-                    for rid, seed, ids, ntok, cap in arg:
-                        mine = [own(ids, ntok, kind) for kind in kinds]
-                        for t, c, (first, g_ids) in zip(tensors, coords, mine, strict=True):
-                            pattern.fill(t, seed, g_ids, c, first_token=first)
-                        out.append(client.publish(rid, [g for _, g in mine], ntok, capability=cap,
-                                                  first_tokens=[f for f, _ in mine]).SerializeToString())
-                    conn.send(("ok", out))
-                elif cmd == "pull":  # [(rid, params bytes, local ids)]
-                    from kvd.proto import kvd_pb2 as pb
-
-                    t0 = time.perf_counter()
-                    for rid, raw, ids in arg:
-                        params = pb.TransferParams.FromString(raw)
-                        mine = [own(ids, params.num_tokens, kind) for kind in kinds]
-                        client.pull(rid, params, [g for _, g in mine], first_tokens=[f for f, _ in mine])
-                    done = client.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
-                    elapsed = time.perf_counter() - t0
-                    nbytes = sum(d.bytes for (direction, _), d in done.details.items() if direction == "recving")
-                    failed = {r: d.reason for (direction, r), d in done.details.items() if direction == "recving" and d.outcome != "done"}
-                    conn.send(("ok", (elapsed, nbytes, failed, sorted(done.invalid_block_ids))))
-                elif cmd == "verify":  # [(rid, seed, local ids, num_tokens)]
-                    bad = None
-                    for rid, seed, ids, ntok in arg:
-                        for gi, (t, c, kind) in enumerate(zip(tensors, coords, kinds, strict=True)):
-                            if kind.is_state:  # the running state, every row
-                                m = pattern.mismatch(t, seed, ids[-1:], c, specs[gi].block_size)
-                            else:  # what decode needs of the group, from its first whole block
-                                first = kind.first_needed_block_token(ntok, spec.block_size)
-                                m = pattern.mismatch(t, seed, ids[first // spec.block_size :], c, ntok, first_token=first)
-                            if m is not None:
-                                bad = f"request {rid} on {worker}, group {gi} ({kind}): {m}"
-                                break
-                        if bad:
-                            break
-                    conn.send(("ok", bad))
-                elif cmd == "finished":
-                    f = client.get_finished()
-                    conn.send(("ok", (sorted(f.finished_sending), sorted(f.finished_recving))))
-            except Exception as e:
-                conn.send(("error", f"{type(e).__name__}: {e}"))
-        client.close()
-    except (BrokenPipeError, EOFError):
-        pass  # the driver is gone (or gave up on us): nobody to answer
-    finally:
-        release_all()
-
+from kvd.core.spec import WorkerId
+from kvd.tools.demo_worker import EngineConfig, ModelConfig, worker_main
 
 # ---------------------------------------------------------------- driver
 
@@ -342,6 +148,7 @@ def run_demo(args: argparse.Namespace) -> int:
         transfer_s = 0.0
         failures: dict[str, str] = {}
         first_mismatch: str | None = None
+        after_prefill_s: list[float] = []  # per batch: from prefill's last layer to decode holding it all
         done = 0
         t_start = time.perf_counter()
         while done < args.requests:
@@ -360,9 +167,13 @@ def run_demo(args: argparse.Namespace) -> int:
                 batch.append((rid, rng.randrange(1 << 20), ntok, p_ids, d_ids, secrets.token_bytes(32)))
             if not batch:
                 raise SystemExit("the block pools are too small for one request; raise --num-blocks")
-            published = _call(sides["prefill"], "publish", [[(rid, seed, p, n, cap) for rid, seed, n, p, _d, cap in batch]] * len(sides["prefill"]))
-            params = published[0]
-            results = _call(sides["decode"], "pull", [[(b[0], params[i], b[4]) for i, b in enumerate(batch)]] * len(sides["decode"]))
+            reqs = [(rid, seed, p, n, cap) for rid, seed, n, p, _d, cap in batch]
+            if args.stream or args.layer_ms:
+                results, computed = prefill_and_pull(sides, reqs, [b[4] for b in batch], args.layer_ms / 1000, args.stream)
+                after_prefill_s.append(max(r[4] for r in results) - computed)
+            else:
+                params = _call(sides["prefill"], "publish", [reqs] * len(sides["prefill"]))[0]
+                results = _call(sides["decode"], "pull", [[(b[0], params[i], b[4]) for i, b in enumerate(batch)]] * len(sides["decode"]))
             transfer_s += max(r[0] for r in results)
             total_bytes += sum(r[1] for r in results)
             for r in results:
@@ -395,6 +206,10 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"  bytes          {total_bytes / 1e6:.1f} MB")
         say(f"  throughput     {gbps:.2f} GB/s (bytes / time from pull to finished_recving)")
         say(f"  wall time      {wall:.1f} s (including filling and verifying)")
+        if after_prefill_s:
+            say(f"  after prefill  {1e3 * sum(after_prefill_s) / len(after_prefill_s):.1f} ms a batch on average, worst {1e3 * max(after_prefill_s):.1f} ms "
+                f"(from prefill's last layer, {args.layer_ms:g} ms each, to decode holding every byte: what the transfer adds to TTFT; "
+                f"{'streamed layer by layer' if args.stream else 'pulled after prefill'})")
         say(f"  failures       {len(failures)}" + (f" (first: {next(iter(failures.values()))})" if failures else ""))
         say(f"  finished_sending reported by all {len(sent)} prefill ranks for {len(sent_everywhere)} of {args.requests} requests")
         ok = first_mismatch is None and not failures and len(sent_everywhere) >= args.requests
@@ -423,6 +238,29 @@ def run_demo(args: argparse.Namespace) -> int:
         for p in daemons.procs:
             if p.poll() is None:
                 p.kill()
+
+
+def prefill_and_pull(sides: dict[str, list[Connection]], reqs: Sequence[Any], decode_ids: Sequence[list[int]], layer_s: float,
+                     stream: bool) -> tuple[list[Any], float]:
+    """Prefill computes ``reqs`` layer by layer while (``stream``) or
+    before (pull mode) decode pulls them. Returns decode's results and when
+    prefill's last layer was done."""
+    prefill, decode = sides["prefill"], sides["decode"]
+
+    def answer(c: Connection) -> Any:
+        status, value = c.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    for c in prefill:
+        c.send(("prefill", (reqs, layer_s, stream)))
+    published = [answer(c) for c in prefill]  # every rank's (the same request params)
+    params = published[0]
+    for c in decode:
+        c.send(("pull", [(r[0], params[i], ids) for i, (r, ids) in enumerate(zip(reqs, decode_ids, strict=True))]))
+    computed = max(answer(c) for c in prefill)
+    return [answer(c) for c in decode], computed
 
 
 def _progress(done: int, total: int, nbytes: int, seconds: float) -> None:
@@ -463,6 +301,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-address", default="", help="use this running prefill daemon (engine id 'prefill') instead of starting one")
     p.add_argument("--decode-address", default="", help="use this running decode daemon (engine id 'decode') instead of starting one")
+    p.add_argument("--stream", action="store_true",
+                   help="layer-wise streaming: prefill publishes first and each layer crosses once saved, while the next computes")
+    p.add_argument("--layer-ms", type=float, default=0.0,
+                   help="simulate prefill compute: this many ms a layer (with --stream, or alone for pull mode after it)")
     p.add_argument("--transport", choices=["tcp", "samehost", "nixl"], default="tcp",
                    help="tcp: the cross-host data plane over loopback; samehost: direct copies between mapped regions; "
                         "nixl: NIXL/UCX moves the bytes (pip install 'kvd[nixl]')")
