@@ -377,3 +377,45 @@ class FinishedFeed:
 
 def _block_ids(block_ids: Sequence[Sequence[int]], first_tokens: Sequence[int]) -> list[pb.BlockIds]:
     return [pb.BlockIds(ids=list(b), first_token=first_tokens[g] if g < len(first_tokens) else 0) for g, b in enumerate(block_ids)]
+
+
+class LayerSaver:
+    """Layer-wise streaming from inside an engine's forward: says each layer
+    saved (``KvdClient.layers_saved``) from its own thread, in order, once
+    the device has written it (a CUDA event recorded on the compute stream
+    when the layer's tensor is on a GPU), so the forward never waits on
+    the daemon or the device."""
+
+    def __init__(self, client: KvdClient, num_layers: int) -> None:
+        import queue
+
+        self.client, self.num_layers = client, num_layers
+        self.error: KvdError | None = None  # the last refusal, for the engine's log
+        self._queue: queue.SimpleQueue[tuple[list[str], int, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvd-layer-saver", daemon=True)
+        self._thread.start()
+
+    def saved(self, names: Sequence[str], layers_saved: int, tensor: Any = None) -> None:
+        """Every layer below ``layers_saved`` of ``names`` is written, or will
+        be once the device reaches this point of ``tensor``'s stream."""
+        event = None
+        if getattr(tensor, "is_cuda", False):
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        self._queue.put((list(names), layers_saved, event))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            names, upto, event = item
+            if event is not None:
+                event.synchronize()
+            try:
+                self.client.layers_saved(names, upto)
+            except KvdError as e:  # an earlier save was refused; its read fails at layer_wait_seconds
+                self.error = e
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)

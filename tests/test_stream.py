@@ -139,3 +139,34 @@ def test_refused_layers_saved_names_the_request(daemons):
     time.sleep(0.5)
     with pytest.raises(KvdError, match="request_ids"):
         pw.client.flush_saves()
+
+
+def test_pull_dispatched_before_prefill_published_resolves_its_blocks(daemons):
+    """As ``kvd proxy --prefill-kvd`` dispatches: D's pull names only P's
+    daemon, the request and a capability the proxy picked; P publishes
+    later, under that capability, and its blocks reach D through Resolve."""
+    import secrets
+    import threading
+
+    from kvd.proto import kvd_pb2 as pb
+
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    cap = secrets.token_bytes(32)
+    p_ids, d_ids = IDS, [i + 100 for i in IDS[:100]] + list(range(2, 30))  # D's own, other blocks
+    params = pb.TransferParams(remote_engine_id="prefill", remote_address=p.grpc, request_id="r", capability=cap, num_tokens=NTOK - 1,
+                               block_ids=[pb.BlockIds()], stream=True)
+    pw.fill(99, p_ids)
+
+    def prefill() -> None:
+        time.sleep(0.3)
+        pw.client.publish("r", [p_ids], NTOK, capability=cap, stream=True)
+        compute(pw, 7, range(8))
+
+    t = threading.Thread(target=prefill)
+    t.start()
+    dw.client.pull("r", params, [d_ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    t.join()
+    assert f.details[("recving", "r")].outcome == "done", f.details
+    assert dw.mismatch(7, d_ids, NTOK - 1) is None

@@ -54,7 +54,8 @@ def model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 # Longer than one block, of different lengths and block counts; the last is the negative control's.
-PROMPTS = [[(7 * i + 3 * j) % 997 + 3 for j in range(n)] for i, n in enumerate((300, 200, 129, 260))]
+# The OpenAI-server tests each use prompts decode has not seen: 0-1, 2-3, then 4-5 streamed.
+PROMPTS = [[(7 * i + 3 * j) % 997 + 3 for j in range(n)] for i, n in enumerate((300, 200, 129, 260, 280, 150))]
 
 
 def _env() -> dict[str, str]:
@@ -291,6 +292,7 @@ class OpenAIPD:
     decode: Server
     d_metrics: str
     p_grpc: str
+    p_metrics: str
     procs: list[subprocess.Popen]
 
     def proxy(self, cmd: list[str], log: Path) -> str:
@@ -317,7 +319,7 @@ def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
             procs.append(servers[name].proc)
         for s in servers.values():
             _wait_http(f"{s.url}/health", s.proc, 300, s.log)
-        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, procs)
+        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs)
     finally:
         for proc in procs:
             _kill_group(proc)
@@ -346,6 +348,20 @@ def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, 
         assert _complete(url, model_dir, prompt) == expected
     moved = _received_bytes(openai_pd.d_metrics) - before
     assert moved == sum(_blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+
+
+def test_streamed_layer_by_layer_through_kvd_proxy_matches_one_engine(openai_pd, model_dir, baseline, tmp_path):
+    """``kvd proxy --prefill-kvd``: P and D get each request at once. P
+    publishes before its forward and says each layer saved as vLLM computes
+    it (``save_kv_layer``); D's daemon reads each layer as it is saved."""
+    url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy", "--prefill-kvd", openai_pd.p_grpc], tmp_path / "stream-proxy.log")
+    before = _received_bytes(openai_pd.d_metrics)
+    saves = scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total")
+    for prompt, expected in zip(PROMPTS[4:6], baseline[4:6], strict=True):
+        assert _complete(url, model_dir, prompt) == expected
+    # D loaded every prompt through kvd, and P saved each request one layer at a time, during its forward.
+    assert _received_bytes(openai_pd.d_metrics) - before == sum(_blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total") - saves == 2 * LAYERS
 
 
 def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_python, model_dir, baseline, tmp_path):

@@ -8,10 +8,12 @@ from kvd.core.errors import InvalidArgument
 from kvd.integrations.kv_params import (
     GroupBlocks,
     Publication,
+    check_params,
     group_blocks,
     is_kvd_load,
     load_request,
     make_params,
+    stream_params,
 )
 from kvd.integrations.pd_proxy import decode_request, prefill_request
 
@@ -118,3 +120,18 @@ def test_release_params_name_the_publication():
 
     r = release_params(_params())
     assert (r.remote_engine_id, r.request_id, r.remote_address, r.capability) == ("prefill", "cmpl-1-abcd", "10.0.0.7:50051", bytes(range(32)))
+
+
+def test_streamed_params_leave_p_blocks_to_the_publication_and_load_all_but_the_last_token():
+    cap = bytes(range(32))
+    p, d = stream_params(name="kvd-1", capability=cap, engine_id="prefill", address="10.0.0.1:50051")
+    assert p["kvd_publish_as"] == "kvd-1" and p["do_remote_decode"] and p["kvd_capability"] == cap.hex()
+    assert is_kvd_load(d) and d["remote_request_id"] == "kvd-1"
+    check_params(d)
+    # Two groups, the second a state group: P's blocks are resolved later (none here), D's own are given.
+    load = load_request("d-req", d, [GroupBlocks(0, (5, 6, 7)), GroupBlocks(0, (9,))], [16, 1], state=[False, True], prompt_tokens=40)
+    t = load.params
+    assert t.stream and t.num_tokens == 39 and t.request_id == "kvd-1" and t.capability == cap and t.remote_address == "10.0.0.1:50051"
+    assert [list(b.ids) for b in t.block_ids] == [[], []] and load.local_block_ids == ((5, 6, 7), (9,))
+    with pytest.raises(InvalidArgument, match="remote_num_tokens"):
+        load_request("d-req", d, [GroupBlocks(0, (5,))], [16], prompt_tokens=1)  # nothing to load but the last token

@@ -139,7 +139,13 @@ class Publisher:
             self._resolves -= 1
             if not self._resolves:
                 self._published.clear()
-        return pb.ResolveResponse(generation=pub.generation, epoch=d.epoch, ranks_published=len(pub.masks))
+        with self.lock:
+            # Every rank of an engine publishes the same block ids (one block table).
+            ids = pub.block_ids[min(pub.block_ids)] if pub.block_ids else []
+            firsts = pub.first_tokens or (0,) * len(ids)
+            blocks = [pb.BlockIds(ids=g.tolist(), first_token=f) for g, f in zip(ids, firsts, strict=True)]
+        return pb.ResolveResponse(generation=pub.generation, epoch=d.epoch, ranks_published=len(pub.masks), block_ids=blocks,
+                                  num_tokens=pub.num_tokens, stream=pub.stream)
 
     def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
         check_request_id("request_id", req.request_id)

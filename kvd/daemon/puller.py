@@ -298,6 +298,10 @@ class Puller:
         params.generation = resp.generation
         if not params.remote_epoch:
             params.remote_epoch = resp.epoch
+        if not any(b.ids for b in params.block_ids):
+            # Params made before P allocated (dispatched to P and D at once): its blocks come from the publication.
+            del params.block_ids[:]
+            params.block_ids.extend(resp.block_ids)
 
     # ------------------------------------------------------------ replicas
 

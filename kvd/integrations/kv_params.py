@@ -47,6 +47,7 @@ class Publication:
     capability: bytes
     lease_seconds: float
     first_tokens: tuple[int, ...] = ()
+    stream: bool = False  # published before the step computes it; its layers are saved as they are
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,20 @@ def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int,
     }
 
 
+def stream_params(*, name: str, capability: bytes, engine_id: str, address: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Layer-wise streaming, dispatched to P and D at once (``kvd proxy
+    --prefill-kvd``): P's params (publish under ``name`` and ``capability``
+    as the prompt is computed) and D's (pull it from P's daemon at
+    ``address`` as it streams; P's blocks come from its publication)."""
+    host, _, port = address.rpartition(":")
+    prefill = {"do_remote_decode": True, "do_remote_prefill": False, "kvd_stream": True, "kvd_publish_as": name,
+               "kvd_capability": capability.hex()}
+    decode = {"do_remote_prefill": True, "do_remote_decode": False, "kvd_stream": True, "remote_engine_id": engine_id,
+              "remote_request_id": name, "remote_block_ids": None, "remote_host": host, "remote_port": int(port),
+              "kvd_capability": capability.hex()}
+    return prefill, decode
+
+
 def is_kvd_load(params: Mapping[str, Any] | None) -> bool:
     return params is not None and bool(params.get("do_remote_prefill")) and "kvd_capability" in params
 
@@ -94,6 +109,9 @@ def release_params(params: Mapping[str, Any]) -> pb.TransferParams:
 
 def check_params(params: Mapping[str, Any]) -> None:
     """Raise InvalidArgument naming what makes ``params`` unusable (no side effects)."""
+    if params.get("kvd_stream"):
+        load_request("check", params, [GroupBlocks(0, (1,))], [1], prompt_tokens=2)
+        return
     groups = params.get("remote_block_ids")
     if not isinstance(groups, list) or not groups:
         raise InvalidArgument("remote_block_ids", groups, "must be a non-empty list of per-group block id lists")
@@ -114,9 +132,14 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
     loaded token are read into; a group whose blocks start after it (a
     chunk that starts at the last token) loads nothing.
     """
+    stream = bool(params.get("kvd_stream"))
+    remote: list[list[int]]
     try:
-        remote = [list(map(int, g)) for g in params["remote_block_ids"]]
-        num_tokens = int(params["remote_num_tokens"])
+        if stream:
+            # Dispatched with P: its blocks and tokens are its publication's (D's daemon resolves them).
+            remote, num_tokens = [[] for _ in local], prompt_tokens
+        else:
+            remote, num_tokens = [list(map(int, g)) for g in params["remote_block_ids"]], int(params["remote_num_tokens"])
         firsts = [int(x) for x in params.get("kvd_first_tokens", [0] * len(remote))]
         capability = bytes.fromhex(str(params["kvd_capability"]))
         address = f"{params['remote_host']}:{int(params['remote_port'])}"
@@ -141,7 +164,7 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
     firsts_local: list[int] = []
     for g, (mine, bs) in enumerate(zip(local, block_sizes, strict=True)):
         if g < len(state) and state[g]:
-            if not mine.ids or len(remote[g]) != 1:
+            if not mine.ids or len(remote[g]) != (0 if stream else 1):
                 raise InvalidArgument(f"remote_block_ids[{g}]", remote[g], f"and the local {list(mine.ids)} must each be one state block")
             ids.append(mine.ids[-1:])
             firsts_local.append(0)
@@ -155,6 +178,6 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
         block_ids=[pb.BlockIds(ids=r, first_token=f) for r, f in zip(remote, firsts, strict=True)], num_tokens=loaded,
         remote_tp_size=int(params.get("tp_size", 1)), remote_pp_size=int(params.get("pp_size", 1)),
-        lease_seconds=float(params.get("kvd_lease_seconds", 0.0)),
+        lease_seconds=float(params.get("kvd_lease_seconds", 0.0)), stream=stream,
     )
     return LoadRequest(request_id, tuple(ids), tp, tuple(firsts_local))

@@ -8,6 +8,12 @@ returned, and relays the decode's answer (streamed if the client asked).
     kvd proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 Several ``--prefill``/``--decode`` servers are used round-robin.
+
+With ``--prefill-kvd`` (each prefill server's kvd daemon, in the same order)
+requests stream layer by layer: the proxy names the publication and picks
+its capability, and sends the request to prefill and decode at once. P
+publishes before it computes and saves each layer as it goes; D's daemon
+reads each layer as it is saved, so the transfer overlaps the prefill.
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ import http.client
 import itertools
 import json
 import logging
+import secrets
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
+
+from kvd.integrations.kv_params import stream_params
 
 log = logging.getLogger("kvd.proxy")
 
@@ -72,10 +81,15 @@ def decode_request(body: dict[str, Any], prefill_response: dict[str, Any]) -> di
 
 
 class Proxy:
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout: float = 600.0) -> None:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout: float = 600.0, prefill_kvd: Sequence[str] = ()) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one --prefill and one --decode server")
+        if prefill_kvd and len(prefill_kvd) != len(prefill):
+            raise ValueError(f"--prefill-kvd gives {len(prefill_kvd)} daemons for {len(prefill)} --prefill servers: one each, in order")
         self.prefill = [Upstream(u, timeout) for u in prefill]
+        # Layer-wise streaming: each prefill server's daemon, and its engine id (asked once).
+        self.kvd = dict(zip(self.prefill, prefill_kvd, strict=False))
+        self._engine_ids: dict[str, str] = {}
         self.decode = [Upstream(u, timeout) for u in decode]
         self._p = itertools.cycle(self.prefill)
         self._d = itertools.cycle(self.decode)
@@ -84,6 +98,18 @@ class Proxy:
     def pick(self) -> tuple[Upstream, Upstream]:
         with self._lock:
             return next(self._p), next(self._d)
+
+    def stream_params(self, p: Upstream) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """P's and D's params for one streamed request (None: not streaming)."""
+        address = self.kvd.get(p)
+        if address is None:
+            return None
+        if address not in self._engine_ids:
+            from kvd.client import daemon_status
+
+            self._engine_ids[address] = daemon_status(address).engine_id
+        return stream_params(name=f"kvd-{uuid.uuid4().hex}", capability=secrets.token_bytes(32), engine_id=self._engine_ids[address],
+                             address=address)
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -130,16 +156,28 @@ class Proxy:
                 if self.headers.get("Authorization"):
                     headers["Authorization"] = self.headers["Authorization"]
                 try:
-                    presp = p.post(self.path, prefill_request(body), headers)
-                    pbody = presp.read()
-                except OSError as e:
-                    self._error(502, f"prefill server {p.url}: {e}")
+                    streamed = proxy.stream_params(p)
+                except Exception as e:
+                    self._error(502, f"prefill daemon {proxy.kvd.get(p)}: {e}")
                     return
-                if presp.status != 200:
-                    self._reply(presp.status, pbody, presp.getheader("Content-Type", "application/json"))
-                    return
+                if streamed is not None:
+                    # Both at once: D's pull reads each layer as P saves it.
+                    threading.Thread(target=_prefill_only, args=(p, self.path, {**prefill_request(body), "kv_transfer_params": streamed[0]}, headers),
+                                     daemon=True).start()
+                    dbody = {**body, "kv_transfer_params": streamed[1]}
+                else:
+                    try:
+                        presp = p.post(self.path, prefill_request(body), headers)
+                        pbody = presp.read()
+                    except OSError as e:
+                        self._error(502, f"prefill server {p.url}: {e}")
+                        return
+                    if presp.status != 200:
+                        self._reply(presp.status, pbody, presp.getheader("Content-Type", "application/json"))
+                        return
+                    dbody = decode_request(body, json.loads(pbody))
                 try:
-                    dresp = d.post(self.path, decode_request(body, json.loads(pbody)), headers)
+                    dresp = d.post(self.path, dbody, headers)
                 except OSError as e:
                     self._error(502, f"decode server {d.url}: {e}")
                     return
@@ -158,6 +196,18 @@ class Proxy:
         return Handler
 
 
+def _prefill_only(p: Upstream, path: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    """A streamed request's prefill half: its answer is not relayed (decode's
+    load fails, and decode computes the prompt itself, if it never publishes)."""
+    try:
+        resp = p.post(path, body, headers)
+        text = resp.read()
+        if resp.status != 200:
+            log.warning("prefill server %s answered %s for a streamed request: %s", p.url, resp.status, text[:300])
+    except OSError as e:
+        log.warning("prefill server %s: %s (decode computes the prompt itself)", p.url, e)
+
+
 def _chunks(resp: http.client.HTTPResponse) -> Iterator[bytes]:
     while True:
         chunk = resp.read1(65536)
@@ -169,12 +219,14 @@ def _chunks(resp: http.client.HTTPResponse) -> Iterator[bytes]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", required=True, help="prefill server base URL, e.g. http://127.0.0.1:8100 (repeatable)")
     p.add_argument("--decode", action="append", required=True, help="decode server base URL (repeatable)")
+    p.add_argument("--prefill-kvd", action="append", default=[],
+                   help="each --prefill server's kvd daemon (host:port, in order): stream layer by layer, sending to prefill and decode at once")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
 
 
 def serve(args: argparse.Namespace) -> int:
-    proxy = Proxy(args.prefill, args.decode)
+    proxy = Proxy(args.prefill, args.decode, prefill_kvd=args.prefill_kvd)
     server = ThreadingHTTPServer((args.host, args.port), proxy.handler())
     server.daemon_threads = True
     print(f"kvd proxy on http://{args.host}:{server.server_address[1]}: prefill {', '.join(args.prefill)} -> decode {', '.join(args.decode)}", flush=True)

@@ -67,10 +67,12 @@ from kvd.client import (
     VLLM_NHD_DIMS,
     FinishedFeed,
     KvdClient,
+    LayerSaver,
     daemon_status,
     infer_spec_from_tensors,
 )
 from kvd.errors import KvdError
+from kvd.integrations.kv_params import Publication
 from kvd.integrations.vllm_caches import (
     cpu_cache_registration,
     layer_groups,
@@ -122,7 +124,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -151,6 +153,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvdConnectorMetadata):
+            # Before the forward: what streams must be published before its first layer is saved.
+            self._worker.publish_streams(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -163,11 +171,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        # The daemon reads the registered cache in place; nothing is saved.
-        return
+        # The daemon reads the registered cache in place; nothing is copied.
+        # A streaming prefill says the layer is saved, without waiting.
+        if self._worker is not None:
+            self._worker.layer_saved(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
@@ -207,6 +218,10 @@ class _WorkerSide:
         # publications and pulls are gone, and vLLM must hear so, not wait.
         self._sending: set[str] = set()
         self._loading: dict[str, set[int]] = {}
+        # A publication named other than its request (streamed: the proxy named it) -> the request.
+        self._names: dict[str, str] = {}
+        self._streaming: list[str] = []  # names whose layers this step's forward saves
+        self.saver: LayerSaver | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         request_amx_permission()
@@ -251,24 +266,52 @@ class _WorkerSide:
         resp = client.register(groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
         self.client = client
         self.feed = FinishedFeed(client).start()
+        self.saver = LayerSaver(client, model.num_layers)
         for kind, (spec, layer_caches) in zip(kinds, groups, strict=True):
             log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d %s (layer order %s)", worker, self.settings.address,
                      kind, len(layer_caches), spec.num_blocks, spec.block_size, "state rows" if kind.is_state else "tokens",
                      [layer_index_of(n, i) for i, n in enumerate(layer_caches)][:4])
         log.info("kvd: %.1f MiB registered", resp.registered_bytes / 2**20)
 
+    def publish_streams(self, meta: KvdConnectorMetadata) -> None:
+        """Publish this step's streaming requests before its forward saves their first layer."""
+        self._streaming = [pub.request_id for rid, pub in meta.to_publish.items() if pub.stream and self._publish(rid, pub)]
+
+    def _publish(self, rid: str, pub: Publication) -> bool:
+        assert self.client is not None
+        try:
+            self.client.publish(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
+                                first_tokens=pub.first_tokens, stream=pub.stream)
+            self._sending.add(rid)
+            if pub.request_id != rid:
+                self._names[pub.request_id] = rid
+            return True
+        except KvdError as e:
+            log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
+            self._done_sending.add(rid)
+            return False
+
+    def layer_saved(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if self._streaming and self.saver is not None:
+            self.saver.saved(self._streaming, layer_index_of(layer_name, 0) + 1, kv_layer)
+
+    def step_saved(self) -> None:
+        """The forward is over: every layer of this step's streams is written (state layers too, which save no layer)."""
+        if self._streaming and self.saver is not None:
+            self.saver.saved(self._streaming, self.saver.num_layers, None)
+        self._streaming = []
+
     def start(self, meta: KvdConnectorMetadata) -> None:
         client = self.client
         if client is None:
             return
         for rid, pub in meta.to_publish.items():
-            try:
-                client.publish(rid, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
-                               first_tokens=pub.first_tokens)
-                self._sending.add(rid)
-            except KvdError as e:
-                log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
-                self._done_sending.add(rid)
+            if not pub.stream:  # streams were published before the forward
+                self._publish(rid, pub)
+        for rid, name in meta.to_end.items():
+            with contextlib.suppress(KvdError):  # gone already: its end was reported
+                client.abort(name)
+            log.info("kvd: request %s ended before its streamed prefill did: publication %s ended", rid, name)
         for rid, release in meta.to_release.items():
             try:
                 client.abort(rid, release=release)
@@ -299,6 +342,8 @@ class _WorkerSide:
             # The error first: everything the feed received before it failed is then in this take.
             error = self.feed.error
             f = self.feed.take()
+            # Streamed publications were named by the proxy: vLLM knows their requests.
+            f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending}
             self._sending -= f.finished_sending
             for rid in f.finished_recving:
                 self._loading.pop(rid, None)
@@ -332,6 +377,8 @@ class _WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
         if self.feed is not None:
             self.feed.close()  # first: unregistering ends the stream, which is no failure here
             self.feed = None

@@ -57,6 +57,8 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Publications D will not read (it holds the whole prompt already): P may free them now.
     to_release: dict[str, pb.TransferParams] = field(default_factory=dict)
+    # Streamed publications whose request ended before its prefill did (aborted): by request id, their names.
+    to_end: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,11 @@ class SchedulerSide:
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._to_release: dict[str, pb.TransferParams] = {}
+        self._to_end: dict[str, str] = {}
+        # Layer-wise streaming on P: requests allocated this step, and those
+        # published to stream (by request id, their publication's name).
+        self._stream_pending: dict[str, tuple[Request, KVCacheBlocks]] = {}
+        self._streamed: dict[str, str] = {}
 
     def expand(self, per_group: Sequence[T]) -> tuple[T, ...]:
         """Per vLLM group -> per kvd group: each state part carries its group's entry."""
@@ -174,6 +181,9 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("kvd_stream"):
+            self._stream_pending[request.request_id] = (request, blocks)  # published if this step computes its whole prompt
+            return
         if not is_kvd_load(params):
             return
         assert params is not None
@@ -196,13 +206,32 @@ class SchedulerSide:
         # One load per request, even if vLLM calls this again after the load.
         params["do_remote_prefill"] = False
 
-    def build_connector_meta(self) -> KvdConnectorMetadata:
-        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release)
-        self._to_publish, self._to_load, self._failed_loads, self._to_release = {}, {}, {}, {}
+    def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
+        # A streaming request whose whole prompt this step computes is
+        # published now, before the step: its workers say each layer saved
+        # as the forward computes it. One computed in several chunks is
+        # published when it finishes, as in pull mode (its layers are saved
+        # only by the last chunk, which the workers cannot tell apart).
+        for rid, (request, blocks) in self._stream_pending.items():
+            scheduled = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
+            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+                pub = self._publication(request, tuple(blocks.get_block_ids()), request.num_prompt_tokens, stream=True)
+                if pub is not None:
+                    self._to_publish[rid] = pub
+                    self._streamed[rid] = pub.request_id
+        self._stream_pending.clear()
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end)
+        self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end = {}, {}, {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        name = self._streamed.pop(request.request_id, None)
+        if name is not None:
+            # Published before its prefill: hold the blocks until finished_sending, whatever happened.
+            if request.status not in _PREFILL_DONE:
+                self._to_end[request.request_id] = name  # aborted: its worker ends the publication, which frees them
+            return True, None
         if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not any(block_ids):
             return False, None
         try:
@@ -211,8 +240,19 @@ class SchedulerSide:
             # No daemon, no transfer: free the blocks now; D will find nothing to load.
             log.error("kvd: daemon at %s unreachable, request %s is not offered to decode: %s", self.settings.address, request.request_id, e.message)
             return False, None
-        num_tokens = min([int(request.num_computed_tokens),
-                          *(len(ids) * bs for ids, bs, st in zip(block_ids, self.block_sizes, self.state, strict=True) if not st)])
+        pub = self._publication(request, block_ids, int(request.num_computed_tokens), stream=False)
+        if pub is None:
+            return False, None
+        self._to_publish[request.request_id] = pub
+        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
+                          block_size=self.block_size)
+        # Keep P's blocks until its daemon reports the request in finished_sending.
+        return True, out
+
+    def _publication(self, request: Request, block_ids: Sequence[Sequence[int]], computed: int, *, stream: bool) -> Publication | None:
+        """What P's workers publish of ``request`` (None: nothing decode could load)."""
+        params = request.kv_transfer_params or {}
+        num_tokens = min([computed, *(len(ids) * bs for ids, bs, st in zip(block_ids, self.block_sizes, self.state, strict=True) if not st)])
         # Each group from its first real block: a window's null blocks hold nothing; a state group its running state.
         groups = [_state_block(ids, n) if st else group_blocks(ids, bs, num_tokens)
                   for ids, bs, st, n in zip(block_ids, self.block_sizes, self.state, self.scratch, strict=True)]
@@ -221,14 +261,11 @@ class SchedulerSide:
             # ends): decode could not load it, so it computes the prompt itself.
             log.info("kvd: request %s keeps no block of KV cache group %d: not offered to decode", request.request_id,
                      next(i for i, g in enumerate(groups) if not g.ids))
-            return False, None
+            return None
         # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
         lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
         groups_out = self.expand(groups)
-        pub = Publication(request.request_id, tuple(g.ids for g in groups_out), num_tokens, secrets.token_bytes(32), lease,
-                          tuple(g.first_token for g in groups_out))
-        self._to_publish[request.request_id] = pub
-        out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
-                          block_size=self.block_size)
-        # Keep P's blocks until its daemon reports the request in finished_sending.
-        return True, out
+        # Dispatched to P and D at once, the proxy named the publication and picked its capability.
+        name = str(params.get("kvd_publish_as") or request.request_id)
+        capability = bytes.fromhex(str(params["kvd_capability"])) if params.get("kvd_publish_as") else secrets.token_bytes(32)
+        return Publication(name, tuple(g.ids for g in groups_out), num_tokens, capability, lease, tuple(g.first_token for g in groups_out), stream)
