@@ -169,11 +169,11 @@ class KvdClient:
         waiting (prefill must never wait on the network); a call the daemon
         refused raises from a later one, or from ``flush_saves``."""
         req = pb.LayersSavedRequest(worker=self._wid, request_ids=list(request_ids), layers_saved=layers_saved)
-        self._check_saves(block=False)
         if wait:
             self._call(self._worker.LayersSaved, req)
         else:
             self._saves.append(self._worker.LayersSaved.future(req, timeout=self.timeout, metadata=self._metadata()))
+        self._check_saves(block=False)  # after sending: an earlier refusal must not lose this save
 
     def flush_saves(self) -> None:
         """Wait for every ``layers_saved`` sent so far; raise the first refusal."""
@@ -386,20 +386,21 @@ class LayerSaver:
     when the layer's tensor is on a GPU), so the forward never waits on
     the daemon or the device."""
 
-    def __init__(self, client: KvdClient, num_layers: int) -> None:
+    def __init__(self, client: KvdClient, num_layers: int, *, cuda: bool = False) -> None:
         import queue
 
-        self.client, self.num_layers = client, num_layers
+        # cuda: the caches are on a GPU; each save waits for the compute stream to get there.
+        self.client, self.num_layers, self.cuda = client, num_layers, cuda
         self.error: KvdError | None = None  # the last refusal, for the engine's log
         self._queue: queue.SimpleQueue[tuple[list[str], int, Any] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvd-layer-saver", daemon=True)
         self._thread.start()
 
-    def saved(self, names: Sequence[str], layers_saved: int, tensor: Any = None) -> None:
-        """Every layer below ``layers_saved`` of ``names`` is written, or will
-        be once the device reaches this point of ``tensor``'s stream."""
+    def saved(self, names: Sequence[str], layers_saved: int) -> None:
+        """Every layer below ``layers_saved`` of ``names`` is written, or (on
+        a GPU) will be once the current stream reaches this point."""
         event = None
-        if getattr(tensor, "is_cuda", False):
+        if self.cuda:
             import torch
 
             event = torch.cuda.Event()

@@ -64,7 +64,8 @@ class DaemonConfig:
     publish_wait_seconds: float = 10.0
     # Layer-wise streaming: how long a read of a streaming publication waits
     # for prefill to save its next layer (its worker died, or stalled) before
-    # it fails; readers allow this on top of stall_timeout_seconds.
+    # it fails. A streaming pull as a whole (prefill's compute included) is
+    # bounded by pull_timeout_seconds.
     layer_wait_seconds: float = 30.0
     max_pending_resolves: int = 1024
     # Data plane backend: tcp (kvd's own), or nixl (NIXL/UCX moves the bytes;

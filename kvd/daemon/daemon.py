@@ -129,7 +129,7 @@ class Daemon:
                                          nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
         self.data_client = TcpDataClient(Hello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer, copy_threads=config.copy_threads,
-                                         stall_timeout_s=config.stall_timeout_seconds, layer_wait_s=config.layer_wait_seconds, on_relayout=self.metrics.relayout_seconds.inc,
+                                         stall_timeout_s=config.stall_timeout_seconds, stream_wait_s=config.pull_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
                                          tls=self.auth.data_plane_context(server=False), nixl=self.nixl)
 
     def _nixl_agent(self, config: DaemonConfig) -> NixlAgent | None:

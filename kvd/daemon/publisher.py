@@ -186,9 +186,10 @@ class Publisher:
             await asyncio.sleep(0.5)
 
     def report(self, ended: list[Ended]) -> None:
-        if ended:
-            with self.lock:  # a read waiting for a layer of what ended fails now
-                self.saved.notify_all()
+        # A read waiting for a layer of what ended fails now: also when the
+        # end is held back by a pin (then ``ended`` is empty).
+        with self.lock:
+            self.saved.notify_all()
         for e in ended:
             self.d.report_sending(e)
         self.d.metrics.leases_held.set(len(self.publications))

@@ -302,6 +302,7 @@ class Puller:
             # Params made before P allocated (dispatched to P and D at once): its blocks come from the publication.
             del params.block_ids[:]
             params.block_ids.extend(resp.block_ids)
+            params.num_tokens = min(params.num_tokens, resp.num_tokens)  # all decode wants, if prefill holds it
 
     # ------------------------------------------------------------ replicas
 

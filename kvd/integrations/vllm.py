@@ -133,6 +133,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def has_pending_block_frees(self) -> bool:
+        # While a streamed request runs, vLLM waits for blocks rather than
+        # preempting one (its blocks may be being read); it finishes within a step or two.
+        return self._scheduler is not None and self._scheduler.has_streams
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # A load restores the request's own blocks in every group.
         assert self._scheduler is not None
@@ -174,7 +179,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         # The daemon reads the registered cache in place; nothing is copied.
         # A streaming prefill says the layer is saved, without waiting.
         if self._worker is not None:
-            self._worker.layer_saved(layer_name, kv_layer)
+            self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         if self._worker is not None:
@@ -266,7 +271,7 @@ class _WorkerSide:
         resp = client.register(groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
         self.client = client
         self.feed = FinishedFeed(client).start()
-        self.saver = LayerSaver(client, model.num_layers)
+        self.saver = LayerSaver(client, model.num_layers, cuda=on_gpu)
         for kind, (spec, layer_caches) in zip(kinds, groups, strict=True):
             log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d %s (layer order %s)", worker, self.settings.address,
                      kind, len(layer_caches), spec.num_blocks, spec.block_size, "state rows" if kind.is_state else "tokens",
@@ -274,7 +279,18 @@ class _WorkerSide:
         log.info("kvd: %.1f MiB registered", resp.registered_bytes / 2**20)
 
     def publish_streams(self, meta: KvdConnectorMetadata) -> None:
-        """Publish this step's streaming requests before its forward saves their first layer."""
+        """Before the forward: end the streams whose requests ended (a
+        preempted request's blocks are this step's to reuse), then publish
+        this step's streams before the forward saves their first layer."""
+        if self.client is None:
+            return
+        for rid, (name, tell_vllm) in meta.to_end.items():
+            if not tell_vllm:
+                self._names[name] = ""  # vLLM freed the blocks itself: its end is not reported
+                self._sending.discard(rid)
+            with contextlib.suppress(KvdError):  # gone already: its end was reported
+                self.client.abort(name)
+            log.info("kvd: request %s ended before its streamed prefill was read: publication %s ended", rid, name)
         self._streaming = [pub.request_id for rid, pub in meta.to_publish.items() if pub.stream and self._publish(rid, pub)]
 
     def _publish(self, rid: str, pub: Publication) -> bool:
@@ -291,14 +307,14 @@ class _WorkerSide:
             self._done_sending.add(rid)
             return False
 
-    def layer_saved(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+    def layer_saved(self, layer_name: str) -> None:
         if self._streaming and self.saver is not None:
-            self.saver.saved(self._streaming, layer_index_of(layer_name, 0) + 1, kv_layer)
+            self.saver.saved(self._streaming, layer_index_of(layer_name, 0) + 1)
 
     def step_saved(self) -> None:
         """The forward is over: every layer of this step's streams is written (state layers too, which save no layer)."""
         if self._streaming and self.saver is not None:
-            self.saver.saved(self._streaming, self.saver.num_layers, None)
+            self.saver.saved(self._streaming, self.saver.num_layers)
         self._streaming = []
 
     def start(self, meta: KvdConnectorMetadata) -> None:
@@ -308,10 +324,6 @@ class _WorkerSide:
         for rid, pub in meta.to_publish.items():
             if not pub.stream:  # streams were published before the forward
                 self._publish(rid, pub)
-        for rid, name in meta.to_end.items():
-            with contextlib.suppress(KvdError):  # gone already: its end was reported
-                client.abort(name)
-            log.info("kvd: request %s ended before its streamed prefill did: publication %s ended", rid, name)
         for rid, release in meta.to_release.items():
             try:
                 client.abort(rid, release=release)
@@ -343,7 +355,7 @@ class _WorkerSide:
             error = self.feed.error
             f = self.feed.take()
             # Streamed publications were named by the proxy: vLLM knows their requests.
-            f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending}
+            f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending} - {""}
             self._sending -= f.finished_sending
             for rid in f.finished_recving:
                 self._loading.pop(rid, None)

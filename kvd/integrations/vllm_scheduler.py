@@ -57,8 +57,9 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Publications D will not read (it holds the whole prompt already): P may free them now.
     to_release: dict[str, pb.TransferParams] = field(default_factory=dict)
-    # Streamed publications whose request ended before its prefill did (aborted): by request id, their names.
-    to_end: dict[str, str] = field(default_factory=dict)
+    # Streamed publications whose request ended before D read them, by request id: their name, and whether
+    # vLLM holds the blocks for their finished_sending (aborted) or freed them itself (preempted).
+    to_end: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,13 @@ class SchedulerSide:
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._to_release: dict[str, pb.TransferParams] = {}
-        self._to_end: dict[str, str] = {}
+        self._to_end: dict[str, tuple[str, bool]] = {}
         # Layer-wise streaming on P: requests allocated this step, and those
         # published to stream (by request id, their publication's name).
         self._stream_pending: dict[str, tuple[Request, KVCacheBlocks]] = {}
-        self._streamed: dict[str, str] = {}
+        self._streamed: dict[str, tuple[str, Request]] = {}
+        # Dual-batch overlap saves a layer once per micro-batch: the first save would claim the layer too early.
+        self.can_stream = not bool(getattr(vllm_config.parallel_config, "enable_dbo", False))
 
     def expand(self, per_group: Sequence[T]) -> tuple[T, ...]:
         """Per vLLM group -> per kvd group: each state part carries its group's entry."""
@@ -182,7 +185,8 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and params.get("kvd_stream"):
-            self._stream_pending[request.request_id] = (request, blocks)  # published if this step computes its whole prompt
+            if self.can_stream:
+                self._stream_pending[request.request_id] = (request, blocks)  # published if this step computes its whole prompt
             return
         if not is_kvd_load(params):
             return
@@ -206,19 +210,32 @@ class SchedulerSide:
         # One load per request, even if vLLM calls this again after the load.
         params["do_remote_prefill"] = False
 
+    @property
+    def has_streams(self) -> bool:
+        """A streamed request is running: vLLM must not preempt to free
+        blocks (a preemption frees them while decode may be reading)."""
+        return bool(self._streamed)
+
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
         # A streaming request whose whole prompt this step computes is
         # published now, before the step: its workers say each layer saved
         # as the forward computes it. One computed in several chunks is
         # published when it finishes, as in pull mode (its layers are saved
         # only by the last chunk, which the workers cannot tell apart).
+        for rid, (name, request) in list(self._streamed.items()):
+            if request.status == RequestStatus.PREEMPTED:
+                # Should has_pending_block_frees not have kept it running: vLLM freed its blocks, so no read may go on.
+                del self._streamed[rid]
+                self._to_end[rid] = (name, False)
+                if request.kv_transfer_params:
+                    request.kv_transfer_params["do_remote_decode"] = False  # decode computes it (its load fails)
         for rid, (request, blocks) in self._stream_pending.items():
             scheduled = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
             if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
                 pub = self._publication(request, tuple(blocks.get_block_ids()), request.num_prompt_tokens, stream=True)
                 if pub is not None:
                     self._to_publish[rid] = pub
-                    self._streamed[rid] = pub.request_id
+                    self._streamed[rid] = (pub.request_id, request)
         self._stream_pending.clear()
         meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end)
         self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end = {}, {}, {}, {}, {}
@@ -226,11 +243,11 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        name = self._streamed.pop(request.request_id, None)
-        if name is not None:
+        streamed = self._streamed.pop(request.request_id, None)
+        if streamed is not None:
             # Published before its prefill: hold the blocks until finished_sending, whatever happened.
             if request.status not in _PREFILL_DONE:
-                self._to_end[request.request_id] = name  # aborted: its worker ends the publication, which frees them
+                self._to_end[request.request_id] = (streamed[0], True)  # aborted: its worker ends the publication, which frees them
             return True, None
         if not params or not params.get("do_remote_decode") or request.status not in _PREFILL_DONE or not any(block_ids):
             return False, None

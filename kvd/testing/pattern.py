@@ -105,23 +105,23 @@ def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: R
     block matches; else the first difference. The first block holds the
     tokens from ``first_token`` on."""
     spec = group.spec
-    exp = _expected_for(group, seed, block_ids, coords, first_token)
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
     tokens = 1 if spec.opaque else spec.block_size
     position = first_token + torch.arange(len(block_ids)).view(-1, 1) * tokens + torch.arange(tokens)
     valid = (position < (num_tokens if not spec.opaque else len(block_ids))) & (position >= valid_from)
     for kv, runs in _views(group):
-        plane = exp if kv is None else exp[:, kv : kv + 1]
-        for i, view in runs:
-            c = view.shape[0]
-            got = view[:, :, ids.to(view.device)].cpu()
-            want = plane[i : i + c]
-            bad = (got != want) & valid.view(1, 1, *valid.shape, 1, 1)
-            if bool(bad.any()):
-                idx = [int(x) for x in bad.nonzero()[0]]
-                layer = group.layer_indices[i + idx[0]]
-                return (
-                    f"layer {layer} kv {idx[1] if kv is None else kv} block {block_ids[idx[2]]} token {idx[3]} "
-                    f"head {idx[4]} dim {idx[5]}: got {int(got[tuple(idx)])} want {int(want[tuple(idx)])}"
-                )
+        for i, stacked in runs:
+            # One layer at a time: a long request's expected values for every layer at once run to gigabytes.
+            for j in range(stacked.shape[0]):
+                exp = _expected_for(group, seed, block_ids, coords, first_token, [group.layer_indices[i + j]])
+                got = stacked[j : j + 1, :, ids.to(stacked.device)].cpu()
+                want = exp if kv is None else exp[:, kv : kv + 1]
+                bad = (got != want) & valid.view(1, 1, *valid.shape, 1, 1)
+                if bool(bad.any()):
+                    idx = [int(x) for x in bad.nonzero()[0]]
+                    layer = group.layer_indices[i + j]
+                    return (
+                        f"layer {layer} kv {idx[1] if kv is None else kv} block {block_ids[idx[2]]} token {idx[3]} "
+                        f"head {idx[4]} dim {idx[5]}: got {int(got[tuple(idx)])} want {int(want[tuple(idx)])}"
+                    )
     return None

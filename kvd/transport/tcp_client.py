@@ -57,7 +57,7 @@ class TcpDataClient:
     name = "tcp"
 
     def __init__(self, hello: Hello, *, connections_per_peer: int = 4, copy_threads: int = 2, stall_timeout_s: float = 30.0,
-                 layer_wait_s: float = 30.0, on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None,
+                 stream_wait_s: float = 60.0, on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None,
                  nixl: NixlAgent | None = None) -> None:
         self.on_relayout = on_relayout
         self.nixl = nixl  # transport nixl: bulk bytes by NIXL READ, control on this connection
@@ -65,8 +65,10 @@ class TcpDataClient:
         self.hello = hello
         self.connections_per_peer = connections_per_peer
         self.stall_timeout_s = stall_timeout_s
-        # A streaming read's owner may wait this long for prefill's next layer.
-        self.layer_wait_s = layer_wait_s
+        # A streaming read waits for prefill to compute: each layer over TCP,
+        # the whole prompt same-host or over NIXL. Bounded by the pull's own
+        # timeout; the owner fails a read whose next layer does not come.
+        self.stream_wait_s = stream_wait_s
         self._idle: dict[str, list[_Conn]] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._tokens: dict[str, bytes] = {}
@@ -146,7 +148,7 @@ class TcpDataClient:
     def _read_stalling(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                        source: LocalSource | None) -> int:
         fs = conn.fs
-        with fs.stall_bound(self.stall_timeout_s + (self.layer_wait_s if read.stream else 0)):
+        with fs.stall_bound(max(self.stall_timeout_s, self.stream_wait_s) if read.stream else self.stall_timeout_s):
             if source is not None:
                 # Authorisation first, then the copy: copying while the owner
                 # decides would save a round trip, but a refused read would
