@@ -229,7 +229,9 @@ def serve(args: argparse.Namespace) -> int:
     proxy = Proxy(args.prefill, args.decode, prefill_kvd=args.prefill_kvd)
     server = ThreadingHTTPServer((args.host, args.port), proxy.handler())
     server.daemon_threads = True
-    print(f"kvd proxy on http://{args.host}:{server.server_address[1]}: prefill {', '.join(args.prefill)} -> decode {', '.join(args.decode)}", flush=True)
+    mode = f"; streaming layer by layer from daemons {', '.join(args.prefill_kvd)}" if args.prefill_kvd else ""
+    print(f"kvd proxy on http://{args.host}:{server.server_address[1]}: prefill {', '.join(args.prefill)} -> decode {', '.join(args.decode)}{mode}",
+          flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -84,19 +84,15 @@ def fill(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankC
     """Write the request's values into its blocks of every layer (only the
     group's layer ``positions``, when given: a layer computed at a time), the
     first block holding the tokens from ``first_token`` on."""
-    exp = _expected_for(group, seed, block_ids, coords, first_token,
-                        None if positions is None else [group.layer_indices[p] for p in positions])
     ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    wanted = range(len(group.layer_indices)) if positions is None else positions
     for kv, runs in _views(group):
-        plane = exp if kv is None else exp[:, kv : kv + 1]
         for i, view in runs:
-            c = view.shape[0]
-            if positions is None:
-                view[:, :, ids.to(view.device)] = plane[i : i + c].to(view.device)
-                continue
-            for j, p in enumerate(positions):
-                if i <= p < i + c:
-                    view[p - i, :, ids.to(view.device)] = plane[j].to(view.device)
+            for p in wanted:
+                if i <= p < i + view.shape[0]:
+                    # One layer at a time: a long request's values for every layer at once run to gigabytes.
+                    exp = _expected_for(group, seed, block_ids, coords, first_token, [group.layer_indices[p]])
+                    view[p - i, :, ids.to(view.device)] = (exp[0] if kv is None else exp[0, kv : kv + 1]).to(view.device)
 
 
 def mismatch(group: GroupTensors, seed: int, block_ids: Sequence[int], coords: RankCoords, num_tokens: int, first_token: int = 0,
