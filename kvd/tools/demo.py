@@ -204,7 +204,8 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"  requests       {args.requests}")
         say(f"  blocks         {total_blocks} decode blocks")
         say(f"  bytes          {total_bytes / 1e6:.1f} MB")
-        say(f"  throughput     {gbps:.2f} GB/s (bytes / time from pull to finished_recving)")
+        say(f"  throughput     {gbps:.2f} GB/s (bytes / time from pull to finished_recving"
+            + (", prefill's compute included: the pull starts with it)" if args.stream else ")"))
         say(f"  wall time      {wall:.1f} s (including filling and verifying)")
         if after_prefill_s:
             say(f"  after prefill  {1e3 * sum(after_prefill_s) / len(after_prefill_s):.1f} ms a batch on average, worst {1e3 * max(after_prefill_s):.1f} ms "
