@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvd.core.spec import WorkerId
-from kvd.tools.demo import Daemons, prefill_and_pull
+from kvd.tools.demo import Daemons, call_workers, prefill_and_pull, stop_workers
 from kvd.tools.demo_worker import EngineConfig, ModelConfig, worker_main
 
 TOKENS = (256, 1024, 4096, 16384, 32768)
@@ -69,7 +69,7 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
                     _elapsed, _nbytes, failed, _invalid, landed = results[0]
                     if failed:
                         raise SystemExit(f"stream bench: {rid} failed: {failed}")
-                    bad = _call(sides["decode"][0], "verify", [(rid, seed, ids[:nblocks], ntok)])
+                    bad = call_workers(sides["decode"], "verify", [[(rid, seed, ids[:nblocks], ntok)]])[0]
                     if bad:
                         raise SystemExit(f"stream bench: {rid} landed wrong bytes: {bad}")
                     times.append(landed - computed)
@@ -79,19 +79,7 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
             rows.append(row)
             say(f"  {ntok:>7} {row['bytes'] / 1e6:8.1f} {row['prefill_ms']:11.0f} {row['pull_ms']:9.1f} {row['stream_ms']:12.1f} {row['ratio']:14.2f}")
     finally:
-        for c in conns:
-            c.close()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        stop_workers(conns, procs)
         daemons.stop()
     return {"stream": rows, "stream_vs_pull_long": rows[-1]["ratio"], "stream_vs_pull_short": rows[0]["ratio"]}
 
-
-def _call(conn: Any, cmd: str, arg: Any) -> Any:
-    conn.send((cmd, arg))
-    status, value = conn.recv()
-    if status != "ok":
-        raise SystemExit(f"stream bench: {cmd} failed: {value}")
-    return value

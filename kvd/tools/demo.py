@@ -78,7 +78,7 @@ class Allocator:
         self.free.extend(ids)
 
 
-def _call(conns: Sequence[Connection], cmd: str, args: Sequence[Any]) -> list[Any]:
+def call_workers(conns: Sequence[Connection], cmd: str, args: Sequence[Any]) -> list[Any]:
     for c, a in zip(conns, args, strict=True):
         c.send((cmd, a))
     out = []
@@ -172,15 +172,15 @@ def run_demo(args: argparse.Namespace) -> int:
                 results, computed = prefill_and_pull(sides, reqs, [b[4] for b in batch], args.layer_ms / 1000, args.stream)
                 after_prefill_s.append(max(r[4] for r in results) - computed)
             else:
-                params = _call(sides["prefill"], "publish", [reqs] * len(sides["prefill"]))[0]
-                results = _call(sides["decode"], "pull", [[(b[0], params[i], b[4]) for i, b in enumerate(batch)]] * len(sides["decode"]))
+                params = call_workers(sides["prefill"], "publish", [reqs] * len(sides["prefill"]))[0]
+                results = call_workers(sides["decode"], "pull", [[(b[0], params[i], b[4]) for i, b in enumerate(batch)]] * len(sides["decode"]))
             transfer_s += max(r[0] for r in results)
             total_bytes += sum(r[1] for r in results)
             for r in results:
                 failures.update(r[2])
             total_blocks += sum(len(b[4]) for b in batch)
             if first_mismatch is None:
-                verdicts = _call(sides["decode"], "verify", [[(rid, seed, d, n) for rid, seed, n, _p, d, _c in batch if rid not in failures]] * len(sides["decode"]))
+                verdicts = call_workers(sides["decode"], "verify", [[(rid, seed, d, n) for rid, seed, n, _p, d, _c in batch if rid not in failures]] * len(sides["decode"]))
                 first_mismatch = next((v for v in verdicts if v), None)
             for b in batch:
                 p_alloc.give(b[3])
@@ -192,7 +192,7 @@ def run_demo(args: argparse.Namespace) -> int:
         sent: list[set[str]] = [set() for _ in sides["prefill"]]
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            for box, (s, _r) in zip(sent, _call(sides["prefill"], "finished", [None] * len(sides["prefill"])), strict=True):
+            for box, (s, _r) in zip(sent, call_workers(sides["prefill"], "finished", [None] * len(sides["prefill"])), strict=True):
                 box.update(s)
             if all(len(box) >= args.requests - len(failures) for box in sent):
                 break
@@ -228,17 +228,21 @@ def run_demo(args: argparse.Namespace) -> int:
             ok = False
         return 0 if ok else 1
     finally:
-        # Closing a worker's pipe ends it through its own finally, which unlinks
-        # its shm caches; a killed worker would leave them in /dev/shm.
-        for c in pipes:
-            c.close()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        stop_workers(pipes, procs)
         for p in daemons.procs:
             if p.poll() is None:
                 p.kill()
+
+
+def stop_workers(pipes: Sequence[Connection], procs: Sequence[Any]) -> None:
+    """Closing a worker's pipe ends it through its own finally, which unlinks
+    its shm caches; a killed worker would leave them in /dev/shm."""
+    for c in pipes:
+        c.close()
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
 
 
 def prefill_and_pull(sides: dict[str, list[Connection]], reqs: Sequence[Any], decode_ids: Sequence[list[int]], layer_s: float,
