@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 KEYS = ("tcp_vs_socket_1m", "tcp_cpu_vs_socket", "tcp_cpu_s_per_gb", "socket_cpu_s_per_gb", "tcp_16k_vs_1m", "samehost_vs_memcpy", "vs_nixl", "vs_mooncake", "small_request_p50_ms", "small_request_p99_ms")
@@ -14,7 +16,8 @@ KEYS = ("tcp_vs_socket_1m", "tcp_cpu_vs_socket", "tcp_cpu_s_per_gb", "socket_cpu
 def test_bench_json_prints_every_ratio_from_one_real_run():
     r = subprocess.run(
         [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "2", "--latency-requests", "20",
-         "--tokens", "256", "--layers", "2", "--stream-tokens", "256", "2048", "--stream-layers", "8"],
+         "--tokens", "256", "--layers", "2", "--stream-tokens", "256", "2048", "--stream-layers", "8",
+         "--load-seconds", "10"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -53,6 +56,13 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert state["bytes"] > 0 and state["ratio"] > 0 and state["pairing"].startswith("Mamba2 state")
     p50 = out["rounds"][-1]
     assert p50["small_request_p50_vs_floor"] == p50["small_request_p50_ms"] / p50["small_request_floor_ms"]
+    # The load: once, after the rounds, in the last round; the RSS growth is computed from its samples.
+    assert "load_rss_growth" not in out["rounds"][0]
+    load = out["rounds"][-1]
+    assert load["load_requests"] > 0 and load["load_gb_moved"] > 0
+    growth = max((load["load_rss_end_mib"][s] - load["load_rss_warm_mib"][s]) / load["load_rss_warm_mib"][s] for s in ("P", "D"))
+    assert load["load_rss_growth"] == pytest.approx(growth) and verdict["load_rss_growth"]["rounds"] == [load["load_rss_growth"]]
+    assert all(load["load_rss_peak_mib"][s] >= load["load_rss_end_mib"][s] > 0 for s in ("P", "D"))
     if "gpu_tcp_1m_gbps" in out:  # a CUDA machine
         assert out["gpu_tcp_1m_gbps"] > 0 and out["gpu_samehost_1m_gbps"] > 0
     else:

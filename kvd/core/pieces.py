@@ -22,7 +22,15 @@ import torch
 from kvd.core import iov as iovec
 from kvd.core.errors import Incompatible, InvalidArgument
 from kvd.core.reads import MAX_BATCH_BLOCKS, DataSegment
-from kvd.core.relayout import GroupTensors, gather_blocks, move_dtype, physical, select, wire_shape
+from kvd.core.relayout import (
+    GroupTensors,
+    gather_blocks,
+    move_dtype,
+    physical,
+    select,
+    widen,
+    wire_shape,
+)
 from kvd.core.spec import KVCacheSpec
 
 # Hands out a gather buffer of n bytes, on the device whose memory is being
@@ -113,7 +121,8 @@ def serve_segment(
     out = buf.view(move_dtype(spec.dtype)).view(shape)
     for j, p in enumerate(parts):
         for i, c, view in group.layer_runs(p, positions):
-            out[i : i + c, j].copy_(physical(select(view, block, token, head, joined_kv), spec))
+            dst, src = widen(out[i : i + c, j], physical(select(view, block, token, head, joined_kv), spec))
+            dst.copy_(src)
     return buf
 
 

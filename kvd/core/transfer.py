@@ -27,11 +27,15 @@ from kvd.core.pieces import PieceTemplate, cached_template, pieces_iov, template
 from kvd.core.plan import Extents, plan_extents
 from kvd.core.reads import MAX_BATCH_BLOCKS, DataRead, DataSegment, Offer
 from kvd.core.relayout import (
+    Copy,
+    CopyRunner,
     GroupTensors,
     move_dtype,
     physical,
+    run_copies,
     select,
     to_units,
+    widen,
     wire_canonical,
     wire_shape,
 )
@@ -134,8 +138,22 @@ class SegmentSink:
     def device(self) -> torch.device:
         return self.local.device
 
-    def land(self, payload: torch.Tensor) -> None:
-        """Relayout ``payload`` (uint8, this segment's bytes) into local memory.
+    def copies(self, payload: torch.Tensor) -> list[Copy]:
+        """The strided copies that relayout ``payload`` (uint8, this
+        segment's bytes, on this sink's device) into local memory."""
+        src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
+        out = []
+        for dst, layers, kv in self._targets():
+            if self.local_index is not None:
+                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device, non_blocking=True)
+                out.append(Copy(*widen(dst, src[layers, kv]), idx))  # one scatter for every block
+            else:
+                out.append(Copy(*widen(to_units(dst, self.n, self.u), to_units(src[layers, kv], self.n, self.u))))
+        return out
+
+    def land(self, payload: torch.Tensor, run: CopyRunner = run_copies) -> None:
+        """Relayout ``payload`` (uint8, this segment's bytes) into local memory;
+        ``run`` executes the copies (the daemon's copy threads, on host memory).
 
         On a GPU the payload goes up in one copy and the relayout runs there,
         on the caller's current stream; it has finished when this returns,
@@ -144,15 +162,12 @@ class SegmentSink:
         if payload.device != device:
             # Not non_blocking into host memory: the relayout below reads it at once.
             payload = payload.to(device, non_blocking=device.type == "cuda")
-        src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
-        for dst, layers, kv in self._targets():
-            if self.local_index is not None:
-                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device, non_blocking=True)
-                dst[:, :, idx] = src[layers, kv]  # one scatter for every block
-            else:
-                to_units(dst, self.n, self.u).copy_(to_units(src[layers, kv], self.n, self.u))
+        copies = self.copies(payload)
         if device.type == "cuda":
+            run_copies(copies)
             torch.cuda.current_stream(device).synchronize()
+        else:
+            run(copies)
 
 
 @dataclass
@@ -461,20 +476,20 @@ def _plan_batched(
     per_batch = int(min(MAX_BATCH_BLOCKS, max(1, segment_bytes // (block_layer_bytes * layer_chunk))))
     tokens = 1 if rspec.opaque else rspec.block_size
     heads = target.head_count
+    # Per segment only slicing and two records: a 128k-token request has
+    # over a thousand segments, and this loop is most of its plan.
+    r_list, l_index = r_ids.tolist(), torch.from_numpy(l_ids.astype(np.int64))
+    chunks = [(tuple(r_pos[x] for x in c), tuple(l_pos[x] for x in c)) for c in (layers[i : i + layer_chunk] for i in range(0, len(layers), layer_chunk))]
     for b0 in range(0, total, per_batch):
-        rb, lb = r_ids[b0 : b0 + per_batch], l_ids[b0 : b0 + per_batch]
-        local_index = torch.from_numpy(lb.astype(np.int64))
-        for i in range(0, len(layers), layer_chunk):
-            chunk = layers[i : i + layer_chunk]
-            segments.append(DataSegment(group_id=rgroup.group_id, layers=tuple(r_pos[x] for x in chunk), block_start=0,
-                                        block_count=len(rb), token_start=0, token_count=tokens, block_ids=tuple(rb.tolist())))
-            wire_dims = (len(chunk), len(rb), tokens, heads, 0)
+        block_ids, lb, local_index = tuple(r_list[b0 : b0 + per_batch]), l_ids[b0 : b0 + per_batch], l_index[b0 : b0 + per_batch]
+        for r_layers, l_layers in chunks:
+            segments.append(DataSegment(group_id=rgroup.group_id, layers=r_layers, block_start=0,
+                                        block_count=len(block_ids), token_start=0, token_count=tokens, block_ids=block_ids))
+            wire_dims = (len(r_layers), len(block_ids), tokens, heads, 0)
             shape, _ = wire_shape(rspec, *wire_dims)
             sinks.append(SegmentSink(
                 nbytes=math.prod(shape) * rspec.itemsize, remote_spec=rspec, wire_dims=wire_dims, local=ltensors,
-                local_positions=tuple(l_pos[x] for x in chunk), local_block=(0, len(lb)), local_token=(0, tokens),
+                local_positions=l_layers, local_block=(0, len(lb)), local_token=(0, tokens),
                 local_head=(target.local_head_start, heads), kv=(0, rspec.num_kv), n=len(lb), u=1,
                 local_block_ids=lb, local_index=local_index,
             ))
-
-

@@ -17,6 +17,8 @@ Sections:
 * ``stream``: what the transfer adds to TTFT, from 256 to 32k tokens,
   pulled after prefill against streamed layer by layer while prefill
   computes (``bench_stream``).
+* ``load`` (once a run, after the rounds): the daemons' own memory over
+  ``--load-seconds`` of requests of mixed sizes (``bench_load``).
 * ``gpu`` (where CUDA is available): GPU caches on both sides, over TCP
   against a plain socket and the pinned PCIe copies, and same-host (CUDA IPC)
   against a device memcpy.
@@ -25,10 +27,9 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,14 +42,18 @@ from kvd.core.reads import Offer
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
 from kvd.core.topology import heads_of_rank
 from kvd.core.transfer import SegmentSink, plan_pull
+from kvd.daemon.config import DaemonConfig
 from kvd.testing import pattern
 from kvd.testing.sim import make_engine
 from kvd.tools.bench_control import bench_control
+from kvd.tools.bench_load import bench_load
+from kvd.tools.bench_pair import BenchPair
 from kvd.tools.bench_peers import socket_baseline, socket_round_trip
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_state import state_work
 from kvd.tools.bench_stream import TOKENS, bench_stream
 from kvd.transport.base import Staging
+from kvd.transport.copy_threads import CopyThreads
 
 
 @dataclass(frozen=True)
@@ -101,11 +106,14 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
     reads = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
                       remote=p.meta, params=params, local_block_ids=[d_ids])
     staging = Staging()
-    work = []
+    per_rank = []
     for rr in reads:
         owner = p.ranks[(rr.read.tp_rank, rr.read.pp_rank)]
-        for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
-            work.append((sink, serve_segment(owner.tensors, seg, *rr.read.heads_of(seg), staging).clone()))
+        per_rank.append([(sink, serve_segment(owner.tensors, seg, *rr.read.heads_of(seg), staging).clone())
+                         for seg, sink in zip(rr.read.segments, rr.sinks, strict=True)])
+    # A daemon reads every remote rank at once, each on its own connection,
+    # so their segments land side by side: the k-th of each rank, then the next.
+    work = [w for ws in itertools.zip_longest(*per_rank) for w in ws if w is not None]
     return relayout_row(pairing.name, work, lambda: pattern.mismatch(rank.tensors, 1, d_ids, rank.coords, tokens), repeat)
 
 
@@ -117,17 +125,22 @@ def relayout_row(name: str, work: Work, check: Callable[[], str | None], repeat:
     bytes, then ``check`` the landed bytes (a mismatch stops the bench)."""
     nbytes = sum(s.nbytes for s, _ in work)
 
+    threads = CopyThreads(DaemonConfig("bench").copy_threads)  # as a daemon lands them
+
     def land() -> None:
         for sink, payload in work:
             direct = sink.direct()
             if direct is not None:
                 direct.reshape(-1).view(torch.uint8).copy_(payload)
             else:
-                sink.land(payload)
+                threads.land(sink, payload)
 
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)
-    t_relayout = _best(land, repeat)
+    try:
+        t_relayout = _best(land, repeat)
+    finally:
+        threads.close()
     t_memcpy = _best(lambda: dst.copy_(src), repeat)
     bad = check()
     if bad:
@@ -150,104 +163,6 @@ def _p50(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-class _Pair:
-    """A P and a D daemon, and one worker of each in this process."""
-
-    def __init__(self, mode: str) -> None:
-        from kvd.tools.demo import Daemons
-
-        self.daemons = Daemons()
-        flag = ["--same-host", "auto" if mode == "samehost" else "off", "--metrics-port", "-1"]
-        if mode == "nixl":
-            flag += ["--transport", "nixl"]
-        # Workers reach their daemon over its Unix socket, as in the sidecar
-        # deployment: a gRPC call there costs about 2/3 of one over loopback TCP.
-        self.p = self.daemons.start("bench-p", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
-        self.d = self.daemons.start("bench-d", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
-        self.done: dict[str, float] = {}
-        # CPU seconds per GB of the last throughput run's cheapest request:
-        # both daemons and this process (the workers), from pull to landed.
-        self.cpu_s_per_gb = 0.0
-        self.cv = threading.Condition()
-        self.p_client: Any = None
-        self.d_client: Any = None
-        self._keep: list[torch.Tensor] = []  # GPU caches the daemons mapped
-        self._watch: Any = None
-
-    def register(self, spec: KVCacheSpec, layers: int, device: str = "cpu") -> None:
-        from kvd.caches import allocate_kv_caches, torch_dtype
-        from kvd.client import KvdClient
-        from kvd.core.spec import WorkerId
-
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-        model = ModelInfo(layers, spec.num_kv_heads)
-        for attr, side, eid in (("p_client", "p", "bench-p"), ("d_client", "d", "bench-d")):
-            client = getattr(self, attr) or KvdClient(f"unix:{os.path.join(self.daemons.tmp, side + '.sock')}", WorkerId(eid))
-            client.wait_ready()
-            if device == "cpu":
-                caches = allocate_kv_caches(spec, names)
-            else:  # one GPU buffer, every layer a view into it (registered by CUDA IPC handle)
-                buffer = torch.zeros(layers, *spec.part_shape(), dtype=torch_dtype(spec.dtype), device=device)
-                caches = {name: buffer[i] for i, name in enumerate(names)}
-                self._keep.append(buffer)
-            client.register(caches, model, spec)
-            setattr(self, attr, client)
-        if self._watch is None:
-            self._watch = threading.Thread(target=self._consume, daemon=True)
-            self._watch.start()
-
-    def _consume(self) -> None:
-        import grpc
-
-        try:
-            for f in self.d_client.watch_engine_finished():
-                with self.cv:
-                    for rid in f.finished_recving:
-                        self.done[rid] = time.perf_counter()
-                    self.cv.notify_all()
-        except grpc.RpcError:
-            pass
-
-    def transfer(self, rid: str, p_ids: list[int], d_ids: list[int], num_tokens: int) -> float:
-        params = self.p_client.publish(rid, [p_ids], num_tokens)
-        t0 = time.perf_counter()
-        self.d_client.pull(rid, params, [d_ids])
-        with self.cv:
-            if not self.cv.wait_for(lambda: rid in self.done, timeout=120):
-                raise SystemExit(f"bench request {rid} did not finish")
-        return self.done[rid] - t0
-
-    def throughput(self, name: str, unit: int, nbytes: int, layers: int, repeat: int, rng: random.Random, device: str = "cpu") -> float:
-        """Best GB/s over ``repeat`` requests of ``nbytes`` in scattered blocks
-        of ``unit`` bytes per layer (fresh random block ids each time)."""
-        # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
-        block_size = unit // 4096
-        blocks = max(1, nbytes // (unit * layers))
-        self.register(KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1), layers, device)
-        best = 0.0
-        for r in range(repeat):
-            p_ids = rng.sample(range(1, blocks + 1), blocks)
-            d_ids = rng.sample(range(1, blocks + 1), blocks)
-            cpu = self.cpu_seconds()
-            seconds = self.transfer(f"{name}-{r}", p_ids, d_ids, blocks * block_size)
-            per_gb = (self.cpu_seconds() - cpu) / (blocks * unit * layers / 1e9)
-            self.cpu_s_per_gb = per_gb if r == 0 else min(self.cpu_s_per_gb, per_gb)
-            best = max(best, blocks * unit * layers / seconds / 1e9)
-        return best
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds so far of both daemons and of this process."""
-        from kvd.tools.bench_peers import process_cpu_seconds
-
-        return sum(process_cpu_seconds(p.pid) for p in self.daemons.procs) + time.process_time()
-
-    def close(self) -> None:
-        from kvd.caches import release_all
-
-        self.daemons.stop()
-        release_all()
-
-
 def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
     nbytes = args.transfer_mib << 20
     layers = 4
@@ -267,7 +182,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     nixl = nixl_installed()
     modes = ("tcp", "samehost", "nixl") if nixl else ("tcp", "samehost")
     for mode in modes:
-        pair = _Pair(mode)
+        pair = BenchPair(mode)
         try:
             units = {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]} if mode == "samehost" else UNIT_SIZES
             for label, unit in units.items():
@@ -368,7 +283,7 @@ def bench_gpu(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
         say(f"  {label:<34} {out[key]:6.2f} GB/s")
     rng = random.Random(0)
     for mode in ("tcp", "samehost"):
-        pair = _Pair(mode)
+        pair = BenchPair(mode)
         try:
             for label in ("16k", "1m"):
                 best = out[f"gpu_{mode}_{label}_gbps"] = pair.throughput(f"gpu-{mode}-{label}", UNIT_SIZES[label], nbytes, layers, args.repeat, rng, "cuda")
@@ -404,6 +319,9 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.repeat > 1:
             say(f"{chr(10) if k else ''}== round {k + 1} of {args.repeat}")
         rounds.append(_one_round(argparse.Namespace(**{**vars(args), "repeat": TRIES_PER_ROUND}), say))
+    if "load" in args.sections:  # once a run: it is long, and memory growth is not noise
+        say("")
+        rounds[-1].update(bench_load(args.load_seconds, say))
     rows = verdict(rounds)
     print_verdict(rows, len(rounds), say)
     if args.json:
@@ -459,9 +377,9 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "gpu"],
-                   choices=["relayout", "transport", "control", "stream", "gpu"],
-                   help="gpu is measured only where CUDA is available")
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "load", "gpu"],
+                   choices=["relayout", "transport", "control", "stream", "load", "gpu"],
+                   help="gpu is measured only where CUDA is available; load runs once, after the rounds")
     p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
     p.add_argument("--latency-requests", type=int, default=200)
     p.add_argument("--layers", type=int, default=8)
@@ -473,4 +391,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-us-per-token", type=float, default=3.0,
                    help="stream section: prefill compute per token per layer (3: an 8B model on one H100)")
     p.add_argument("--stream-tokens", type=int, nargs="+", default=list(TOKENS), help="stream section: prompt lengths")
+    p.add_argument("--load-seconds", type=float, default=300.0, help="load section: how long the daemons move requests")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each figure is reported as its worst round")

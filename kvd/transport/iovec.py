@@ -18,9 +18,9 @@ two mapped regions in one pass (UCX's CMA transport does the same).
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import errno
+import functools
 import itertools
 import os
 import socket
@@ -29,6 +29,7 @@ import threading
 import numpy as np
 
 from kvd.core.iov import IOV_MAX, advance, align, chain, coalesce, cut, head, make, nbytes
+from kvd.transport.copy_threads import CopyThreads
 
 __all__ = ["IOV_MAX", "Copier", "advance", "align", "chain", "coalesce", "cut", "head", "make", "nbytes", "recv_all", "send_all", "send_nowait"]
 
@@ -119,12 +120,14 @@ class Copier:
     faster than one memcpy. ``available`` is False where the syscall is
     refused (seccomp, old kernels), and callers fall back to torch copies."""
 
-    def __init__(self, threads: int = 2, parallel_min_bytes: int = 4 << 20) -> None:
-        self.threads = max(1, threads)
+    def __init__(self, threads: int = 2, parallel_min_bytes: int = 4 << 20, pool: CopyThreads | None = None) -> None:
+        # The daemon's copy threads (``pool``), shared with relayouts, or our own.
+        self._threads = pool if pool is not None else CopyThreads(threads)
+        self._owned = pool is None
+        self.threads = self._threads.threads
         # Each thread gets at least this much: waking a helper thread costs
         # more than it saves on a small copy, which stays on the caller.
         self.parallel_min_bytes = max(1, parallel_min_bytes)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="kvd-copy")
         self.available = self._probe()
 
     def _probe(self) -> bool:
@@ -173,15 +176,11 @@ class Copier:
         ends = np.cumsum(dst[:, 1])
         marks = np.searchsorted(ends, np.linspace(0, int(ends[-1]), threads + 1)[1:-1])
         bounds = [(lo, hi) for lo, hi in itertools.pairwise([0, *sorted({int(m) for m in marks}), len(dst)]) if hi > lo]
-        jobs = [self._pool.submit(self._copy_rows, dst[lo:hi], src[lo:hi], cancel) for lo, hi in bounds[1:]]
-        try:
-            self._copy_rows(dst[bounds[0][0]:bounds[0][1]], src[bounds[0][0]:bounds[0][1]], cancel)
-        finally:
-            for j in jobs:
-                j.result()
+        self._threads.run([functools.partial(self._copy_rows, dst[lo:hi], src[lo:hi], cancel) for lo, hi in bounds])
         return total
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._owned:
+            self._threads.close()
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from kvd.core import errors
+from kvd.core.relayout import CopyRunner, run_copies
 from kvd.core.transfer import SegmentSink
 from kvd.proto import kvd_pb2 as pb
 
@@ -239,7 +240,7 @@ class _Fixed:
 
 
 def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink], landed: list[bool], arena: Arena,
-         cancel: threading.Event, stall_s: float, on_relayout: Any) -> int:
+         cancel: threading.Event, stall_s: float, on_relayout: Any, run: CopyRunner = run_copies) -> int:
     """Reader side: READ every segment, straight into place where it lands
     as-is, else into the arena and relaid out from there."""
     counts = np.asarray(msg.counts or [1] * len(sinks), dtype=np.int64)
@@ -295,7 +296,7 @@ def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink]
     for i, buf in staged:
         if cancel.is_set():
             raise ConnectionAbortedError("read abandoned")
-        sinks[i].land(buf)
+        sinks[i].land(buf, run)
     if staged:
         on_relayout(time.perf_counter() - t0)
     for i in range(len(sinks)):

@@ -19,7 +19,7 @@ import torch
 
 from kvd.core.pieces import owner_iov, serve_segment
 from kvd.core.reads import DataRead
-from kvd.core.relayout import GroupTensors
+from kvd.core.relayout import CopyRunner, GroupTensors, run_copies
 from kvd.core.transfer import SegmentSink
 from kvd.transport import iovec
 from kvd.transport.base import Staging
@@ -44,7 +44,7 @@ class LocalSource:
 
 
 def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
-               cancel: threading.Event | None = None, copier: iovec.Copier | None = None) -> int:
+               cancel: threading.Event | None = None, copier: iovec.Copier | None = None, run: CopyRunner = run_copies) -> int:
     """Same-host segments. Where both sides are host memory in wire order
     (the owner's layout and block size here), every such segment goes in one
     ``copier`` pass, piece to piece, with no staging; the rest are gathered
@@ -73,7 +73,7 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
             if direct is not None:
                 direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
             else:
-                sink.land(payload)
+                sink.land(payload, run)
         landed[i] = True
         moved += sink.nbytes
     if in_place:

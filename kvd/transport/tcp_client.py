@@ -29,10 +29,12 @@ import torch
 
 from kvd.core import errors
 from kvd.core.reads import DataRead
+from kvd.core.relayout import CopyRunner, run_copies
 from kvd.core.session import Ack, Data, Descriptors, End, Error, Event, Hello, ProtocolError, Read
 from kvd.core.transfer import SegmentSink
 from kvd.proto import kvd_pb2 as pb
 from kvd.transport.base import Staging
+from kvd.transport.copy_threads import CopyThreads
 from kvd.transport.device import device_copies
 from kvd.transport.framing import FrameSocket, as_bytes, split_address, tune
 from kvd.transport.iovec import Copier
@@ -74,7 +76,9 @@ class TcpDataClient:
         self._tokens: dict[str, bytes] = {}
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
-        self.copier = Copier(copy_threads)  # same-host reads
+        # Copies on every core: same-host piece copies and relayouts.
+        self.copy_threads = CopyThreads(copy_threads)
+        self.copier = Copier(pool=self.copy_threads)
         # Relayout of received segments; each connection has at most one in flight.
         self._land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land")
 
@@ -156,13 +160,14 @@ class TcpDataClient:
                 fs.send(Read(read, local=True))
                 _expect(fs.next_event(), End)
                 t0 = time.perf_counter()
-                moved = copy_local(read, sinks, landed, source, conn.cancel, self.copier)
+                moved = copy_local(read, sinks, landed, source, conn.cancel, self.copier, self.copy_threads.run_copies)
                 self.on_relayout(time.perf_counter() - t0)
             elif self.nixl is not None:
                 moved = self._read_nixl(conn, address, read, sinks, landed)
             else:
                 fs.send(Read(read))
-                moved = recv_segments(fs, sinks, landed, conn.staging, self.on_relayout, conn.cancel, self._land_pool)
+                moved = recv_segments(fs, sinks, landed, conn.staging, self.on_relayout, conn.cancel, self._land_pool,
+                                      self.copy_threads.run_copies)
             # Every byte landed: the owner may end the rank's publication.
             fs.send(Ack())
             return moved
@@ -183,7 +188,8 @@ class TcpDataClient:
             raise errors.FailedPrecondition(f"{address} answered for NIXL agent {msg.agent_name!r}, whose metadata we do not hold")
         if conn.arena is None:
             conn.arena = Arena(self.nixl)
-        moved = land(self.nixl, msg, sinks, landed, conn.arena, conn.cancel, self.stall_timeout_s, self.on_relayout)
+        moved = land(self.nixl, msg, sinks, landed, conn.arena, conn.cancel, self.stall_timeout_s, self.on_relayout,
+                     self.copy_threads.run_copies)
         _expect(fs.next_event(), End)  # the owner sends it right after DESCS
         return int(moved)
 
@@ -211,6 +217,7 @@ class TcpDataClient:
                 c.fs.close()
         self._idle.clear()
         self.copier.close()
+        self.copy_threads.close()
         self._land_pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -230,8 +237,8 @@ class _Landing:
     failure is reported."""
 
     def __init__(self, pool: concurrent.futures.Executor, buffers: tuple[Staging, Staging], landed: list[bool],
-                 on_relayout: Callable[[float], None], cancel: threading.Event) -> None:
-        self.pool, self.buffers, self.landed = pool, buffers, landed
+                 on_relayout: Callable[[float], None], cancel: threading.Event, run: CopyRunner) -> None:
+        self.pool, self.buffers, self.landed, self.run = pool, buffers, landed, run
         self.on_relayout, self.cancel = on_relayout, cancel
         self.next = 0
         self.pending: concurrent.futures.Future[None] | None = None
@@ -250,7 +257,7 @@ class _Landing:
             raise ConnectionAbortedError("read abandoned")
         t0 = time.perf_counter()
         with device_copies(sink.device):  # this thread's stream: beside other connections' landings
-            sink.land(buf)
+            sink.land(buf, self.run)
         self.on_relayout(time.perf_counter() - t0)
         self.landed[tag] = True
 
@@ -261,11 +268,12 @@ class _Landing:
 
 
 def recv_segments(fs: FrameSocket, sinks: Sequence[SegmentSink], landed: list[bool], buffers: tuple[Staging, Staging],
-                  on_relayout: Callable[[float], None], cancel: threading.Event, land_pool: concurrent.futures.Executor) -> int:
+                  on_relayout: Callable[[float], None], cancel: threading.Event, land_pool: concurrent.futures.Executor,
+                  run: CopyRunner = run_copies) -> int:
     """DATA frames straight into place (or into staging, relaid out while
     the next frame arrives) until END, or ERROR raised. Returns bytes moved."""
     moved = 0
-    landing = _Landing(land_pool, buffers, landed, on_relayout, cancel)
+    landing = _Landing(land_pool, buffers, landed, on_relayout, cancel, run)
     try:
         while True:
             if cancel.is_set():

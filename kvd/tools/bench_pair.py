@@ -1,0 +1,112 @@
+"""Two real daemons (P and D) and one worker of each in this process, for
+the benches that move requests through them (``transport``, ``load``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import torch
+
+from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+
+
+class BenchPair:
+    """A P and a D daemon, and one worker of each in this process."""
+
+    def __init__(self, mode: str) -> None:
+        from kvd.tools.demo import Daemons
+
+        self.daemons = Daemons()
+        flag = ["--same-host", "auto" if mode == "samehost" else "off", "--metrics-port", "-1"]
+        if mode == "nixl":
+            flag += ["--transport", "nixl"]
+        # Workers reach their daemon over its Unix socket, as in the sidecar
+        # deployment: a gRPC call there costs about 2/3 of one over loopback TCP.
+        self.p = self.daemons.start("bench-p", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
+        self.d = self.daemons.start("bench-d", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
+        self.done: dict[str, float] = {}
+        # CPU seconds per GB of the last throughput run's cheapest request:
+        # both daemons and this process (the workers), from pull to landed.
+        self.cpu_s_per_gb = 0.0
+        self.cv = threading.Condition()
+        self.p_client: Any = None
+        self.d_client: Any = None
+        self._keep: list[torch.Tensor] = []  # GPU caches the daemons mapped
+        self._watch: Any = None
+
+    def register(self, spec: KVCacheSpec, layers: int, device: str = "cpu") -> None:
+        from kvd.caches import allocate_kv_caches, torch_dtype
+        from kvd.client import KvdClient
+        from kvd.core.spec import WorkerId
+
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        model = ModelInfo(layers, spec.num_kv_heads)
+        for attr, side, eid in (("p_client", "p", "bench-p"), ("d_client", "d", "bench-d")):
+            client = getattr(self, attr) or KvdClient(f"unix:{os.path.join(self.daemons.tmp, side + '.sock')}", WorkerId(eid))
+            client.wait_ready()
+            if device == "cpu":
+                caches = allocate_kv_caches(spec, names)
+            else:  # one GPU buffer, every layer a view into it (registered by CUDA IPC handle)
+                buffer = torch.zeros(layers, *spec.part_shape(), dtype=torch_dtype(spec.dtype), device=device)
+                caches = {name: buffer[i] for i, name in enumerate(names)}
+                self._keep.append(buffer)
+            client.register(caches, model, spec)
+            setattr(self, attr, client)
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._consume, daemon=True)
+            self._watch.start()
+
+    def _consume(self) -> None:
+        import grpc
+
+        try:
+            for f in self.d_client.watch_engine_finished():
+                with self.cv:
+                    for rid in f.finished_recving:
+                        self.done[rid] = time.perf_counter()
+                    self.cv.notify_all()
+        except grpc.RpcError:
+            pass
+
+    def transfer(self, rid: str, p_ids: list[int], d_ids: list[int], num_tokens: int) -> float:
+        params = self.p_client.publish(rid, [p_ids], num_tokens)
+        t0 = time.perf_counter()
+        self.d_client.pull(rid, params, [d_ids])
+        with self.cv:
+            if not self.cv.wait_for(lambda: rid in self.done, timeout=120):
+                raise SystemExit(f"bench request {rid} did not finish")
+        return self.done[rid] - t0
+
+    def throughput(self, name: str, unit: int, nbytes: int, layers: int, repeat: int, rng: random.Random, device: str = "cpu") -> float:
+        """Best GB/s over ``repeat`` requests of ``nbytes`` in scattered blocks
+        of ``unit`` bytes per layer (fresh random block ids each time)."""
+        # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
+        block_size = unit // 4096
+        blocks = max(1, nbytes // (unit * layers))
+        self.register(KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1), layers, device)
+        best = 0.0
+        for r in range(repeat):
+            p_ids = rng.sample(range(1, blocks + 1), blocks)
+            d_ids = rng.sample(range(1, blocks + 1), blocks)
+            cpu = self.cpu_seconds()
+            seconds = self.transfer(f"{name}-{r}", p_ids, d_ids, blocks * block_size)
+            per_gb = (self.cpu_seconds() - cpu) / (blocks * unit * layers / 1e9)
+            self.cpu_s_per_gb = per_gb if r == 0 else min(self.cpu_s_per_gb, per_gb)
+            best = max(best, blocks * unit * layers / seconds / 1e9)
+        return best
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds so far of both daemons and of this process."""
+        from kvd.tools.bench_peers import process_cpu_seconds
+
+        return sum(process_cpu_seconds(p.pid) for p in self.daemons.procs) + time.process_time()
+
+    def close(self) -> None:
+        from kvd.caches import release_all
+
+        self.daemons.stop()
+        release_all()

@@ -1,0 +1,102 @@
+"""A relayout's copies: widened to the biggest element, cut for the copy
+threads, and run on them, they write exactly what one ``copy_`` writes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.relayout import Copy, split_copies, widen
+from kvd.transport.copy_threads import CopyThreads
+
+
+def _case(seed: int, scatter: bool) -> tuple[torch.Tensor, Copy]:
+    """A canonical-like 6-D destination, and a copy into a permuted, sliced
+    view of it (or a scatter of blocks along dim 2)."""
+    rnd = random.Random(seed)
+    shape = [rnd.randint(1, 3), rnd.randint(1, 2), rnd.randint(2, 9), rnd.randint(1, 5), rnd.randint(1, 4), rnd.choice([1, 3, 4, 8, 64])]
+    dtype = rnd.choice([torch.int16, torch.bfloat16, torch.uint8, torch.int32])
+    # The destination is a head slice of a permuted buffer: not contiguous.
+    order = [0, 1, 2, 3, 4]
+    rnd.shuffle(order)
+    buffer = torch.zeros([shape[i] for i in order] + [shape[5]], dtype=dtype).permute([order.index(i) for i in range(5)] + [5])
+    h0 = rnd.randint(0, shape[4] - 1)
+    dst = buffer[:, :, :, :, h0:]
+    src_shape = list(dst.shape)
+    index = None
+    if scatter:
+        n = rnd.randint(1, shape[2])
+        index = torch.tensor(rnd.sample(range(shape[2]), n))
+        src_shape[2] = n
+    src = (torch.randint(0, 100, src_shape, dtype=torch.int32)).to(dtype)
+    return buffer, Copy(dst, src, index)
+
+
+def _reference(buffer: torch.Tensor, c: Copy) -> torch.Tensor:
+    out = buffer.clone()
+    dst = out.as_strided(c.dst.shape, c.dst.stride(), c.dst.storage_offset())
+    if c.index is None:
+        dst.copy_(c.src)
+    else:
+        dst[:, :, c.index] = c.src
+    return out
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.integers(0, 2**32), st.booleans(), st.integers(1, 4), st.sampled_from([1, 64, 1 << 20]))
+def test_widened_cut_copies_on_threads_write_what_one_copy_writes(seed, scatter, threads, min_bytes):
+    buffer, c = _case(seed, scatter)
+    want = _reference(buffer, c)
+    pool = CopyThreads(threads, min_bytes)
+    try:
+        pool.run_copies([Copy(*widen(c.dst, c.src), c.index)])
+    finally:
+        pool.close()
+    assert torch.equal(buffer, want)
+
+
+def test_a_cut_copy_missing_one_share_is_caught():
+    """Negative control: the check above sees a share that was not run."""
+    buffer, c = _case(7, False)
+    c = Copy(c.dst, torch.ones_like(c.src))
+    want = _reference(buffer, c)
+    shares = split_copies([c], 2, 1)
+    assert len(shares) == 2
+    shares[1].run()
+    assert not torch.equal(buffer, want)
+    shares[0].run()
+    assert torch.equal(buffer, want)
+
+
+def test_widen_takes_the_widest_element_the_rows_allow():
+    rows = torch.zeros(4, 8, 128, dtype=torch.bfloat16)  # 256-byte rows
+    d, s = widen(rows.permute(1, 0, 2), rows.permute(1, 0, 2))
+    assert d.dtype == s.dtype == torch.int64 and d.shape[-1] == 32
+    odd = torch.zeros(4, 3, dtype=torch.int16)  # 6-byte rows: int16 stays
+    assert widen(odd, odd)[0].dtype == torch.int16
+    # 4-byte rows, but 6 bytes from one row to the next: no int32 view of them
+    assert widen(odd[:, :2], odd[:, :2])[0].dtype == torch.int16
+    strided = torch.zeros(4, 8, dtype=torch.int16)[:, ::2]  # inner dim not dense: left alone
+    assert widen(strided, strided)[0].dtype == torch.int16
+
+
+def test_copy_threads_raise_a_failed_copy_after_every_share_stops():
+    pool = CopyThreads(2, 1)
+    ran = []
+
+    def ok() -> None:
+        ran.append(1)
+
+    def bad() -> None:
+        raise RuntimeError("copy failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="copy failed"):
+            pool.run([ok, bad, ok, ok])
+        assert len(ran) == 3
+    finally:
+        pool.close()
