@@ -88,7 +88,7 @@ SERVE_FLAGS = {
     "segment-bytes": "bytes of one data frame, the unit of pipelining (default 4 MiB)",
     "stripes-per-read": "connections one big read of a remote rank is striped over (default 2)",
     "stripe-min-bytes": "reads at least this big are striped (default 32 MiB)",
-    "copy-threads": "threads of one same-host copy (default 2)",
+    "copy-threads": "threads of one same-host copy or relayout (default 2)",
     "transport": "data plane: tcp (default) or nixl (NIXL/UCX moves the bytes; pip install 'kvd[nixl]')",
     "nixl-staging-bytes": "transport nixl: cap on one read's gather staging per connection (default 1 GiB)",
     "pull-timeout-seconds": "bound on one pull (default 60)",

@@ -113,6 +113,7 @@ class Daemon:
         self.engine_hub = EngineFinishedHub()
         self._expected_override = 0
         self._to_aggregator: list[pb.ReportFinishedRequest] = []
+        self._report_queued = asyncio.Event()  # emit (always on the loop) wakes the forwarder
         self._background: list[asyncio.Task[None]] = []
         self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
@@ -360,6 +361,7 @@ class Daemon:
                 engine_id=self.config.engine_id, worker=wid, invalid_block_ids=sorted(invalid),
                 details=[pb.FinishedDetail(request_id=outcome.request_id, direction=outcome.direction, outcome=outcome.outcome, reason=outcome.reason, bytes=outcome.bytes)],
             ))
+            self._report_queued.set()
         else:
             self.engine_hub.report(one)
 
@@ -373,8 +375,11 @@ class Daemon:
         self.engine_hub.report(out)
 
     async def _forward_to_aggregator(self) -> None:
+        # Woken by each queued report: polling added up to its period to every
+        # finished set of a multi-rank engine, and woke an idle daemon for nothing.
         while True:
-            await asyncio.sleep(0.01)
+            await self._report_queued.wait()
+            self._report_queued.clear()
             while self._to_aggregator:
                 item = self._to_aggregator[0]
                 try:
@@ -383,6 +388,7 @@ class Daemon:
                 except grpc.aio.AioRpcError as e:
                     log.warning("aggregator %s unreachable (%s); %d reports queued", self.config.aggregator_address, e.code().name, len(self._to_aggregator))
                     await asyncio.sleep(0.5)
+                    self._report_queued.set()  # try the rest again
                     break
 
     def engine_finished(self, engine_id: str) -> WorkerFinished:

@@ -76,6 +76,8 @@ def bench_load(seconds: float, say: Callable[[str], None]) -> dict[str, Any]:
         "load_rss_end_mib": {k: v / 2**20 for k, v in end.items()},
         "load_rss_peak_mib": {k: max(s[k] for _, s in [*samples, (0.0, end)]) / 2**20 for k in end},
         "load_rss_growth": max(growth.values()),
+        # (seconds, {daemon: MiB}) through the run: flat after the warm-up, or not
+        "load_rss_samples": [(round(t, 1), {k: round(v / 2**20, 1) for k, v in rss.items()}) for t, rss in samples],
         "load_rss_mib_per_gb": max((end[k] - warm[k]) / 2**20 for k in end) / after_gb if after_gb > 0 else 0.0,
     }
     for side in end:
