@@ -81,7 +81,10 @@ class Puller:
         self.retry = RetryPolicy(retries=config.pull_retries)
         self.striping = Striping(config.stripes_per_read, config.stripe_min_bytes) if config.transport == "tcp" else Striping()
         self._slots = asyncio.Semaphore(config.max_concurrent_pulls)
-        self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[list[int]]]] = {}
+        # Kept for 2 x pull_timeout after each pull, so compact: numpy ids
+        # (a Python list of 1024 ids is ~37 KB; at a few hundred pulls a second
+        # the lists alone held hundreds of MB).
+        self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[np.ndarray]]] = {}
 
     # ------------------------------------------------------------ gRPC
 
@@ -155,7 +158,7 @@ class Puller:
                 total = await asyncio.wait_for(self._with_retries(reg, req, rank, local_ids, progress), d.config.pull_timeout_seconds)
             landed = self._replica_future(req.params, rank)
             if not landed.done():
-                landed.set_result(local_ids)
+                landed.set_result([np.asarray(ids, dtype=np.int64) for ids in local_ids])
             d.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
             self._count_window_savings(reg, req)
             d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
@@ -306,7 +309,7 @@ class Puller:
 
     # ------------------------------------------------------------ replicas
 
-    def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[list[int]]]:
+    def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[np.ndarray]]:
         """Resolves with a rank's local block ids once its pull of ``params`` landed.
 
         Keyed by the capability, which names one publication, so it holds
@@ -324,7 +327,7 @@ class Puller:
         reading the same remote bytes again."""
         fut = self._replica_future(req.params, source)
         try:
-            src_ids = await asyncio.wait_for(asyncio.shield(fut), self.d.config.pull_timeout_seconds)
+            src_ids = [ids.tolist() for ids in await asyncio.wait_for(asyncio.shield(fut), self.d.config.pull_timeout_seconds)]
         except KvdError as e:
             raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} failed to pull request_id={req.request_id!r}: {e.message}") from None
         src_reg = self.d.registrations.get(source)

@@ -4,10 +4,12 @@ Two real daemons move requests of mixed sizes (1 to 1024 scattered blocks
 of 64 KiB a layer, 4 layers) one after another for ``--load-seconds``,
 while their anonymous RSS (``RssAnon``: the daemon's own memory; the
 registered caches it maps are the workers' shared memory and not counted)
-is sampled. The figure is the growth from the end of the warm-up (the first
-fifth of the run: pools, caches and connections fill there) to the end, as
-a fraction of the warm RSS, for the daemon that grew most. A daemon that
-keeps something per request or per byte shows it here.
+is sampled. The figure is the growth from the end of the warm-up to the end,
+as a fraction of the warm RSS, for the daemon that grew most. The warm-up
+is as long as a daemon keeps a record of a finished pull (2 x
+``pull_timeout_seconds``, 120 s; half of a shorter run): pools, caches and
+connections fill there, and time-bounded records reach their steady count.
+A daemon that keeps something per request or per byte shows it here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec
+from kvd.daemon.config import DaemonConfig
 from kvd.tools.bench_pair import BenchPair
 
 LAYERS = 4
@@ -42,7 +45,7 @@ def bench_load(seconds: float, say: Callable[[str], None]) -> dict[str, Any]:
         pids = {"P": pair.daemons.procs[0].pid, "D": pair.daemons.procs[1].pid}
         block_bytes = 16 * 4096 * LAYERS
         start = time.monotonic()
-        warm_at, next_sample = start + seconds / 5, start
+        warm_at, next_sample = start + min(seconds / 2, 2 * DaemonConfig("load").pull_timeout_seconds), start
         warm: dict[str, int] = {}
         samples: list[tuple[float, dict[str, int]]] = []
         moved = requests = moved_warm = 0
