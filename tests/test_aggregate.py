@@ -55,7 +55,7 @@ def test_push_log_resends_what_followed_or_says_it_cannot():
     assert log.claim() == 1 and log.claim() == 2 and log.owner == 2
 
 
-def test_engine_hub_pushes_merged_sets_to_subscribers_and_drains():
+def test_engine_hub_pushes_merged_sets_to_subscribers_or_keeps_them_for_drain():
     from kvd.core.aggregate import EngineFinishedHub
 
     hub = EngineFinishedHub(expected_finished_count=2)
@@ -64,9 +64,25 @@ def test_engine_hub_pushes_merged_sets_to_subscribers_and_drains():
     hub.report(out(recving=["a"]))
     assert pushed == [] and hub.drain().recving == {}
     hub.report(out(recving=["a"], invalid=[4], outcome="failed"))
-    assert [set(p.recving) for p in pushed] == [{"a"}]
-    drained = hub.drain()
-    assert set(drained.recving) == {"a"} and drained.invalid_block_ids == {4}
+    assert [set(p.recving) for p in pushed] == [{"a"}] and pushed[0].invalid_block_ids == {4}
+    # Pushed is delivered: kept as well, it would stay forever with nobody draining.
+    assert hub.drain().recving == {}
+    hub.subscribers.clear()
     hub.set_expected(1)
-    hub.report(out(sending=["b"]))
-    assert set(pushed[-1].sending) == {"b"}
+    hub.report(out(sending=["b"], invalid=[5]))
+    drained = hub.drain()
+    assert set(drained.sending) == {"b"} and len(pushed) == 1
+
+
+def test_a_box_nobody_reads_stays_bounded_and_forgets_the_oldest():
+    from kvd.core.aggregate import MAX_UNREAD, EngineFinishedHub
+
+    box = out(recving=[f"r{i}" for i in range(10)], sending=["s"])
+    assert box.bound(limit=4) == 6
+    assert list(box.recving) == ["r6", "r7", "r8", "r9"] and set(box.sending) == {"s"}
+    assert box.bound(limit=4) == 0  # within the bound: nothing goes
+    hub = EngineFinishedHub()
+    for i in range(MAX_UNREAD + 10):
+        hub.report(out(recving=[f"q{i}"]))
+    assert len(hub.pending.recving) == MAX_UNREAD and hub.dropped == 10
+    assert "q9" not in hub.pending.recving and f"q{MAX_UNREAD + 9}" in hub.pending.recving

@@ -4,6 +4,8 @@ threads, and run on them, they write exactly what one ``copy_`` writes."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -32,7 +34,7 @@ def _case(seed: int, scatter: bool) -> tuple[torch.Tensor, Copy]:
         n = rnd.randint(1, shape[2])
         index = torch.tensor(rnd.sample(range(shape[2]), n))
         src_shape[2] = n
-    src = (torch.randint(0, 100, src_shape, dtype=torch.int32)).to(dtype)
+    src = (torch.randint(1, 100, src_shape, dtype=torch.int32)).to(dtype)
     return buffer, Copy(dst, src, index)
 
 
@@ -84,19 +86,46 @@ def test_widen_takes_the_widest_element_the_rows_allow():
     assert widen(strided, strided)[0].dtype == torch.int16
 
 
-def test_copy_threads_raise_a_failed_copy_after_every_share_stops():
-    pool = CopyThreads(2, 1)
-    ran = []
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_copy_threads_raise_a_failure_only_after_every_running_job_stopped(threads):
+    """No job starts after a failure, and ``run`` returns only when the jobs
+    already running have finished (they may be writing into our memory)."""
+    pool = CopyThreads(threads, 1)
+    started, finished = [], []
+    gate = threading.Event()
 
-    def ok() -> None:
-        ran.append(1)
+    def slow() -> None:
+        started.append(1)
+        gate.wait(5)
+        time.sleep(0.05)
+        finished.append(1)
 
     def bad() -> None:
+        gate.set()
         raise RuntimeError("copy failed")
 
     try:
         with pytest.raises(RuntimeError, match="copy failed"):
-            pool.run([ok, bad, ok, ok])
-        assert len(ran) == 3
+            pool.run([slow] * (threads - 1) + [bad] + [slow] * 5)
+        assert len(finished) == len(started) == threads - 1  # the ones running finished; none started after
     finally:
         pool.close()
+
+
+def test_a_job_on_a_copy_thread_that_runs_jobs_runs_them_inline():
+    pool = CopyThreads(2, 1)
+    ran = []
+    try:
+        inner = [lambda: ran.append("inner")] * 3
+        pool.run([lambda: pool.run(inner), lambda: pool.run(inner)])  # one of them runs on the helper
+        assert ran == ["inner"] * 6
+    finally:
+        pool.close()
+
+
+def test_copy_threads_closed_run_everything_on_the_caller():
+    pool = CopyThreads(2, 1)
+    pool.close()
+    ran = []
+    pool.run([lambda: ran.append(1)] * 4)
+    assert ran == [1] * 4

@@ -23,6 +23,12 @@ class Outcome:
     bytes: int = 0
 
 
+# A box nobody reads must not grow forever: an engine takes its sets per
+# worker (vLLM) or per engine, rarely both, and the other box only fills.
+# Past this many unread outcomes of one direction the oldest go.
+MAX_UNREAD = 1 << 16
+
+
 @dataclass
 class WorkerFinished:
     """What one worker has not yet been told."""
@@ -41,6 +47,19 @@ class WorkerFinished:
     def wake(self) -> None:
         for watcher in list(self.watchers):
             watcher()
+
+    def bound(self, limit: int = MAX_UNREAD) -> int:
+        """Forget the oldest outcomes past ``limit`` a direction (and invalid
+        ids past ``limit``): nobody is reading this box. Returns how many went."""
+        dropped = 0
+        for box in (self.sending, self.recving):
+            while len(box) > limit:
+                del box[next(iter(box))]  # dicts keep insertion order: the oldest first
+                dropped += 1
+        while len(self.invalid_block_ids) > limit:
+            self.invalid_block_ids.pop()
+            dropped += 1
+        return dropped
 
     def drain(self) -> WorkerFinished:
         out = WorkerFinished(self.sending, self.recving, self.invalid_block_ids)
@@ -114,6 +133,7 @@ class EngineFinishedHub:
         self.aggregator = KVOutputAggregator(expected_finished_count)
         self.pending = WorkerFinished()
         self.subscribers: list[Callable[[WorkerFinished], None]] = []
+        self.dropped = 0
 
     @property
     def expected(self) -> int:
@@ -125,13 +145,19 @@ class EngineFinishedHub:
         self.aggregator.expected = count
 
     def report(self, output: WorkerFinished) -> WorkerFinished:
+        """Merge one worker's outcomes; what completes goes to the
+        subscribers, or, with none, waits for ``drain`` (bounded: see
+        ``MAX_UNREAD``; ``dropped`` counts what a reader never took)."""
         merged = self.aggregator.aggregate([output])
         if merged.sending or merged.recving or merged.invalid_block_ids:
-            for o in (*merged.sending.values(), *merged.recving.values()):
-                self.pending.add(o)
-            self.pending.invalid_block_ids |= merged.invalid_block_ids
-            for notify in list(self.subscribers):
-                notify(merged)
+            if self.subscribers:  # pushed: holding it too would keep it forever
+                for notify in list(self.subscribers):
+                    notify(merged)
+            else:
+                for o in (*merged.sending.values(), *merged.recving.values()):
+                    self.pending.add(o)
+                self.pending.invalid_block_ids |= merged.invalid_block_ids
+                self.dropped += self.pending.bound()
         return merged
 
     def drain(self) -> WorkerFinished:

@@ -351,7 +351,9 @@ class Daemon:
 
     def emit(self, rank: RankKey, outcome: Outcome, invalid: Sequence[int] = ()) -> None:
         """A worker's outcome: into its own box, and to the engine's aggregator."""
-        self.finished.setdefault(rank, WorkerFinished()).add(outcome, invalid)
+        box = self.finished.setdefault(rank, WorkerFinished())
+        box.add(outcome, invalid)
+        self.metrics.unread_dropped.labels("worker").inc(box.bound())
         one = WorkerFinished()
         one.add(outcome, invalid)
         if self.config.aggregator_address and self.config.aggregator_address != self.grpc_address:
@@ -363,7 +365,12 @@ class Daemon:
             ))
             self._report_queued.set()
         else:
-            self.engine_hub.report(one)
+            self._report_to_hub(one)
+
+    def _report_to_hub(self, output: WorkerFinished) -> None:
+        before = self.engine_hub.dropped
+        self.engine_hub.report(output)
+        self.metrics.unread_dropped.labels("engine").inc(self.engine_hub.dropped - before)
 
     def report_finished(self, req: pb.ReportFinishedRequest) -> None:
         """Another rank's daemon reports to us, the engine's aggregator."""
@@ -372,7 +379,7 @@ class Daemon:
         out = WorkerFinished()
         for i, d in enumerate(req.details):
             out.add(Outcome(d.request_id, d.direction, d.outcome, d.reason, d.bytes), req.invalid_block_ids if i == 0 else ())
-        self.engine_hub.report(out)
+        self._report_to_hub(out)
 
     async def _forward_to_aggregator(self) -> None:
         # Woken by each queued report: polling added up to its period to every

@@ -23,6 +23,8 @@ class Metrics:
         self.transfer_seconds = Histogram("kvd_transfer_duration_seconds", "Pull duration, accepted to landed", ["outcome"], buckets=DURATION_BUCKETS, registry=r)
         self.pulls_in_flight = Gauge("kvd_pulls_in_flight", "Pulls accepted and not yet ended", registry=r)
         self.bytes_in_flight = Gauge("kvd_pull_bytes_in_flight", "Bytes planned by pulls not yet ended", registry=r)
+        self.unread_dropped = Counter("kvd_finished_unread_dropped", "Finished outcomes forgotten unread past 65536 a direction: "
+                                      "a worker's box nobody reads (box=worker) or the engine's (box=engine)", ["box"], registry=r)
         self.handshakes = Counter("kvd_handshakes", "Handshakes by role and result", ["role", "result"], registry=r)
         self.handshake_seconds = Histogram("kvd_handshake_duration_seconds", "Handshake duration as the caller", buckets=DURATION_BUCKETS, registry=r)
         self.failures = Counter("kvd_pull_failures", "Failed pulls by reason", ["reason"], registry=r)

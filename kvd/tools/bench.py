@@ -309,6 +309,8 @@ def run_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     if args.repeat < 1:
         raise SystemExit(f"kvd bench: --repeat={args.repeat} must be at least 1 (rounds)")
+    if "load" in args.sections and not args.load_seconds > 0:
+        raise SystemExit(f"kvd bench: --load-seconds={args.load_seconds:g} must be positive")
 
     def say(line: str) -> None:
         if not args.json:

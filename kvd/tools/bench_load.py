@@ -37,6 +37,8 @@ def rss_anon_bytes(pid: int) -> int:
 
 
 def bench_load(seconds: float, say: Callable[[str], None]) -> dict[str, Any]:
+    if not seconds > 0:
+        raise SystemExit(f"kvd bench: --load-seconds={seconds:g} must be positive")
     say(f"load: requests of {'/'.join(map(str, SIZES))} scattered 64 KiB blocks x {LAYERS} layers, one after another, for {seconds:g} s")
     rng = random.Random(0)
     pair = BenchPair("tcp")
@@ -49,11 +51,12 @@ def bench_load(seconds: float, say: Callable[[str], None]) -> dict[str, Any]:
         warm: dict[str, int] = {}
         samples: list[tuple[float, dict[str, int]]] = []
         moved = requests = moved_warm = 0
-        while (now := time.monotonic()) < start + seconds:
+        while time.monotonic() < start + seconds:
             n = rng.choice(SIZES)
             pair.transfer(f"load-{requests}", rng.sample(range(1, BLOCKS + 1), n), rng.sample(range(1, BLOCKS + 1), n), n * 16)
             moved += n * block_bytes
             requests += 1
+            now = time.monotonic()
             if now >= next_sample:
                 rss = {side: rss_anon_bytes(pid) for side, pid in pids.items()}
                 samples.append((now - start, rss))

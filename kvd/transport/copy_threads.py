@@ -20,6 +20,13 @@ import torch
 from kvd.core.relayout import Copy, split_copies
 from kvd.core.transfer import SegmentSink
 
+_on_helper = threading.local()
+
+
+def _mark_helper() -> None:
+    _on_helper.yes = True
+
+
 # Below this a copy stays whole: handing it to a helper costs more than the
 # helper saves (a thread wake-up is tens of us; 1 MiB copies in ~100 us).
 PARALLEL_MIN_BYTES = 1 << 20
@@ -27,36 +34,52 @@ PARALLEL_MIN_BYTES = 1 << 20
 
 class CopyThreads:
     """Runs jobs on the calling thread and ``threads - 1`` helpers, each
-    taking the next job, and returns when all are done (the first failure
-    is raised once every job has stopped)."""
+    taking the next job, and returns when all are done. After a failure no
+    job starts; the first failure is raised once every running job has
+    stopped. A job running on a helper that calls ``run`` runs its jobs
+    inline (a helper waiting for a helper could wait forever)."""
 
     def __init__(self, threads: int = 2, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:
         self.threads = max(1, threads)
         self.parallel_min_bytes = max(1, parallel_min_bytes)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="kvd-copy")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="kvd-copy",
+                                                           initializer=_mark_helper)
 
     def run(self, jobs: Sequence[Callable[[], object]]) -> None:
-        if self.threads == 1 or len(jobs) <= 1:
+        if self.threads == 1 or len(jobs) <= 1 or getattr(_on_helper, "yes", False):
             for job in jobs:
                 job()
             return
         lock = threading.Lock()
         todo = iter(jobs)
+        failed: list[BaseException] = []
 
         def drain() -> None:
             while True:
                 with lock:
-                    job = next(todo, None)
+                    job = None if failed else next(todo, None)
                 if job is None:
                     return
-                job()
+                try:
+                    job()
+                except BaseException as e:
+                    with lock:
+                        failed.append(e)
+                    return
 
-        helpers = [self._pool.submit(drain) for _ in range(min(self.threads, len(jobs)) - 1)]
-        try:
-            drain()
-        finally:
-            for h in helpers:
-                h.result()
+        helpers = []
+        for _ in range(min(self.threads, len(jobs)) - 1):
+            try:
+                helpers.append(self._pool.submit(drain))
+            except RuntimeError:  # closing: the caller runs them all
+                break
+        drain()
+        # Every job has started by now: a helper not yet running (its thread
+        # busy with another landing's share) has nothing left, so it is
+        # cancelled rather than waited for.
+        concurrent.futures.wait([h for h in helpers if not h.cancel()])
+        if failed:
+            raise failed[0]
 
     def run_copies(self, copies: Sequence[Copy]) -> None:
         """A relayout's strided copies, cut so every thread has a share."""
