@@ -296,10 +296,9 @@ class Copy:
     def split(self, parts: int) -> list[Copy]:
         """At most ``parts`` copies of about equal bytes, cut along the
         outermost dim (of ``src``) that has at least ``parts`` entries."""
-        dims = [d for d in range(self.src.dim() - 1) if self.src.shape[d] >= parts]
-        if parts <= 1 or not dims:
+        d = next((d for d in range(self.src.dim() - 1) if self.src.shape[d] >= parts), None)
+        if parts <= 1 or d is None:
             return [self]
-        d = dims[0]
         size = self.src.shape[d]
         bounds = [size * i // parts for i in range(parts + 1)]
         out = []

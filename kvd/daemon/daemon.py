@@ -353,7 +353,8 @@ class Daemon:
         """A worker's outcome: into its own box, and to the engine's aggregator."""
         box = self.finished.setdefault(rank, WorkerFinished())
         box.add(outcome, invalid)
-        self.metrics.unread_dropped.labels("worker").inc(box.bound())
+        if dropped := box.bound():  # almost never: skip the label lookup on every outcome
+            self.metrics.unread_dropped.labels("worker").inc(dropped)
         one = WorkerFinished()
         one.add(outcome, invalid)
         if self.config.aggregator_address and self.config.aggregator_address != self.grpc_address:
@@ -370,7 +371,8 @@ class Daemon:
     def _report_to_hub(self, output: WorkerFinished) -> None:
         before = self.engine_hub.dropped
         self.engine_hub.report(output)
-        self.metrics.unread_dropped.labels("engine").inc(self.engine_hub.dropped - before)
+        if self.engine_hub.dropped > before:
+            self.metrics.unread_dropped.labels("engine").inc(self.engine_hub.dropped - before)
 
     def report_finished(self, req: pb.ReportFinishedRequest) -> None:
         """Another rank's daemon reports to us, the engine's aggregator."""
