@@ -5,11 +5,17 @@ out with ``kv_transfer_params`` asking for a remote decode (the ``remote_*``
 keys null) and ``max_tokens`` 1; the ``kv_transfer_params`` of its answer go
 into the decode request as they are; the decode answer, streamed or not, is
 passed back. Run under the vLLM environment's Python (FastAPI, httpx).
+
+``GET /timings`` returns where each request's time to first token went, in
+ms: ``prefill`` (the prefill request, answered), and ``decode_first`` (from
+sending the decode request to its first byte: the KV transfer, decode's
+scheduling of a request waiting for remote KV, and its first step).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import httpx
@@ -24,6 +30,11 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 def build(prefill: str, decode: str) -> FastAPI:
     app = FastAPI()
     client = httpx.AsyncClient(timeout=None)
+    timings: list[dict[str, float]] = []
+
+    @app.get("/timings")
+    async def get_timings() -> list[dict[str, float]]:
+        return timings
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -34,17 +45,24 @@ def build(prefill: str, decode: str) -> FastAPI:
         body = await request.json()
         pre = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
         pre.pop("stream_options", None)
+        t0 = time.perf_counter()
         answer = await client.post(f"{prefill}/v1/completions", json=pre)
+        t1 = time.perf_counter()
         if answer.status_code != 200:
             return JSONResponse(answer.json(), status_code=answer.status_code)
         dec = {**body, "kv_transfer_params": answer.json().get("kv_transfer_params")}
         if not body.get("stream"):
             out = await client.post(f"{decode}/v1/completions", json=dec)
+            timings.append({"prefill": (t1 - t0) * 1e3, "decode_first": (time.perf_counter() - t1) * 1e3})
             return JSONResponse(out.json(), status_code=out.status_code)
 
         async def relay() -> Any:
+            first = True
             async with client.stream("POST", f"{decode}/v1/completions", json=dec) as out:
                 async for chunk in out.aiter_raw():
+                    if first:
+                        first = False
+                        timings.append({"prefill": (t1 - t0) * 1e3, "decode_first": (time.perf_counter() - t1) * 1e3})
                     yield chunk
 
         return StreamingResponse(relay(), media_type="text/event-stream")

@@ -86,3 +86,16 @@ def test_a_box_nobody_reads_stays_bounded_and_forgets_the_oldest():
         hub.report(out(recving=[f"q{i}"]))
     assert len(hub.pending.recving) == MAX_UNREAD and hub.dropped == 10
     assert "q9" not in hub.pending.recving and f"q{MAX_UNREAD + 9}" in hub.pending.recving
+
+
+def test_extend_appends_a_later_box_after_this_ones_outcomes():
+    first, later = WorkerFinished(), WorkerFinished()
+    first.add(Outcome("a", "recving", "done"), [1])
+    first.add(Outcome("b", "sending", "done"))
+    later.add(Outcome("c", "recving", "failed"), [2])
+    later.add(Outcome("a", "recving", "failed"))  # a later word on a replaces the earlier one
+    first.extend(later)
+    assert [o.request_id for o in first.outcomes()] == ["b", "a", "c"]
+    assert first.recving["a"].outcome == "failed" and first.invalid_block_ids == {1, 2}
+    first.bound(limit=1)  # the oldest of each direction go first
+    assert list(first.recving) == ["c"] and list(first.sending) == ["b"]

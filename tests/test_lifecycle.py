@@ -12,7 +12,7 @@ import pytest
 
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from tests.conftest import make_worker
+from tests.conftest import make_worker, scrape
 
 
 def status(address):
@@ -89,6 +89,42 @@ def test_ranks_on_two_daemons_aggregate_on_the_engines_aggregator(daemons):
         merged |= w0.client.engine_finished().finished_recving
         time.sleep(0.05)
     assert "q" in merged
+
+
+def test_reports_queued_while_the_aggregator_is_down_arrive_when_it_starts(daemons):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on yet: the aggregator is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = daemons.start("prefill")
+    d1 = daemons.start("decode", "--aggregator-address", f"127.0.0.1:{port}")
+    pw = make_worker(p.grpc, "prefill", num_blocks=64)
+    w1 = make_worker(d1.grpc, "decode", num_blocks=64, tp_rank=1, tp_size=2)
+    names = [f"r{i}" for i in range(20)]
+    for i, name in enumerate(names):
+        pw.fill(i, [i + 1])
+        w1.client.pull(name, pw.client.publish(name, [[i + 1]], 16), [[i + 30]])
+    # One bad request: its invalid block ids travel with the batch.
+    bad = pw.client.publish("x", [[1]], 16)
+    assert pw.client.abort("x")  # withdrawn before decode reads it
+    w1.client.pull("bad", bad, [[60]])
+    got = w1.client.wait_finished(recving={*names, "bad"})
+    assert got.details[("recving", "bad")].outcome != "done" and 60 in got.invalid_block_ids
+    time.sleep(1.5)  # a few failed tries at the missing aggregator
+    assert "unreachable" in d1.log()
+    d0 = daemons.start("decode", grpc_port=port)
+    w0 = make_worker(d0.grpc, "decode", num_blocks=64, tp_rank=0, tp_size=2)
+    assert w0.client.set_expected_finished_count(1) == 1
+    deadline = time.monotonic() + 10
+    merged, invalid = set(), set()
+    while merged != {*names, "bad"} and time.monotonic() < deadline:
+        f = w0.client.engine_finished()
+        merged |= f.finished_recving
+        invalid |= f.invalid_block_ids
+        time.sleep(0.1)
+    assert merged == {*names, "bad"} and 60 in invalid
+    assert scrape(d1.metrics_url, "kvd_finished_unread_dropped_total", box="aggregator") == 0
 
 
 def test_sigterm_drains_and_reports_in_flight_work(daemons):

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -274,14 +275,14 @@ class Server:
     log: Path
 
 
-def _serve(py: Path, model: Path, log: Path, *extra: str, cpus: str = "0") -> Server:
+def _serve(py: Path, model: Path, log: Path, *extra: str, cpus: str = "0", env: dict[str, str] | None = None) -> Server:
     """A ``vllm serve`` OpenAI server (through the launcher: the wheel's own command cannot start),
     its OpenMP threads bound to ``cpus``: unbound, vLLM puts P's and D's threads on the same
     cores, and D's engine loop starves P's prefill for seconds."""
     port = _free_port()
     proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_launcher.py"), "serve", str(model), "--port", str(port), "--enforce-eager",
                              "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024", *extra],
-                            env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": cpus}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": cpus, **(env or {})}, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
@@ -387,19 +388,66 @@ def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _proxy_timings(url: str) -> dict[str, float]:
+    """Medians of where the proxy saw each request's time to first token go."""
+    rows = json.loads(urllib.request.urlopen(f"{url}/timings", timeout=10).read())
+    return {k: statistics.median(r[k] for r in rows) for k in ("prefill", "decode_first")}
+
+
+def _pull_seconds(metrics_url: str) -> tuple[float, float]:
+    return (scrape(metrics_url, "kvd_transfer_duration_seconds_sum"), scrape(metrics_url, "kvd_transfer_duration_seconds_count"))
+
+
+def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
+    """vLLM's own NixlConnector on the same engines, cores and proxy: UCX over TCP, KV staged in CPU memory."""
+    servers, procs = {}, []
+    try:
+        for name, role, cpus in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
+            config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+            env = {"PYTHONPATH": f"{REPO}{os.pathsep}{overlay}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()), "UCX_TLS": "tcp,self,sm"}
+            servers[name] = _serve(py, model, tmp / f"nixl-{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus, env=env)
+            procs.append(servers[name].proc)
+        for server in servers.values():
+            _wait_http(f"{server.url}/health", server.proc, 300, server.log)
+    except BaseException:
+        for proc in procs:
+            _kill_group(proc)
+        raise
+    return OpenAIPD(servers["prefill"], servers["decode"], "", "", "", procs)
+
+
 def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
-    """A real client's load (vLLM's own ``vllm bench serve``) through P/D and
-    the kvd-agnostic proxy: every request completes, and D loaded every
-    prompt through kvd. TTFT and ITL are printed beside one plain engine's."""
+    """The real-engine latency bench: a real client's load (vLLM's own ``vllm
+    bench serve``) through P/D and the kvd-agnostic proxy. Every request
+    completes, and D loaded every prompt through kvd. Printed beside each
+    other: kvd P/D, vLLM's NixlConnector P/D on the same engines, cores and
+    proxy, one plain engine, and that engine with an idle KvdConnector; and
+    where P/D's time to first token goes. Figures are printed, not asserted."""
     url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
-    before = _received_bytes(openai_pd.d_metrics)
+    before, pulls_before = _received_bytes(openai_pd.d_metrics), _pull_seconds(openai_pd.d_metrics)
     pd = _bench_serve(vllm_python, url, model_dir, tmp_path / "pd.json", tmp_path / "bench-pd.log")
     assert (pd["completed"], pd.get("failed", 0)) == (32, 0), pd
     # 256-token prompts: two 128-token blocks each, every one read from P (random prompts share no prefix).
     assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    pulls = [a - b for a, b in zip(_pull_seconds(openai_pd.d_metrics), pulls_before, strict=True)]
+    assert pulls[1] == 32, pulls
+    parts = {"P/D through kvd": {**_proxy_timings(url), "pull": pulls[0] / pulls[1] * 1e3}}
+    rows = {"P/D through kvd": pd}
+    nixl, why = vllm_env.nixl_overlay()
+    if nixl is None:
+        print(f"\nNIXL NOT MEASURED: {why}")
+    else:
+        nixl_pd = _nixl_pd(vllm_python, model_dir, tmp_path, nixl)
+        try:
+            nixl_url = nixl_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "nixl-proxy.log")
+            rows["P/D through NIXL"] = _bench_serve(vllm_python, nixl_url, model_dir, tmp_path / "nixl.json", tmp_path / "bench-nixl.log")
+            parts["P/D through NIXL"] = _proxy_timings(nixl_url)
+        finally:
+            for proc in nixl_pd.procs:
+                _kill_group(proc)
+        assert (rows["P/D through NIXL"]["completed"], rows["P/D through NIXL"].get("failed", 0)) == (32, 0), rows["P/D through NIXL"]
     # One plain engine, and the same engine with the connector loaded but moving
     # nothing (kv_both, its daemon up): what the connector costs every step.
-    rows = {"P/D through kvd": pd}
     idle = Daemons(tmp_path / "idle")
     (tmp_path / "idle").mkdir()
     try:
@@ -417,4 +465,12 @@ def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_
         idle.kill_all()
     print("\nvllm bench serve, 32 prompts x 256 tokens, 16 out, concurrency 4 (ms):")
     for name, r in rows.items():
-        print(f"  {name:16} TTFT median {r['median_ttft_ms']:.1f} p99 {r['p99_ttft_ms']:.1f}   ITL median {r['median_itl_ms']:.1f} p99 {r['p99_itl_ms']:.1f}")
+        print(f"  {name:16} TTFT median {r['median_ttft_ms']:7.1f} p99 {r['p99_ttft_ms']:7.1f}   ITL median {r['median_itl_ms']:5.1f} p99 {r['p99_itl_ms']:6.1f}")
+    print("where P/D's time to first token goes, medians at the proxy (ms):")
+    for name, part in parts.items():
+        pull = f"   of which kvd's pull {part['pull']:.1f} (D's daemon, mean)" if "pull" in part else ""
+        print(f"  {name:16} prefill {part['prefill']:7.1f}   decode to first token {part['decode_first']:7.1f}{pull}")
+    if "P/D through NIXL" in rows:
+        kvd, other = rows["P/D through kvd"], rows["P/D through NIXL"]
+        for figure in ("median_ttft_ms", "median_itl_ms"):
+            print(f"  kvd / NIXL {figure}: {kvd[figure] / other[figure]:.2f} (target <= 1)")

@@ -69,6 +69,30 @@ def ensure() -> tuple[Path | None, str]:
     return python(), ""
 
 
+NIXL_VERSION = "1.5.1"
+NIXL_OVERLAY = VENV / f"nixl-{NIXL_VERSION}"  # on PYTHONPATH of the engines that run vLLM's NixlConnector
+
+
+def nixl_overlay() -> tuple[Path | None, str]:
+    """A folder holding NIXL (``nixl-cu12``, whose UCX runs on CPU, and the
+    ``nixl`` module vLLM's NixlConnector imports) for engines that compare
+    against it, or (None, why not). Installed beside the environment, not
+    into it: the environment kvd is tested in stays as a user's would be."""
+    stamp = NIXL_OVERLAY / ".installed"
+    if stamp.exists():
+        return NIXL_OVERLAY, ""
+    log: list[str] = []
+    try:
+        # --no-deps: nixl asks for nixl-cu13 as well, and nixl-cu12 for a torch; the environment's
+        # torch and numpy serve, and nixl-cu12 carries the UCX that runs on CPU.
+        _run([str(python()), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--target", str(NIXL_OVERLAY),
+              f"nixl-cu12=={NIXL_VERSION}", f"nixl=={NIXL_VERSION}"], log, 900)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+        return None, str(e)[-500:]
+    stamp.write_text("\n\n".join(log))
+    return NIXL_OVERLAY, ""
+
+
 def torch_version() -> str:
     r = subprocess.run([str(python()), "-c", "import importlib.metadata as m; print(m.version('torch'))"], capture_output=True, text=True, timeout=120)
     return r.stdout.strip()

@@ -44,6 +44,16 @@ class WorkerFinished:
         self.invalid_block_ids.update(invalid_block_ids)
         self.wake()
 
+    def extend(self, later: WorkerFinished) -> None:
+        """Append what ``later`` holds, as if added after this box's own outcomes."""
+        for outcome in later.outcomes():
+            (self.sending if outcome.direction == "sending" else self.recving)[outcome.request_id] = outcome
+        self.invalid_block_ids |= later.invalid_block_ids
+        self.wake()
+
+    def outcomes(self) -> list[Outcome]:
+        return [*self.sending.values(), *self.recving.values()]
+
     def wake(self) -> None:
         for watcher in list(self.watchers):
             watcher()
@@ -110,7 +120,7 @@ class KVOutputAggregator:
         merged = WorkerFinished()
         for out in outputs:
             merged.invalid_block_ids |= out.invalid_block_ids
-            for outcome in (*out.sending.values(), *out.recving.values()):
+            for outcome in out.outcomes():
                 key = (outcome.direction, outcome.request_id)
                 count, worst = self._pending.get(key, (0, outcome))
                 # One failed worker fails the request for the whole engine.
@@ -154,7 +164,7 @@ class EngineFinishedHub:
                 for notify in list(self.subscribers):
                     notify(merged)
             else:
-                for o in (*merged.sending.values(), *merged.recving.values()):
+                for o in merged.outcomes():
                     self.pending.add(o)
                 self.pending.invalid_block_ids |= merged.invalid_block_ids
                 self.dropped += self.pending.bound()

@@ -112,7 +112,10 @@ class Daemon:
         self.publications = PublicationTable(config.lease_seconds, self.epoch)
         self.engine_hub = EngineFinishedHub()
         self._expected_override = 0
-        self._to_aggregator: list[pb.ReportFinishedRequest] = []
+        # Outcomes not yet reported to another daemon that aggregates: one box a
+        # rank, sent whole (one RPC however many outcomes queued) and bounded
+        # like every other box while that daemon is unreachable.
+        self._to_aggregator: dict[RankKey, WorkerFinished] = {}
         self._report_queued = asyncio.Event()  # emit (always on the loop) wakes the forwarder
         self._background: list[asyncio.Task[None]] = []
         self.registration_version = 0
@@ -355,17 +358,15 @@ class Daemon:
         box.add(outcome, invalid)
         if dropped := box.bound():  # almost never: skip the label lookup on every outcome
             self.metrics.unread_dropped.labels("worker").inc(dropped)
-        one = WorkerFinished()
-        one.add(outcome, invalid)
         if self.config.aggregator_address and self.config.aggregator_address != self.grpc_address:
-            reg = self.registrations.get(rank)
-            wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=self.config.engine_id, tp_rank=rank[0], pp_rank=rank[1])
-            self._to_aggregator.append(pb.ReportFinishedRequest(
-                engine_id=self.config.engine_id, worker=wid, invalid_block_ids=sorted(invalid),
-                details=[pb.FinishedDetail(request_id=outcome.request_id, direction=outcome.direction, outcome=outcome.outcome, reason=outcome.reason, bytes=outcome.bytes)],
-            ))
+            queued = self._to_aggregator.setdefault(rank, WorkerFinished())
+            queued.add(outcome, invalid)
+            if dropped := queued.bound():
+                self.metrics.unread_dropped.labels("aggregator").inc(dropped)
             self._report_queued.set()
         else:
+            one = WorkerFinished()
+            one.add(outcome, invalid)
             self._report_to_hub(one)
 
     def _report_to_hub(self, output: WorkerFinished) -> None:
@@ -378,9 +379,9 @@ class Daemon:
         """Another rank's daemon reports to us, the engine's aggregator."""
         if req.engine_id != self.config.engine_id:
             raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {self.config.engine_id!r}")
-        out = WorkerFinished()
-        for i, d in enumerate(req.details):
-            out.add(Outcome(d.request_id, d.direction, d.outcome, d.reason, d.bytes), req.invalid_block_ids if i == 0 else ())
+        out = WorkerFinished(invalid_block_ids=set(req.invalid_block_ids))
+        for d in req.details:  # one or many outcomes of that worker: a batch queued while we were unreachable
+            out.add(Outcome(d.request_id, d.direction, d.outcome, d.reason, d.bytes))
         self._report_to_hub(out)
 
     async def _forward_to_aggregator(self) -> None:
@@ -390,15 +391,33 @@ class Daemon:
             await self._report_queued.wait()
             self._report_queued.clear()
             while self._to_aggregator:
-                item = self._to_aggregator[0]
+                rank = next(iter(self._to_aggregator))
+                batch = self._to_aggregator.pop(rank)
                 try:
-                    await pbg.PeerStub(self.channel(self.config.aggregator_address)).ReportFinished(item, timeout=5, metadata=self.auth.call_metadata())
-                    self._to_aggregator.pop(0)
+                    await pbg.PeerStub(self.channel(self.config.aggregator_address)).ReportFinished(
+                        self._report_request(rank, batch), timeout=5, metadata=self.auth.call_metadata())
                 except grpc.aio.AioRpcError as e:
-                    log.warning("aggregator %s unreachable (%s); %d reports queued", self.config.aggregator_address, e.code().name, len(self._to_aggregator))
+                    # Put the batch back ahead of what queued meanwhile, then retry all of it.
+                    later = self._to_aggregator.pop(rank, None)
+                    if later is not None:
+                        batch.extend(later)
+                        if dropped := batch.bound():
+                            self.metrics.unread_dropped.labels("aggregator").inc(dropped)
+                    self._to_aggregator = {rank: batch, **self._to_aggregator}
+                    queued = sum(len(b.sending) + len(b.recving) for b in self._to_aggregator.values())
+                    log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.config.aggregator_address, e.code().name, queued)
                     await asyncio.sleep(0.5)
-                    self._report_queued.set()  # try the rest again
+                    self._report_queued.set()
                     break
+
+    def _report_request(self, rank: RankKey, batch: WorkerFinished) -> pb.ReportFinishedRequest:
+        reg = self.registrations.get(rank)
+        wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=self.config.engine_id, tp_rank=rank[0], pp_rank=rank[1])
+        return pb.ReportFinishedRequest(
+            engine_id=self.config.engine_id, worker=wid, invalid_block_ids=sorted(batch.invalid_block_ids),
+            details=[pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
+                     for o in batch.outcomes()],
+        )
 
     def engine_finished(self, engine_id: str) -> WorkerFinished:
         self.check_engine(engine_id)

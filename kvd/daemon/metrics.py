@@ -24,8 +24,9 @@ class Metrics:
         self.pulls_in_flight = Gauge("kvd_pulls_in_flight", "Pulls accepted and not yet ended", registry=r)
         self.bytes_in_flight = Gauge("kvd_pull_bytes_in_flight", "Bytes planned by pulls not yet ended", registry=r)
         self.unread_dropped = Counter("kvd_finished_unread_dropped", "Finished outcomes forgotten unread past 65536 a direction: "
-                                      "a worker's box nobody reads (box=worker) or the engine's (box=engine)", ["box"], registry=r)
-        for box in ("worker", "engine"):  # scraped as 0 from the start, though incremented only on a drop
+                                      "a worker's box nobody reads (box=worker), the engine's (box=engine), "
+                                      "or reports queued for an unreachable aggregator daemon (box=aggregator)", ["box"], registry=r)
+        for box in ("worker", "engine", "aggregator"):  # scraped as 0 from the start, though incremented only on a drop
             self.unread_dropped.labels(box)
         self.handshakes = Counter("kvd_handshakes", "Handshakes by role and result", ["role", "result"], registry=r)
         self.handshake_seconds = Histogram("kvd_handshake_duration_seconds", "Handshake duration as the caller", buckets=DURATION_BUCKETS, registry=r)

@@ -87,7 +87,7 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
 def finished_to_pb(f: WorkerFinished, seq: int = 0) -> pb.GetFinishedResponse:
     details = [
         pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
-        for o in (*f.sending.values(), *f.recving.values())
+        for o in f.outcomes()
     ]
     return pb.GetFinishedResponse(
         finished_sending=sorted(f.sending), finished_recving=sorted(f.recving),
