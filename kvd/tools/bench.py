@@ -223,14 +223,15 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
         # Like with like: kvd's TCP path against NIXL with UCX_TLS=tcp, and
         # kvd's same-host path against NIXL with UCX's own pick (shm/CMA).
         ratios = []
-        for label, unit in UNIT_SIZES.items():
-            out[f"nixl_tcp_{label}_gbps"] = nixl_read_gbps(nbytes, unit, args.repeat, "tcp")
-            say(f"  {f'NIXL (UCX_TLS=tcp), {label} units':<34} {out[f'nixl_tcp_{label}_gbps']:6.2f} GB/s")
-            ratios.append(out[f"tcp_{label}_gbps"] / out[f"nixl_tcp_{label}_gbps"])
-        for label in ("1m", "16k"):
-            out[f"nixl_default_{label}_gbps"] = nixl_read_gbps(nbytes, UNIT_SIZES[label], args.repeat, "")
-            say(f"  {f'NIXL (UCX default), {label} units':<34} {out[f'nixl_default_{label}_gbps']:6.2f} GB/s")
-            ratios.append(out[f"samehost_{label}_gbps"] / out[f"nixl_default_{label}_gbps"])
+        for label, gbps in zip(UNIT_SIZES, nixl_read_gbps(nbytes, list(UNIT_SIZES.values()), args.repeat, "tcp"), strict=True):
+            out[f"nixl_tcp_{label}_gbps"] = gbps
+            say(f"  {f'NIXL (UCX_TLS=tcp), {label} units':<34} {gbps:6.2f} GB/s")
+            ratios.append(out[f"tcp_{label}_gbps"] / gbps)
+        labels = ("1m", "16k")
+        for label, gbps in zip(labels, nixl_read_gbps(nbytes, [UNIT_SIZES[x] for x in labels], args.repeat, ""), strict=True):
+            out[f"nixl_default_{label}_gbps"] = gbps
+            say(f"  {f'NIXL (UCX default), {label} units':<34} {gbps:6.2f} GB/s")
+            ratios.append(out[f"samehost_{label}_gbps"] / gbps)
         out["vs_nixl"] = min(ratios)
     from kvd.tools.bench_peers import mooncake_installed, mooncake_read_gbps
 
