@@ -97,6 +97,7 @@ SERVE_FLAGS = {
     "aggregator-address": "the engine's aggregator daemon (default: this one)",
     "same-host": "auto: direct copies between mapped regions when peers share a host; off: always TCP",
     "drain-seconds": "SIGTERM: how long in-flight pulls may finish (default 10)",
+    "drain-report-seconds": "SIGTERM, then: how long workers get to read outcomes, from the newest (default 5)",
     "auth": "none, token or mtls (docs/security.md)",
     "token-file": "auth=token: file holding the shared token (mode 600)",
     "tls-cert-file": "auth=mtls: this daemon's certificate chain (PEM)",

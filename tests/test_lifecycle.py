@@ -148,6 +148,39 @@ def test_sigterm_drains_and_reports_in_flight_work(daemons):
     proxy.close()
 
 
+def test_sigterm_waits_for_fresh_unread_outcomes_only(daemons):
+    """A stopping daemon gives workers time to read outcomes the drain (or the
+    last moments) produced, but not ones unread for longer than that bound: a
+    box its engine never reads must not hold up every shutdown."""
+    import signal
+
+    p = daemons.start("prefill")
+    stale, fresh = (daemons.start("decode", "--drain-report-seconds", "4") for _ in range(2))
+    pw = make_worker(p.grpc, "prefill")
+    pw.fill(1, [1])
+
+    def pull_unread(d, name):
+        dw = make_worker(d.grpc, "decode")
+        dw.client.pull(name, pw.client.publish(name, [[1]], 16), [[2]])
+        deadline = time.monotonic() + 10
+        while name not in dw.client.engine_finished().finished_recving and time.monotonic() < deadline:
+            time.sleep(0.05)  # the engine's set is read; the worker's own box is not
+
+    pull_unread(stale, "old")
+    time.sleep(4.5)  # older than the bound now
+    pull_unread(fresh, "new")  # the control: unread and fresh
+    t0 = time.monotonic()
+    for d in (stale, fresh):
+        d.proc.send_signal(signal.SIGTERM)
+    assert stale.proc.wait(timeout=20) == 0
+    stale_s = time.monotonic() - t0
+    assert fresh.proc.poll() is None  # still giving its worker time to read
+    assert fresh.proc.wait(timeout=20) == 0
+    fresh_s = time.monotonic() - t0
+    print(f"exits after SIGTERM: stale {stale_s:.2f} s, fresh {fresh_s:.2f} s")
+    assert stale_s < 3 < 4 <= fresh_s
+
+
 @pytest.mark.faults
 @pytest.mark.slow
 def test_soak_1000_concurrent_requests_stays_exact_flat_and_leak_free(daemons):

@@ -35,7 +35,7 @@ class DaemonConfig:
     stall_timeout_seconds: float = 10.0  # no byte from a peer for this long fails the read
     max_concurrent_pulls: int = 64  # more are queued (and kept alive by heartbeat)
     drain_seconds: float = 10.0
-    drain_report_seconds: float = 5.0  # after draining, how long workers get to collect outcomes
+    drain_report_seconds: float = 5.0  # after draining, how long workers get to collect outcomes (from the newest)
     handshake_retries: int = 3
     pull_retries: int = 2
     aggregator_address: str = ""  # the engine's aggregator daemon; empty: this one

@@ -117,6 +117,7 @@ class Daemon:
         # like every other box while that daemon is unreachable.
         self._to_aggregator: dict[RankKey, WorkerFinished] = {}
         self._report_queued = asyncio.Event()  # emit (always on the loop) wakes the forwarder
+        self._last_outcome_at = float("-inf")  # monotonic time of the newest outcome
         self._background: list[asyncio.Task[None]] = []
         self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
@@ -174,7 +175,9 @@ class Daemon:
                 await asyncio.gather(*pending, return_exceptions=True)
         # Report everything before exiting: give workers (and the aggregator)
         # a bounded time to collect what the drain produced.
-        deadline = time.monotonic() + self.config.drain_report_seconds
+        # Outcomes older than that bound were not read by now and will not be
+        # (a box its engine never reads): they do not hold the exit up.
+        deadline = min(time.monotonic(), self._last_outcome_at) + self.config.drain_report_seconds
         while time.monotonic() < deadline and (self._to_aggregator or any(b.sending or b.recving for b in self.finished.values())):
             await asyncio.sleep(0.05)
 
@@ -354,6 +357,7 @@ class Daemon:
 
     def emit(self, rank: RankKey, outcome: Outcome, invalid: Sequence[int] = ()) -> None:
         """A worker's outcome: into its own box, and to the engine's aggregator."""
+        self._last_outcome_at = time.monotonic()
         box = self.finished.setdefault(rank, WorkerFinished())
         box.add(outcome, invalid)
         if dropped := box.bound():  # almost never: skip the label lookup on every outcome

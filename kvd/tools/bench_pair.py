@@ -108,5 +108,11 @@ class BenchPair:
     def close(self) -> None:
         from kvd.caches import release_all
 
+        # The bench reads the engine's sets; its workers' own boxes are read
+        # here, as an engine's workers would, so a stopping daemon has no
+        # unread outcome to wait on.
+        for client in (self.p_client, self.d_client):
+            if client is not None:
+                client.get_finished()
         self.daemons.stop()
         release_all()
