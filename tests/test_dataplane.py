@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.core.wire import FrameType
 from kvd.proto import kvd_pb2 as pb
+from kvd.tools.bench_load import proc_status_bytes
 from tests.conftest import make_worker
 from tests.rawpeer import RawPeer, fake_engine, handshake
 
@@ -17,8 +18,7 @@ BIG = dict(layers=8, heads=4, head_size=128, num_blocks=1024)  # 256 MiB of cach
 
 
 def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+    return proc_status_bytes(pid, "VmRSS")
 
 
 def test_stalled_reader_keeps_the_senders_memory_bounded(daemons):

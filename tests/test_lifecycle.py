@@ -12,6 +12,7 @@ import pytest
 
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
+from kvd.tools.bench_load import proc_status_bytes
 from tests.conftest import make_worker, scrape
 
 
@@ -192,8 +193,7 @@ def test_soak_1000_concurrent_requests_stays_exact_flat_and_leak_free(daemons):
     n = 1000
 
     def rss(pid):
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+        return proc_status_bytes(pid, "VmRSS")
 
     rounds = 0
     baseline = None

@@ -28,12 +28,17 @@ BLOCKS = 1024  # per cache: 1024 blocks x 4 layers x 64 KiB = 256 MiB a side
 SIZES = (1, 16, 128, 1024)  # blocks of one request, drawn uniformly
 
 
-def rss_anon_bytes(pid: int) -> int:
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A memory figure of ``/proc/PID/status`` (``RssAnon``, ``VmRSS``, ...), in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def rss_anon_bytes(pid: int) -> int:
+    return proc_status_bytes(pid, "RssAnon")
 
 
 def bench_load(seconds: float, say: Callable[[str], None]) -> dict[str, Any]:
