@@ -114,10 +114,14 @@ class AuthConfig:
         return ()
 
     def aio_channel(self, address: str) -> grpc.aio.Channel:
+        # A peer that was down is retried within seconds of coming back:
+        # gRPC's default backoff grows to 120 s, and finished-set reports
+        # to an aggregator daemon would wait that long.
+        options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 5000)]
         creds = self.channel_credentials()
         if creds is not None:
-            return grpc.aio.secure_channel(address, creds)
-        return grpc.aio.insecure_channel(address)
+            return grpc.aio.secure_channel(address, creds, options=options)
+        return grpc.aio.insecure_channel(address, options=options)
 
     def data_plane_context(self, server: bool) -> ssl.SSLContext | None:
         """mTLS on the data plane: both sides present a certificate from the CA.

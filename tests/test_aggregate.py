@@ -99,3 +99,14 @@ def test_extend_appends_a_later_box_after_this_ones_outcomes():
     assert first.recving["a"].outcome == "failed" and first.invalid_block_ids == {1, 2}
     first.bound(limit=1)  # the oldest of each direction go first
     assert list(first.recving) == ["c"] and list(first.sending) == ["b"]
+
+
+def test_take_moves_out_the_oldest_outcomes_and_every_invalid_id():
+    box = WorkerFinished()
+    for i in range(3):
+        box.add(Outcome(f"s{i}", "sending", "done"))
+        box.add(Outcome(f"r{i}", "recving", "failed"), [i])
+    first = box.take(4)
+    assert [o.request_id for o in first.outcomes()] == ["s0", "s1", "s2", "r0"] and first.invalid_block_ids == {0, 1, 2}
+    assert [o.request_id for o in box.outcomes()] == ["r1", "r2"] and not box.invalid_block_ids
+    assert [o.request_id for o in box.take(10).outcomes()] == ["r1", "r2"] and not box.outcomes()

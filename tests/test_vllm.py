@@ -406,7 +406,8 @@ def _pull_seconds(metrics_url: str) -> tuple[float, float]:
 
 
 def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
-    """vLLM's own NixlConnector on the same engines, cores and proxy: UCX over TCP, KV staged in CPU memory."""
+    """vLLM's own NixlConnector on the same engines, cores and proxy: UCX_TLS=tcp,self,sm (TCP, or shared
+    memory between the two processes where UCX picks it), KV staged in CPU memory."""
     servers, procs = {}, []
     try:
         for name, role, cpus in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):

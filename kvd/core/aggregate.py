@@ -51,6 +51,17 @@ class WorkerFinished:
         self.invalid_block_ids |= later.invalid_block_ids
         self.wake()
 
+    def take(self, limit: int) -> WorkerFinished:
+        """Move out the oldest ``limit`` outcomes (sending first) and every
+        invalid id: one bounded report of a box that queued a lot."""
+        out = WorkerFinished(invalid_block_ids=self.invalid_block_ids)
+        self.invalid_block_ids = set()
+        for box, into in ((self.sending, out.sending), (self.recving, out.recving)):
+            while box and len(out.sending) + len(out.recving) < limit:
+                rid = next(iter(box))
+                into[rid] = box.pop(rid)
+        return out
+
     def outcomes(self) -> list[Outcome]:
         return [*self.sending.values(), *self.recving.values()]
 

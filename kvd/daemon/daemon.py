@@ -98,6 +98,15 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+# One ReportFinished carries at most this many outcomes (a message stays far
+# below the 16 MiB gRPC limit even with long failure reasons).
+REPORT_BATCH = 4096
+# Answers to a report that no retry can change (a wrong engine id, a message
+# too big). Authentication failures are retried: a fixed token or
+# certificate lets the queue through, and the queue is bounded meanwhile.
+_REPORT_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED})
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         WorkerId(config.engine_id)  # validates the id
@@ -118,6 +127,7 @@ class Daemon:
         self._to_aggregator: dict[RankKey, WorkerFinished] = {}
         self._report_queued = asyncio.Event()  # emit (always on the loop) wakes the forwarder
         self._last_outcome_at = float("-inf")  # monotonic time of the newest outcome
+        self._sending_report: tuple[RankKey, WorkerFinished] | None = None  # in flight to the aggregator
         self._background: list[asyncio.Task[None]] = []
         self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
@@ -177,8 +187,9 @@ class Daemon:
         # a bounded time to collect what the drain produced.
         # Outcomes older than that bound were not read by now and will not be
         # (a box its engine never reads): they do not hold the exit up.
-        deadline = min(time.monotonic(), self._last_outcome_at) + self.config.drain_report_seconds
-        while time.monotonic() < deadline and (self._to_aggregator or any(b.sending or b.recving for b in self.finished.values())):
+        start = time.monotonic()
+        while (time.monotonic() < min(start, self._last_outcome_at) + self.config.drain_report_seconds
+               and (self._to_aggregator or self._sending_report or any(b.sending or b.recving for b in self.finished.values()))):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
@@ -396,23 +407,44 @@ class Daemon:
             self._report_queued.clear()
             while self._to_aggregator:
                 rank = next(iter(self._to_aggregator))
-                batch = self._to_aggregator.pop(rank)
+                queued = self._to_aggregator[rank]
+                # At most REPORT_BATCH outcomes a call, so a long outage's queue fits a message.
+                self._sending_report = (rank, queued.take(REPORT_BATCH))
+                if not queued.outcomes():
+                    del self._to_aggregator[rank]
                 try:
                     await pbg.PeerStub(self.channel(self.config.aggregator_address)).ReportFinished(
-                        self._report_request(rank, batch), timeout=5, metadata=self.auth.call_metadata())
+                        self._report_request(rank, self._sending_report[1]), timeout=5, metadata=self.auth.call_metadata())
                 except grpc.aio.AioRpcError as e:
-                    # Put the batch back ahead of what queued meanwhile, then retry all of it.
-                    later = self._to_aggregator.pop(rank, None)
-                    if later is not None:
-                        batch.extend(later)
-                        if dropped := batch.bound():
-                            self.metrics.unread_dropped.labels("aggregator").inc(dropped)
-                    self._to_aggregator = {rank: batch, **self._to_aggregator}
-                    queued = sum(len(b.sending) + len(b.recving) for b in self._to_aggregator.values())
-                    log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.config.aggregator_address, e.code().name, queued)
+                    if e.code() in _REPORT_REFUSED:  # retrying cannot help: counted, and logged, not retried forever
+                        lost = len(self._sending_report[1].outcomes())
+                        self.metrics.unread_dropped.labels("aggregator").inc(lost)
+                        log.error("aggregator %s refused %d outcomes (%s): %s", self.config.aggregator_address, lost, e.code().name, e.details())
+                        continue
+                    self._requeue_report()
+                    left = sum(len(b.outcomes()) for b in self._to_aggregator.values())
+                    log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.config.aggregator_address, e.code().name, left)
                     await asyncio.sleep(0.5)
                     self._report_queued.set()
                     break
+                except BaseException:
+                    self._requeue_report()  # cancelled at shutdown mid-call: the drain may still flush it
+                    raise
+                finally:
+                    self._sending_report = None
+
+    def _requeue_report(self) -> None:
+        """The report in flight goes back ahead of what its rank queued meanwhile."""
+        if self._sending_report is None:
+            return
+        rank, batch = self._sending_report
+        self._sending_report = None
+        later = self._to_aggregator.pop(rank, None)
+        if later is not None:
+            batch.extend(later)
+            if dropped := batch.bound():
+                self.metrics.unread_dropped.labels("aggregator").inc(dropped)
+        self._to_aggregator = {rank: batch, **self._to_aggregator}
 
     def _report_request(self, rank: RankKey, batch: WorkerFinished) -> pb.ReportFinishedRequest:
         reg = self.registrations.get(rank)

@@ -3,6 +3,7 @@ the benches that move requests through them (``transport``, ``load``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -113,6 +114,7 @@ class BenchPair:
         # unread outcome to wait on.
         for client in (self.p_client, self.d_client):
             if client is not None:
-                client.get_finished()
+                with contextlib.suppress(Exception):  # a daemon that died must not keep the rest running
+                    client.get_finished()
         self.daemons.stop()
         release_all()

@@ -72,11 +72,11 @@ def _initiator(conn: Any, nbytes: int, units: list[int], repeat: int, ucx_tls: s
     remote = agent.add_remote_agent(metadata)
     remote = remote.decode() if isinstance(remote, bytes) else remote
     results = []
-    for i, unit in enumerate(units):
+    for unit in units:
         n = nbytes // unit
         best = float("inf")
         buf.zero_()
-        for r in range(repeat + (i == 0)):  # the very first one connects
+        for r in range(repeat + 1):  # the first of each size warms up (the very first also connects)
             local = np.zeros((n, 3), dtype=np.uint64)
             far = np.zeros((n, 3), dtype=np.uint64)
             local[:, 0] = np.uint64(buf.data_ptr()) + _offsets(n, unit, 2 * r)
@@ -91,7 +91,7 @@ def _initiator(conn: Any, nbytes: int, units: list[int], repeat: int, ucx_tls: s
             agent.release_xfer_handle(h)
             if state != "DONE":
                 raise RuntimeError(f"NIXL READ ended {state}")
-            if r or i:
+            if r:
                 best = min(best, seconds)
         results.append((nbytes / best / 1e9, bool(buf.eq(1).all())))  # every byte of this unit size's reads arrived
     agent.remove_remote_agent(remote)
