@@ -166,6 +166,36 @@ def test_reports_an_aggregator_refuses_are_counted_and_do_not_block_the_rest(dae
     assert "refused" in d1.log() and "other-engine" in d1.log()
 
 
+def test_sigterm_ends_push_streams_cleanly_instead_of_waiting_out_the_grace(daemons):
+    """After the drain, a worker's and an engine's push streams get what is
+    left and end with OK, so the server's stop does not wait out its 2 s
+    grace on them and then cancel them."""
+    import signal
+
+    d = daemons.start("decode")
+    dw = make_worker(d.grpc, "decode")
+    worker_stream, engine_stream = dw.client.watch_finished(), dw.client.watch_engine_finished()
+    ended: dict[str, str] = {}
+
+    def consume(name, stream):
+        try:
+            for _ in stream:
+                pass
+            ended[name] = "ok"
+        except Exception as e:  # a cancelled stream: grpc.RpcError or its KvdError
+            ended[name] = f"{type(e).__name__}: {e}"
+
+    readers = [threading.Thread(target=consume, args=args, daemon=True) for args in (("worker", worker_stream), ("engine", engine_stream))]
+    for r in readers:
+        r.start()
+    time.sleep(0.5)  # both streams open
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+    for r in readers:
+        r.join(timeout=10)
+    assert ended == {"worker": "ok", "engine": "ok"}, ended
+
+
 def test_sigterm_waits_for_fresh_unread_outcomes_only(daemons):
     """A stopping daemon gives workers time to read outcomes the drain (or the
     last moments) produced, but not ones unread for longer than that bound: a

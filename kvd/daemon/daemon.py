@@ -133,6 +133,7 @@ class Daemon:
         self._meta_cache: tuple[int, EngineMeta] | None = None
         self._generation = 0
         self.draining = False
+        self.streams_ending = False  # after the drain: push streams send what is left and end
         self.grpc_address = ""  # what peers dial for gRPC: set by the server once it is bound
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -191,6 +192,15 @@ class Daemon:
         while (time.monotonic() < min(start, self._last_outcome_at) + self.config.drain_report_seconds
                and (self._to_aggregator or self._sending_report or any(b.sending or b.recving for b in self.finished.values()))):
             await asyncio.sleep(0.05)
+
+    def end_streams(self) -> None:
+        """After the drain: every push stream sends what is left and ends, so
+        stopping the gRPC server does not wait out its grace on open streams."""
+        self.streams_ending = True
+        for box in self.finished.values():
+            box.wake()
+        for notify in list(self.engine_hub.subscribers):
+            notify(WorkerFinished())  # empty: the stream's cue to end
 
     async def close(self) -> None:
         for t in self._background:

@@ -103,6 +103,7 @@ class Server:
         else:
             await health_servicer.set("", NOT_SERVING)
         await daemon.drain()
+        daemon.end_streams()
         await server.stop(grace=2)
         await daemon.close()
         log.info("kvd stopped")

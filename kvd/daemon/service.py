@@ -177,6 +177,8 @@ class WorkerService(pbg.WorkerServicer):
                     first = False
                     # Logged before it is sent: if the send is lost, a resumed stream resends it.
                     yield finished_to_pb(out, log.push(out))
+                elif self.d.streams_ending:
+                    return
                 else:
                     await wake.wait()
         finally:
@@ -202,7 +204,11 @@ class WorkerService(pbg.WorkerServicer):
             if backlog.sending or backlog.recving or backlog.invalid_block_ids:
                 yield finished_to_pb(backlog)
             while True:
-                yield finished_to_pb(await queue.get())
+                sets = await queue.get()
+                if sets.sending or sets.recving or sets.invalid_block_ids:
+                    yield finished_to_pb(sets)
+                elif self.d.streams_ending:
+                    return
         finally:
             self.d.engine_hub.subscribers.remove(queue.put_nowait)
 
