@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import random
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,12 +34,14 @@ class Daemons:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.logs: list[Any] = []
         self.tmp = tempfile.mkdtemp(prefix="kvd-demo-")
 
     def start(self, engine_id: str, extra: Sequence[str] = ()) -> dict[str, Any]:
         """Start ``kvd serve``; ``extra`` are more flags."""
         ready = os.path.join(self.tmp, f"{engine_id}.json")
-        log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")  # noqa: SIM115 - the child keeps it
+        log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")  # noqa: SIM115 - the child writes it; closed in stop
+        self.logs.append(log)
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0", "--ready-file", ready, *extra],
             stdout=log, stderr=subprocess.STDOUT,
@@ -55,9 +58,16 @@ class Daemons:
             return dict(json.load(f))
 
     def stop(self) -> list[int]:
+        """Stop the daemons; their folder (ready files, logs) goes too unless
+        one exited with an error, when its log is the evidence."""
         for p in self.procs:
             p.terminate()
-        return [p.wait(timeout=30) for p in self.procs]
+        codes = [p.wait(timeout=30) for p in self.procs]
+        for log in self.logs:
+            log.close()
+        if not any(codes):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return codes
 
 
 class Allocator:
@@ -224,7 +234,7 @@ def run_demo(args: argparse.Namespace) -> int:
             p.join(timeout=10)
         codes = daemons.stop()
         if any(codes):
-            say(f"  daemons exited with {codes}")
+            say(f"  daemons exited with {codes}; their logs: {daemons.tmp}")
             ok = False
         return 0 if ok else 1
     finally:
