@@ -25,10 +25,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass
 class DaemonProc:
+    """A started ``kvd serve``. Its address and the rest of its ready file are
+    waited for on first use, so daemons a test starts together boot in
+    parallel (most of a start is importing torch)."""
+
     engine_id: str
     proc: subprocess.Popen[bytes]
-    info: dict
+    ready: Path
     log_path: Path
+    _info: dict | None = None
+
+    @property
+    def info(self) -> dict:
+        if self._info is None:
+            deadline = time.monotonic() + 60
+            while not self.ready.exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvd serve exited {self.proc.returncode}: {self.log()}")
+                if time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise RuntimeError(f"kvd serve not ready: {self.log()}")
+                time.sleep(0.02)
+            self._info = json.loads(self.ready.read_text())
+        return self._info
 
     @property
     def grpc(self) -> str:
@@ -53,8 +72,9 @@ class Daemons:
     started: list[DaemonProc] = field(default_factory=list)
 
     def start(self, engine_id: str, *extra: str, grpc_port: int = 0, same_host: str = "off", prefix: Sequence[str] = ()) -> DaemonProc:
-        """A ``kvd serve`` process. Tests use TCP unless they ask for the same-host path.
-        ``prefix`` runs it elsewhere, e.g. inside a network namespace."""
+        """A ``kvd serve`` process, started and not waited for (``.info`` waits).
+        Tests use TCP unless they ask for the same-host path. ``prefix`` runs
+        it elsewhere, e.g. inside a network namespace."""
         n = len(self.started)
         ready = self.tmp / f"{engine_id}-{n}.json"
         log_path = self.tmp / f"{engine_id}-{n}.log"
@@ -63,18 +83,9 @@ class Daemons:
              "--metrics-port", "0", "--ready-file", str(ready), "--same-host", same_host, *extra],
             stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
         )
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvd serve exited {proc.returncode}: {log_path.read_text()}")
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"kvd serve not ready: {log_path.read_text()}")
-            time.sleep(0.02)
-        d = DaemonProc(engine_id, proc, json.loads(ready.read_text()), log_path)
+        d = DaemonProc(engine_id, proc, ready, log_path)
         self.started.append(d)
         return d
-
 
     def kill_all(self) -> None:
         for d in self.started:
