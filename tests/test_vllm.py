@@ -377,11 +377,11 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
     assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[2]) - 1) + _blocks(len(PROMPTS[3]) - 1)) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
-def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path) -> dict:
+def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path, seed: int = 0) -> dict:
     # No ready-check request: exactly the 32 prompts go through (the servers are up already).
     cmd = [str(py), str(REPO / "tests" / "vllm_launcher.py"), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", str(model),
            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16", "--ignore-eos", "--num-prompts", "32",
-           "--max-concurrency", "4", "--seed", "0", "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+           "--max-concurrency", "4", "--seed", str(seed), "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     with log.open("w") as f:
         r = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=900)
     assert r.returncode == 0, log.read_text()[-4000:]
@@ -424,24 +424,54 @@ def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
     return OpenAIPD(servers["prefill"], servers["decode"], "", "", "", procs)
 
 
-def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
-    """The real-engine latency bench: a real client's load (vLLM's own ``vllm
-    bench serve``) through P/D and the kvd-agnostic proxy. Every request
-    completes, and D loaded every prompt through kvd. Printed beside each
-    other: kvd P/D, vLLM's NixlConnector P/D on the same engines, cores and
-    proxy, one plain engine, and that engine with an idle KvdConnector; and
-    where P/D's time to first token goes. Figures are printed, not asserted."""
-    url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
-    skip = _warm(url, model_dir)
+def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: int) -> tuple[dict, dict[str, float]]:
+    """``vllm bench serve`` through kvd's P/D and the kvd-agnostic proxy: every
+    request completes and D loaded every prompt through kvd. Returns the
+    bench's result and where its time to first token went."""
+    url = openai_pd.proxy([str(py), str(REPO / "tests" / "generic_pd_proxy.py")], tmp / "generic-proxy.log")
+    skip = _warm(url, model)
     before, pulls_before = _received_bytes(openai_pd.d_metrics), _pull_seconds(openai_pd.d_metrics)
-    pd = _bench_serve(vllm_python, url, model_dir, tmp_path / "pd.json", tmp_path / "bench-pd.log")
+    pd = _bench_serve(py, url, model, tmp / "pd.json", tmp / "bench-pd.log", seed)
     assert (pd["completed"], pd.get("failed", 0)) == (32, 0), pd
-    # 256-token prompts: two 128-token blocks each, every one read from P (random prompts share no prefix).
-    assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
     pulls = [a - b for a, b in zip(_pull_seconds(openai_pd.d_metrics), pulls_before, strict=True)]
-    assert pulls[1] == 32, pulls
-    parts = {"P/D through kvd": {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3}}
-    rows = {"P/D through kvd": pd}
+    if seed == 0:
+        # 256-token prompts: two 128-token blocks each, every one read from P (seed 0's prompts share
+        # no block). vLLM's random prompts are runs of consecutive token ids from a random start, so
+        # another seed's may share a block with one D has seen: then it loads less.
+        assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+        assert pulls[1] == 32, pulls
+    return pd, {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3}
+
+
+def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> None:
+    print("\nvllm bench serve, 32 prompts x 256 tokens, 16 out, concurrency 4 (ms):")
+    for name, r in rows.items():
+        print(f"  {name:16} TTFT median {r['median_ttft_ms']:7.1f} p99 {r['p99_ttft_ms']:7.1f}   ITL median {r['median_itl_ms']:5.1f} p99 {r['p99_itl_ms']:6.1f}")
+    print("where P/D's time to first token goes, medians at the proxy (ms):")
+    for name, part in parts.items():
+        pull = f"   of which kvd's pull {part['pull']:.1f} (D's daemon, mean)" if "pull" in part else ""
+        print(f"  {name:16} prefill {part['prefill']:7.1f}   decode to first token {part['decode_first']:7.1f}{pull}")
+
+
+def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
+    """A real client's load (vLLM's own ``vllm bench serve``) through P/D and
+    the kvd-agnostic proxy: every request completes, and D loaded every
+    prompt through kvd. The figures beside NIXL's and one engine's are
+    ``pytest -m latency`` (below)."""
+    pd, parts = _kvd_pd_bench(openai_pd, vllm_python, model_dir, tmp_path, seed=0)
+    _print_rows({"P/D through kvd": pd}, {"P/D through kvd": parts})
+
+
+@pytest.mark.latency
+def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python, model_dir, tmp_path):
+    """The real-engine latency bench (``pytest -m latency``; not in ``make
+    test``: a benchmark, about 5 minutes). The same load, in one run: kvd P/D,
+    vLLM's NixlConnector P/D on the same engines, cores and proxy, one plain
+    engine, and that engine with an idle KvdConnector; and where P/D's time
+    to first token goes. Every row completes every request; figures are
+    printed, not asserted."""
+    pd, kvd_parts = _kvd_pd_bench(openai_pd, vllm_python, model_dir, tmp_path, seed=1)
+    rows, parts = {"P/D through kvd": pd}, {"P/D through kvd": kvd_parts}
     nixl, why = vllm_env.nixl_overlay()
     if nixl is None:
         print(f"\nNIXL NOT MEASURED: {why}")
@@ -450,7 +480,7 @@ def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_
         try:
             nixl_url = nixl_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "nixl-proxy.log")
             nixl_skip = _warm(nixl_url, model_dir)
-            rows["P/D through NIXL"] = _bench_serve(vllm_python, nixl_url, model_dir, tmp_path / "nixl.json", tmp_path / "bench-nixl.log")
+            rows["P/D through NIXL"] = _bench_serve(vllm_python, nixl_url, model_dir, tmp_path / "nixl.json", tmp_path / "bench-nixl.log", 1)
             parts["P/D through NIXL"] = _proxy_timings(nixl_url, nixl_skip)
         finally:
             for proc in nixl_pd.procs:
@@ -467,19 +497,13 @@ def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_
             one = _serve(vllm_python, model_dir, tmp_path / f"{name[:3]}-server.log", *extra)
             try:
                 _wait_http(f"{one.url}/health", one.proc, 300, one.log)
-                rows[name] = _bench_serve(vllm_python, one.url, model_dir, tmp_path / f"{name[:3]}.json", tmp_path / f"bench-{name[:3]}.log")
+                rows[name] = _bench_serve(vllm_python, one.url, model_dir, tmp_path / f"{name[:3]}.json", tmp_path / f"bench-{name[:3]}.log", 1)
             finally:
                 _kill_group(one.proc)
             assert (rows[name]["completed"], rows[name].get("failed", 0)) == (32, 0), rows[name]
     finally:
         idle.kill_all()
-    print("\nvllm bench serve, 32 prompts x 256 tokens, 16 out, concurrency 4 (ms):")
-    for name, r in rows.items():
-        print(f"  {name:16} TTFT median {r['median_ttft_ms']:7.1f} p99 {r['p99_ttft_ms']:7.1f}   ITL median {r['median_itl_ms']:5.1f} p99 {r['p99_itl_ms']:6.1f}")
-    print("where P/D's time to first token goes, medians at the proxy (ms):")
-    for name, part in parts.items():
-        pull = f"   of which kvd's pull {part['pull']:.1f} (D's daemon, mean)" if "pull" in part else ""
-        print(f"  {name:16} prefill {part['prefill']:7.1f}   decode to first token {part['decode_first']:7.1f}{pull}")
+    _print_rows(rows, parts)
     if "P/D through NIXL" in rows:
         kvd, other = rows["P/D through kvd"], rows["P/D through NIXL"]
         for figure in ("median_ttft_ms", "median_itl_ms"):

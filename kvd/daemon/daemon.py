@@ -98,12 +98,9 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-# One ReportFinished carries at most this many outcomes (a message stays far
-# below the 16 MiB gRPC limit even with long failure reasons).
+# Outcomes a ReportFinished carries at most (far below gRPC's 16 MiB), and the
+# answers no retry changes (auth failures are retried: the queue is bounded).
 REPORT_BATCH = 4096
-# Answers to a report that no retry can change (a wrong engine id, a message
-# too big). Authentication failures are retried: a fixed token or
-# certificate lets the queue through, and the queue is bounded meanwhile.
 _REPORT_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED})
 
 
@@ -447,13 +444,10 @@ class Daemon:
         """The report in flight goes back ahead of what its rank queued meanwhile."""
         if self._sending_report is None:
             return
-        rank, batch = self._sending_report
-        self._sending_report = None
-        later = self._to_aggregator.pop(rank, None)
-        if later is not None:
-            batch.extend(later)
-            if dropped := batch.bound():
-                self.metrics.unread_dropped.labels("aggregator").inc(dropped)
+        (rank, batch), self._sending_report = self._sending_report, None
+        batch.extend(self._to_aggregator.pop(rank, WorkerFinished()))
+        if dropped := batch.bound():
+            self.metrics.unread_dropped.labels("aggregator").inc(dropped)
         self._to_aggregator = {rank: batch, **self._to_aggregator}
 
     def _report_request(self, rank: RankKey, batch: WorkerFinished) -> pb.ReportFinishedRequest:
