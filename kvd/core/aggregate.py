@@ -47,9 +47,14 @@ class WorkerFinished:
     def extend(self, later: WorkerFinished) -> None:
         """Append what ``later`` holds, as if added after this box's own outcomes."""
         for outcome in later.outcomes():
-            (self.sending if outcome.direction == "sending" else self.recving)[outcome.request_id] = outcome
+            self.add(outcome)
         self.invalid_block_ids |= later.invalid_block_ids
         self.wake()
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to tell: no outcome and no invalid block id."""
+        return not (self.sending or self.recving or self.invalid_block_ids)
 
     def take(self, limit: int) -> WorkerFinished:
         """Move out the oldest ``limit`` outcomes (sending first) and every
@@ -170,7 +175,7 @@ class EngineFinishedHub:
         subscribers, or, with none, waits for ``drain`` (bounded: see
         ``MAX_UNREAD``; ``dropped`` counts what a reader never took)."""
         merged = self.aggregator.aggregate([output])
-        if merged.sending or merged.recving or merged.invalid_block_ids:
+        if not merged.empty:
             if self.subscribers:  # pushed: holding it too would keep it forever
                 for notify in list(self.subscribers):
                     notify(merged)

@@ -417,7 +417,7 @@ class Daemon:
                 queued = self._to_aggregator[rank]
                 # At most REPORT_BATCH outcomes a call, so a long outage's queue fits a message.
                 self._sending_report = (rank, queued.take(REPORT_BATCH))
-                if not queued.outcomes():
+                if queued.empty:  # take moved every invalid id
                     del self._to_aggregator[rank]
                 try:
                     await pbg.PeerStub(self.channel(self.config.aggregator_address)).ReportFinished(
@@ -429,7 +429,7 @@ class Daemon:
                         log.error("aggregator %s refused %d outcomes (%s): %s", self.config.aggregator_address, lost, e.code().name, e.details())
                         continue
                     self._requeue_report()
-                    left = sum(len(b.outcomes()) for b in self._to_aggregator.values())
+                    left = sum(len(b.sending) + len(b.recving) for b in self._to_aggregator.values())
                     log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.config.aggregator_address, e.code().name, left)
                     await asyncio.sleep(0.5)
                     self._report_queued.set()

@@ -173,7 +173,7 @@ class WorkerService(pbg.WorkerServicer):
             while self.d.registrations.get(key) is reg and log.owner == me:
                 wake.clear()  # before draining: an outcome added after the drain sets it again
                 out = box.drain()
-                if first or out.sending or out.recving or out.invalid_block_ids:
+                if first or not out.empty:
                     first = False
                     # Logged before it is sent: if the send is lost, a resumed stream resends it.
                     yield finished_to_pb(out, log.push(out))
@@ -201,11 +201,11 @@ class WorkerService(pbg.WorkerServicer):
         self.d.engine_hub.subscribers.append(queue.put_nowait)
         try:
             backlog = self.d.engine_hub.drain()
-            if backlog.sending or backlog.recving or backlog.invalid_block_ids:
+            if not backlog.empty:
                 yield finished_to_pb(backlog)
             while True:
                 sets = await queue.get()
-                if sets.sending or sets.recving or sets.invalid_block_ids:
+                if not sets.empty:
                     yield finished_to_pb(sets)
                 elif self.d.streams_ending:
                     return
