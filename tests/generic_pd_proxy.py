@@ -36,6 +36,9 @@ def build(prefill: str, decode: str) -> FastAPI:
     async def get_timings() -> list[dict[str, float]]:
         return timings
 
+    def record(t0: float, t1: float) -> None:
+        timings.append({"prefill": (t1 - t0) * 1e3, "decode_first": (time.perf_counter() - t1) * 1e3})
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -53,7 +56,7 @@ def build(prefill: str, decode: str) -> FastAPI:
         dec = {**body, "kv_transfer_params": answer.json().get("kv_transfer_params")}
         if not body.get("stream"):
             out = await client.post(f"{decode}/v1/completions", json=dec)
-            timings.append({"prefill": (t1 - t0) * 1e3, "decode_first": (time.perf_counter() - t1) * 1e3})
+            record(t0, t1)
             return JSONResponse(out.json(), status_code=out.status_code)
 
         async def relay() -> Any:
@@ -62,7 +65,7 @@ def build(prefill: str, decode: str) -> FastAPI:
                 async for chunk in out.aiter_raw():
                     if first:
                         first = False
-                        timings.append({"prefill": (t1 - t0) * 1e3, "decode_first": (time.perf_counter() - t1) * 1e3})
+                        record(t0, t1)
                     yield chunk
 
         return StreamingResponse(relay(), media_type="text/event-stream")
