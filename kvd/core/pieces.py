@@ -25,6 +25,7 @@ from kvd.core.reads import MAX_BATCH_BLOCKS, DataSegment
 from kvd.core.relayout import (
     GroupTensors,
     gather_blocks,
+    index_on,
     move_dtype,
     physical,
     select,
@@ -138,10 +139,11 @@ def _serve_batched(
     buf = staging(math.prod(shape) * spec.itemsize, group.device)
     out = buf.view(move_dtype(spec.dtype)).view(shape)
     block_dim = 1 + spec.layout.index("block")  # in (layer, *physical)
+    idx = index_on(idx, group.device)
     for j, p in enumerate(parts):
         for i, c, view in group.layer_runs(p, positions):
             v = physical(select(view, (0, view.shape[2]), (seg.token_start, seg.token_count), head, joined_kv), spec)
-            gather_blocks(v, block_dim, idx.to(v.device), out=out[i : i + c, j])
+            gather_blocks(v, block_dim, index_on(idx, v.device), out=out[i : i + c, j])
     return buf
 
 

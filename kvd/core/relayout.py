@@ -163,6 +163,17 @@ class GroupTensors:
             i = j
 
 
+def index_on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``idx`` (block ids, on the host) on ``device``. To a GPU it goes
+    through pinned memory: an upload from pageable memory waits for the
+    whole stream first, which would stall every copy queued before it."""
+    if idx.device == device:
+        return idx
+    if device.type == "cuda" and idx.device.type == "cpu":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx.to(device)
+
+
 def gather_blocks(view: torch.Tensor, dim: int, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``view.index_select(dim, idx)``, fast for any strides.
 

@@ -30,6 +30,7 @@ from kvd.core.relayout import (
     Copy,
     CopyRunner,
     GroupTensors,
+    index_on,
     move_dtype,
     physical,
     run_copies,
@@ -143,21 +144,22 @@ class SegmentSink:
         segment's bytes, on this sink's device) into local memory."""
         src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
         out = []
+        index = None if self.local_index is None else index_on(self.local_index, self.device)
         for dst, layers, kv in self._targets():
-            if self.local_index is not None:
-                idx = self.local_index if self.local_index.device == dst.device else self.local_index.to(dst.device, non_blocking=True)
-                out.append(Copy(*widen(dst, src[layers, kv]), idx))  # one scatter for every block
+            if index is not None:
+                out.append(Copy(*widen(dst, src[layers, kv]), index_on(index, dst.device)))  # one scatter for every block
             else:
                 out.append(Copy(*widen(to_units(dst, self.n, self.u), to_units(src[layers, kv], self.n, self.u))))
         return out
 
-    def land(self, payload: torch.Tensor, run: CopyRunner = run_copies) -> None:
+    def land(self, payload: torch.Tensor, run: CopyRunner = run_copies, wait: bool = True) -> None:
         """Relayout ``payload`` (uint8, this segment's bytes) into local memory;
         ``run`` executes the copies (the daemon's copy threads, on host memory).
 
         On a GPU the payload goes up in one copy and the relayout runs there,
         on the caller's current stream; it has finished when this returns,
-        because the caller then reports the blocks landed."""
+        because the caller then reports the blocks landed, unless ``wait`` is
+        False: then the caller waits for its stream before it does."""
         device = self.device
         if payload.device != device:
             # Not non_blocking into host memory: the relayout below reads it at once.
@@ -165,7 +167,8 @@ class SegmentSink:
         copies = self.copies(payload)
         if device.type == "cuda":
             run_copies(copies)
-            torch.cuda.current_stream(device).synchronize()
+            if wait:
+                torch.cuda.current_stream(device).synchronize()
         else:
             run(copies)
 

@@ -38,6 +38,7 @@ from kvd.proto import kvd_pb2_grpc as pbg
 
 if TYPE_CHECKING:
     from kvd.daemon.daemon import Daemon, Registration
+    from kvd.daemon.peers import Peer
 
 log = logging.getLogger("kvd.daemon")
 
@@ -239,7 +240,7 @@ class Puller:
                 reads = plan_pull(
                     local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                     local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
-                    local_block_ids=local_ids, segment_bytes=d.config.segment_bytes,
+                    local_block_ids=local_ids, segment_bytes=_segment_bytes(d.config.segment_bytes, reg, peer),
                     local_first_tokens=[b.first_token for b in req.local_block_ids],
                 )
                 break
@@ -398,3 +399,17 @@ def _failure_reason(e: BaseException) -> tuple[str, str]:
     if isinstance(e, (ConnectionError, OSError)):
         return "connection", f"{type(e).__name__}: {e}"
     return "internal", f"{type(e).__name__}: {e}"
+
+
+# A segment is the wire's unit of pipelining. GPU to GPU on one host there is
+# no wire, and a segment's own cost (its Python, launches and index upload,
+# some 100 us) is what a 4 MiB device copy takes at 40 GB/s: measured on an
+# H100, 4 MiB segments held that path to 12 GB/s against a 1.4 TB/s memcpy.
+LOCAL_DEVICE_SEGMENT_BYTES = 64 << 20  # each copying thread holds one as GPU staging
+
+
+def _segment_bytes(configured: int, reg: Registration, peer: Peer) -> int:
+    """Bigger segments where every remote rank is mapped here and our memory is on a GPU."""
+    on_gpu = all(t.device.type == "cuda" for t in reg.tensors)
+    every_rank_local = len(peer.local_sources) == len(peer.meta.ranks)
+    return max(configured, LOCAL_DEVICE_SEGMENT_BYTES) if on_gpu and every_rank_local and peer.local_sources else configured

@@ -72,4 +72,8 @@ class CudaIpcRegion:
         return cls(region_id, size, tensor, storage)
 
     def close(self) -> None:
+        # Dropping the last reference to the opened storage is what tells the
+        # engine's process (its IPC ref counter) that we are done with it; a
+        # daemon that exits holding it leaves the engine's block in limbo.
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.storage = torch.UntypedStorage(0)
