@@ -1,4 +1,4 @@
-from kvd.core.aggregate import KVOutputAggregator, Outcome, WorkerFinished
+from kvd.core.aggregate import KVOutputAggregator, Outcome, ReportLedger, WorkerFinished
 
 
 def out(sending=(), recving=(), invalid=(), outcome="done"):
@@ -110,3 +110,14 @@ def test_take_moves_out_the_oldest_outcomes_and_every_invalid_id():
     assert [o.request_id for o in first.outcomes()] == ["s0", "s1", "s2", "r0"] and first.invalid_block_ids == {0, 1, 2}
     assert [o.request_id for o in box.outcomes()] == ["r1", "r2"] and not box.invalid_block_ids
     assert [o.request_id for o in box.take(10).outcomes()] == ["r1", "r2"] and not box.outcomes()
+
+
+def test_the_ledger_applies_each_numbered_report_once_per_sender():
+    ledger = ReportLedger(max_senders=2)
+    assert ledger.fresh("a", 1) and not ledger.fresh("a", 1)  # sent again after a lost answer
+    assert ledger.fresh("a", 2) and not ledger.fresh("a", 1)  # a late copy of an earlier one
+    assert ledger.fresh("b", 1)  # another daemon (or a restart: a new epoch) numbers from 1
+    assert ledger.fresh("", 0) and ledger.fresh("", 0)  # unnumbered reports always apply
+    assert ledger.repeats == 2
+    ledger.fresh("c", 1)  # past max_senders the oldest sender is forgotten
+    assert ledger.fresh("a", 2) and not ledger.fresh("c", 1)

@@ -126,6 +126,34 @@ def test_reports_queued_while_the_aggregator_is_down_arrive_when_it_starts(daemo
         time.sleep(0.1)
     assert merged == {*names, "bad"} and 60 in invalid
     assert scrape(d1.metrics_url, "kvd_finished_unread_dropped_total", box="aggregator") == 0
+    assert scrape(d0.metrics_url, "kvd_finished_reports_repeated_total") == 0
+
+
+def test_a_report_sent_again_after_a_lost_answer_counts_once(daemons):
+    """The aggregator counts reports per request, so one rank's report
+    applied twice would finish a two-rank request with one rank. A reporting
+    daemon numbers its reports and sends one again, under the same number,
+    when its answer was lost; the aggregator applies each number once.
+    Unnumbered reports (an older daemon's) apply as they come: the control."""
+    agg = daemons.start("decode")
+    w0 = make_worker(agg.grpc, "decode", tp_rank=0, tp_size=2)  # the aggregator's own rank; rank 1 reports from afar
+
+    def report(rid: str, seq: int, epoch: str = "e" * 32) -> None:
+        with grpc.insecure_channel(agg.grpc) as ch:
+            pbg.PeerStub(ch).ReportFinished(pb.ReportFinishedRequest(
+                engine_id="decode", worker=pb.WorkerId(engine_id="decode", tp_rank=1, tp_size=2), sender_epoch=epoch, seq=seq,
+                details=[pb.FinishedDetail(request_id=rid, direction="recving", outcome="done")]), timeout=5)
+
+    report("r", 1)
+    report("r", 1)  # the same report again: its first answer was lost
+    assert "r" not in w0.client.engine_finished().finished_recving  # rank 0 has not reported r
+    assert scrape(agg.metrics_url, "kvd_finished_reports_repeated_total") == 1
+    report("q", 0, epoch="")
+    report("q", 0, epoch="")  # unnumbered: counted twice, so q finishes without rank 0
+    assert "q" in w0.client.engine_finished().finished_recving
+    with pytest.raises(grpc.RpcError) as e:
+        report("x", 1, epoch="z" * 65)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sender_epoch" in e.value.details()
 
 
 def test_sigterm_drains_and_reports_in_flight_work(daemons):

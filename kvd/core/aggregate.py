@@ -188,3 +188,36 @@ class EngineFinishedHub:
 
     def drain(self) -> WorkerFinished:
         return self.pending.drain()
+
+
+class ReportLedger:
+    """Which numbered reports from other daemons this aggregator applied.
+
+    The aggregator counts reports per request, not per rank, as vLLM's
+    ``KVOutputAggregator`` does, so a report applied twice counts its rank
+    twice and can finish a request before every rank has. A sender numbers
+    its reports within its epoch and sends them in order, one at a time,
+    retrying the same report until it is answered: a report already applied
+    (its answer lost to a timeout) comes again with the number it had, and
+    anything at or below the last number applied is a repeat."""
+
+    def __init__(self, max_senders: int = 4096) -> None:
+        # The newest number applied per sender epoch; the oldest senders go
+        # past ``max_senders`` (every restart of every daemon is a new one).
+        self._last: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.max_senders = max_senders
+        self.repeats = 0
+
+    def fresh(self, sender_epoch: str, seq: int) -> bool:
+        """Apply this report? Records it when it is new. Unnumbered reports
+        (seq 0: from a daemon that does not number them) always apply."""
+        if seq == 0 or not sender_epoch:
+            return True
+        if seq <= self._last.get(sender_epoch, 0):
+            self.repeats += 1
+            return False
+        self._last[sender_epoch] = seq
+        self._last.move_to_end(sender_epoch)
+        while len(self._last) > self.max_senders:
+            self._last.popitem(last=False)
+        return True

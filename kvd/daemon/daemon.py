@@ -54,8 +54,8 @@ from kvd.daemon.metrics import ActiveClock, Metrics
 from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
+from kvd.daemon.reports import AggregatorReports
 from kvd.proto import kvd_pb2 as pb
-from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions import MappedRegion, map_region
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
@@ -98,12 +98,6 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-# Outcomes a ReportFinished carries at most (far below gRPC's 16 MiB), and the
-# answers no retry changes (auth failures are retried: the queue is bounded).
-REPORT_BATCH = 4096
-_REPORT_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED})
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         WorkerId(config.engine_id)  # validates the id
@@ -118,13 +112,8 @@ class Daemon:
         self.publications = PublicationTable(config.lease_seconds, self.epoch)
         self.engine_hub = EngineFinishedHub()
         self._expected_override = 0
-        # Outcomes not yet reported to another daemon that aggregates: one box a
-        # rank, sent whole (one RPC however many outcomes queued) and bounded
-        # like every other box while that daemon is unreachable.
-        self._to_aggregator: dict[RankKey, WorkerFinished] = {}
-        self._report_queued = asyncio.Event()  # emit (always on the loop) wakes the forwarder
+        self.reports = AggregatorReports(self)  # to (or, as the aggregator, from) the other nodes' daemons
         self._last_outcome_at = float("-inf")  # monotonic time of the newest outcome
-        self._sending_report: tuple[RankKey, WorkerFinished] | None = None  # in flight to the aggregator
         self._background: list[asyncio.Task[None]] = []
         self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
@@ -163,7 +152,7 @@ class Daemon:
     async def start(self) -> None:
         self.config.data_port = await self.data_server.start()
         self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat()),
-                            asyncio.create_task(self._forward_to_aggregator())]
+                            asyncio.create_task(self.reports.run())]
 
     @property
     def data_address(self) -> str:
@@ -187,7 +176,7 @@ class Daemon:
         # (a box its engine never reads): they do not hold the exit up.
         start = time.monotonic()
         while (time.monotonic() < min(start, self._last_outcome_at) + self.config.drain_report_seconds
-               and (self._to_aggregator or self._sending_report or any(b.sending or b.recving for b in self.finished.values()))):
+               and (self.reports.pending or any(b.sending or b.recving for b in self.finished.values()))):
             await asyncio.sleep(0.05)
 
     def end_streams(self) -> None:
@@ -381,83 +370,17 @@ class Daemon:
         if dropped := box.bound():  # almost never: skip the label lookup on every outcome
             self.metrics.unread_dropped.labels("worker").inc(dropped)
         if self.config.aggregator_address and self.config.aggregator_address != self.grpc_address:
-            queued = self._to_aggregator.setdefault(rank, WorkerFinished())
-            queued.add(outcome, invalid)
-            if dropped := queued.bound():
-                self.metrics.unread_dropped.labels("aggregator").inc(dropped)
-            self._report_queued.set()
+            self.reports.queue(rank, outcome, invalid)
         else:
             one = WorkerFinished()
             one.add(outcome, invalid)
-            self._report_to_hub(one)
+            self.report_to_hub(one)
 
-    def _report_to_hub(self, output: WorkerFinished) -> None:
+    def report_to_hub(self, output: WorkerFinished) -> None:
         before = self.engine_hub.dropped
         self.engine_hub.report(output)
         if self.engine_hub.dropped > before:
             self.metrics.unread_dropped.labels("engine").inc(self.engine_hub.dropped - before)
-
-    def report_finished(self, req: pb.ReportFinishedRequest) -> None:
-        """Another rank's daemon reports to us, the engine's aggregator."""
-        if req.engine_id != self.config.engine_id:
-            raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {self.config.engine_id!r}")
-        out = WorkerFinished(invalid_block_ids=set(req.invalid_block_ids))
-        for d in req.details:  # one or many outcomes of that worker: a batch queued while we were unreachable
-            out.add(Outcome(d.request_id, d.direction, d.outcome, d.reason, d.bytes))
-        self._report_to_hub(out)
-
-    async def _forward_to_aggregator(self) -> None:
-        # Woken by each queued report: polling added up to its period to every
-        # finished set of a multi-rank engine, and woke an idle daemon for nothing.
-        while True:
-            await self._report_queued.wait()
-            self._report_queued.clear()
-            while self._to_aggregator:
-                rank = next(iter(self._to_aggregator))
-                queued = self._to_aggregator[rank]
-                # At most REPORT_BATCH outcomes a call, so a long outage's queue fits a message.
-                self._sending_report = (rank, queued.take(REPORT_BATCH))
-                if queued.empty:  # take moved every invalid id
-                    del self._to_aggregator[rank]
-                try:
-                    await pbg.PeerStub(self.channel(self.config.aggregator_address)).ReportFinished(
-                        self._report_request(rank, self._sending_report[1]), timeout=5, metadata=self.auth.call_metadata())
-                except grpc.aio.AioRpcError as e:
-                    if e.code() in _REPORT_REFUSED:  # retrying cannot help: counted, and logged, not retried forever
-                        lost = len(self._sending_report[1].outcomes())
-                        self.metrics.unread_dropped.labels("aggregator").inc(lost)
-                        log.error("aggregator %s refused %d outcomes (%s): %s", self.config.aggregator_address, lost, e.code().name, e.details())
-                        continue
-                    self._requeue_report()
-                    left = sum(len(b.sending) + len(b.recving) for b in self._to_aggregator.values())
-                    log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.config.aggregator_address, e.code().name, left)
-                    await asyncio.sleep(0.5)
-                    self._report_queued.set()
-                    break
-                except BaseException:
-                    self._requeue_report()  # cancelled at shutdown mid-call: the drain may still flush it
-                    raise
-                finally:
-                    self._sending_report = None
-
-    def _requeue_report(self) -> None:
-        """The report in flight goes back ahead of what its rank queued meanwhile."""
-        if self._sending_report is None:
-            return
-        (rank, batch), self._sending_report = self._sending_report, None
-        batch.extend(self._to_aggregator.pop(rank, WorkerFinished()))
-        if dropped := batch.bound():
-            self.metrics.unread_dropped.labels("aggregator").inc(dropped)
-        self._to_aggregator = {rank: batch, **self._to_aggregator}
-
-    def _report_request(self, rank: RankKey, batch: WorkerFinished) -> pb.ReportFinishedRequest:
-        reg = self.registrations.get(rank)
-        wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=self.config.engine_id, tp_rank=rank[0], pp_rank=rank[1])
-        return pb.ReportFinishedRequest(
-            engine_id=self.config.engine_id, worker=wid, invalid_block_ids=sorted(batch.invalid_block_ids),
-            details=[pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
-                     for o in batch.outcomes()],
-        )
 
     def engine_finished(self, engine_id: str) -> WorkerFinished:
         self.check_engine(engine_id)

@@ -28,6 +28,8 @@ class Metrics:
                                       "or reports queued for an unreachable aggregator daemon (box=aggregator)", ["box"], registry=r)
         for box in ("worker", "engine", "aggregator"):  # scraped as 0 from the start, though incremented only on a drop
             self.unread_dropped.labels(box)
+        self.repeated_reports = Counter("kvd_finished_reports_repeated", "Reports from another rank's daemon applied before and not counted again "
+                                        "(sent again after their answer was lost)", registry=r)
         self.handshakes = Counter("kvd_handshakes", "Handshakes by role and result", ["role", "result"], registry=r)
         self.handshake_seconds = Histogram("kvd_handshake_duration_seconds", "Handshake duration as the caller", buckets=DURATION_BUCKETS, registry=r)
         self.failures = Counter("kvd_pull_failures", "Failed pulls by reason", ["reason"], registry=r)

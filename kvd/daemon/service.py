@@ -243,7 +243,7 @@ class PeerService(pbg.PeerServicer):
 
     @rpc
     def ReportFinished(self, request: pb.ReportFinishedRequest, context: Any) -> pb.ReportFinishedResponse:
-        self.d.report_finished(request)
+        self.d.reports.receive(request)
         return pb.ReportFinishedResponse()
 
 

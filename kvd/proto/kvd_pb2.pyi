@@ -421,16 +421,20 @@ class RenewLeasesResponse(_message.Message):
     def __init__(self, alive: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ReportFinishedRequest(_message.Message):
-    __slots__ = ("engine_id", "worker", "details", "invalid_block_ids")
+    __slots__ = ("engine_id", "worker", "details", "invalid_block_ids", "sender_epoch", "seq")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     INVALID_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     worker: WorkerId
     details: _containers.RepeatedCompositeFieldContainer[FinishedDetail]
     invalid_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., worker: _Optional[_Union[WorkerId, _Mapping]] = ..., details: _Optional[_Iterable[_Union[FinishedDetail, _Mapping]]] = ..., invalid_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sender_epoch: str
+    seq: int
+    def __init__(self, engine_id: _Optional[str] = ..., worker: _Optional[_Union[WorkerId, _Mapping]] = ..., details: _Optional[_Iterable[_Union[FinishedDetail, _Mapping]]] = ..., invalid_block_ids: _Optional[_Iterable[int]] = ..., sender_epoch: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class ReportFinishedResponse(_message.Message):
     __slots__ = ()

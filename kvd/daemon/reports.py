@@ -1,0 +1,137 @@
+"""Finished sets of ranks whose engine aggregates on another daemon.
+
+When an engine's ranks span nodes, one daemon (``aggregator_address``)
+merges the engine's finished sets; the others report each outcome of their
+ranks to it. ``AggregatorReports`` is both ends: ``queue`` and ``run`` on a
+reporting daemon, ``receive`` on the aggregator.
+
+A report is applied exactly once. The aggregator counts reports per
+request, as vLLM's ``KVOutputAggregator`` does, so one applied twice would
+count its rank twice and finish a request before every rank had. The
+reporter numbers its reports and sends them one at a time, the same report
+with the same number until one is answered (a timeout may follow an
+apply); the aggregator's ``ReportLedger`` drops a number it has applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvd.convert import worker_to_pb
+from kvd.core.aggregate import Outcome, ReportLedger, WorkerFinished
+from kvd.core.errors import InvalidArgument
+from kvd.core.leases import RankKey
+from kvd.proto import kvd_pb2 as pb
+from kvd.proto import kvd_pb2_grpc as pbg
+
+if TYPE_CHECKING:
+    from kvd.daemon.daemon import Daemon
+
+log = logging.getLogger("kvd.daemon")
+
+# Outcomes a ReportFinished carries at most (far below gRPC's 16 MiB), and the
+# answers no retry changes (auth failures are retried: the queue is bounded).
+REPORT_BATCH = 4096
+REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED})
+RETRY_SECONDS = 0.5
+MAX_SENDER_EPOCH = 64  # characters; a daemon's epoch is 32 hex digits
+
+
+@dataclass(frozen=True)
+class Report:
+    rank: RankKey
+    batch: WorkerFinished
+    seq: int
+
+
+class AggregatorReports:
+    def __init__(self, d: Daemon) -> None:
+        self.d = d
+        # Outcomes not yet reported: one box a rank, bounded like every other
+        # box while the aggregator is unreachable, sent up to REPORT_BATCH at once.
+        self.queued: dict[RankKey, WorkerFinished] = {}
+        self.in_flight: Report | None = None  # sent, or to be sent again, until answered
+        self._seq = 0
+        self._wake = asyncio.Event()  # queue (always on the loop) wakes the sender
+        self.ledger = ReportLedger()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queued) or self.in_flight is not None
+
+    def queue(self, rank: RankKey, outcome: Outcome, invalid: Sequence[int]) -> None:
+        box = self.queued.setdefault(rank, WorkerFinished())
+        box.add(outcome, invalid)
+        if dropped := box.bound():
+            self.d.metrics.unread_dropped.labels("aggregator").inc(dropped)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Send what is queued, in order, one report at a time. Woken by each
+        queued outcome: polling would add its period to every finished set of
+        a multi-rank engine, and wake an idle daemon for nothing."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.pending:
+                report = self.in_flight = self.in_flight or self._next()
+                try:
+                    await pbg.PeerStub(self.d.channel(self.d.config.aggregator_address)).ReportFinished(
+                        self._request(report), timeout=5, metadata=self.d.auth.call_metadata())
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in REFUSED:
+                        # Unreachable, or no answer in time (it may have applied
+                        # it): the same report again, under the same number.
+                        left = len(report.batch.outcomes()) + sum(len(b.sending) + len(b.recving) for b in self.queued.values())
+                        log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.d.config.aggregator_address, e.code().name, left)
+                        await asyncio.sleep(RETRY_SECONDS)
+                        continue
+                    # Retrying cannot help: counted, and logged, not retried forever.
+                    lost = len(report.batch.outcomes())
+                    self.d.metrics.unread_dropped.labels("aggregator").inc(lost)
+                    log.error("aggregator %s refused %d outcomes (%s): %s", self.d.config.aggregator_address, lost, e.code().name, e.details())
+                self.in_flight = None
+
+    def _next(self) -> Report:
+        rank = next(iter(self.queued))
+        box = self.queued[rank]
+        batch = box.take(REPORT_BATCH)
+        if box.empty:  # take moved every invalid id
+            del self.queued[rank]
+        self._seq += 1
+        return Report(rank, batch, self._seq)
+
+    def _request(self, report: Report) -> pb.ReportFinishedRequest:
+        d = self.d
+        reg = d.registrations.get(report.rank)
+        wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=d.config.engine_id, tp_rank=report.rank[0], pp_rank=report.rank[1])
+        return pb.ReportFinishedRequest(
+            engine_id=d.config.engine_id, worker=wid, invalid_block_ids=sorted(report.batch.invalid_block_ids),
+            details=[pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
+                     for o in report.batch.outcomes()],
+            sender_epoch=d.epoch, seq=report.seq,
+        )
+
+    def receive(self, req: pb.ReportFinishedRequest) -> bool:
+        """Another rank's daemon reports to us, the engine's aggregator.
+        False for a report applied before (sent again after a lost answer)."""
+        d = self.d
+        if req.engine_id != d.config.engine_id:
+            raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {d.config.engine_id!r}")
+        if len(req.sender_epoch) > MAX_SENDER_EPOCH:
+            raise InvalidArgument("sender_epoch", req.sender_epoch, f"is longer than {MAX_SENDER_EPOCH} characters")
+        if not self.ledger.fresh(req.sender_epoch, req.seq):
+            d.metrics.repeated_reports.inc()
+            log.info("report %d from daemon epoch %s applied before: not counted again", req.seq, req.sender_epoch[:8])
+            return False
+        out = WorkerFinished(invalid_block_ids=set(req.invalid_block_ids))
+        for detail in req.details:  # one or many outcomes of that worker: a batch queued while we were unreachable
+            out.add(Outcome(detail.request_id, detail.direction, detail.outcome, detail.reason, detail.bytes))
+        d.report_to_hub(out)
+        return True
