@@ -144,11 +144,7 @@ def transfer(p: SimEngine, d: SimEngine, request_id: str, p_ids: list[int], d_id
                     continue
                 payload = serve_segment(owner.tensors, seg, *rr.read.heads_of(seg), staging)
                 assert payload.numel() == sink.nbytes
-                direct = sink.direct()
-                if direct is not None:  # what the transport does: bytes straight into place
-                    direct.reshape(-1).view(torch.uint8).copy_(payload)
-                else:
-                    sink.land(payload.clone())
+                sink.put(payload.clone())  # as a transport does; the clone: the payload may be a view of P's memory
     return read_bytes
 
 

@@ -39,9 +39,10 @@ import torch
 
 from kvd.core.pieces import serve_segment
 from kvd.core.reads import Offer
+from kvd.core.sinks import SegmentSink
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
 from kvd.core.topology import heads_of_rank
-from kvd.core.transfer import SegmentSink, plan_pull
+from kvd.core.transfer import plan_pull
 from kvd.daemon.config import DaemonConfig
 from kvd.testing import pattern
 from kvd.testing.sim import make_engine
@@ -129,11 +130,7 @@ def relayout_row(name: str, work: Work, check: Callable[[], str | None], repeat:
 
     def land() -> None:
         for sink, payload in work:
-            direct = sink.direct()
-            if direct is not None:
-                direct.reshape(-1).view(torch.uint8).copy_(payload)
-            else:
-                threads.land(sink, payload)
+            sink.put(payload, threads.run_copies)
 
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)

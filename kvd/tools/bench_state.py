@@ -16,7 +16,8 @@ import torch
 
 from kvd.core.pieces import serve_segment
 from kvd.core.reads import Offer
-from kvd.core.transfer import SegmentSink, plan_pull
+from kvd.core.sinks import SegmentSink
+from kvd.core.transfer import plan_pull
 from kvd.state_parts import DS, SD, StateShape, mamba2
 from kvd.testing import pattern
 from kvd.testing.sim import make_state_engine

@@ -17,7 +17,7 @@ import torch
 
 from kvd.core.reads import DataRead
 from kvd.core.session import Hello
-from kvd.core.transfer import SegmentSink
+from kvd.core.sinks import SegmentSink
 
 CPU = torch.device("cpu")
 

@@ -15,10 +15,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 
-import torch
-
 from kvd.core.relayout import Copy, split_copies
-from kvd.core.transfer import SegmentSink
 
 _on_helper = threading.local()
 
@@ -84,10 +81,6 @@ class CopyThreads:
     def run_copies(self, copies: Sequence[Copy]) -> None:
         """A relayout's strided copies, cut so every thread has a share."""
         self.run([c.run for c in split_copies(copies, self.threads, self.parallel_min_bytes)])
-
-    def land(self, sink: SegmentSink, payload: torch.Tensor) -> None:
-        """``sink.land`` with its copies on these threads."""
-        sink.land(payload, self.run_copies)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

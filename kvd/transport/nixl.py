@@ -35,7 +35,7 @@ import torch
 
 from kvd.core import errors
 from kvd.core.relayout import CopyRunner, run_copies
-from kvd.core.transfer import SegmentSink
+from kvd.core.sinks import SegmentSink
 from kvd.proto import kvd_pb2 as pb
 
 # NIXL's Python logger prints INFO on stdout; keep the daemon's output its own.

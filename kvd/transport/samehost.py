@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from kvd.core.pieces import owner_iov, serve_segment
-from kvd.core.reads import DataRead, DataSegment
+from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, GroupTensors, run_copies
-from kvd.core.transfer import SegmentSink
+from kvd.core.sinks import SegmentSink
 from kvd.transport import iovec
 from kvd.transport.base import Staging
 from kvd.transport.device import device_copies
@@ -80,10 +80,10 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                     if dev.type == "cuda":
                         opened.add(dev)
                         streams.enter_context(device_copies(dev))
-                _land(seg, sink, read, group, source.staging, run, wait=False)
+                sink.put(serve_segment(group, seg, *read.heads_of(seg), source.staging), run, wait=False)
                 device_landed.append(i)
                 continue
-            _land(seg, sink, read, group, source.staging, run, wait=True)
+            sink.put(serve_segment(group, seg, *read.heads_of(seg), source.staging), run)
             landed[i] = True
             moved += sink.nbytes
     for i in device_landed:  # the stack waited for their copies
@@ -95,14 +95,3 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
         for i in in_place:
             landed[i] = True
     return moved
-
-
-def _land(seg: DataSegment, sink: SegmentSink, read: DataRead, group: GroupTensors, staging: Staging, run: CopyRunner,
-          wait: bool) -> None:
-    """Gather one segment from the owner's memory and land it in ours."""
-    payload = serve_segment(group, seg, *read.heads_of(seg), staging)
-    direct = sink.direct()
-    if direct is not None:
-        direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
-    else:
-        sink.land(payload, run, wait)

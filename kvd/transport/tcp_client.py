@@ -31,7 +31,7 @@ from kvd.core import errors
 from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, run_copies
 from kvd.core.session import Ack, Data, Descriptors, End, Error, Event, Hello, ProtocolError, Read
-from kvd.core.transfer import SegmentSink
+from kvd.core.sinks import SegmentSink
 from kvd.proto import kvd_pb2 as pb
 from kvd.transport.base import Staging
 from kvd.transport.copy_threads import CopyThreads

@@ -1,0 +1,171 @@
+"""Where one segment's bytes land on the reading side (``SegmentSink``).
+
+A sink knows the segment's byte size, the local views its bytes go to, and
+how to put them there: straight into place when the wire bytes already have
+the local layout (``direct``, or ``iov``/``batched_pieces`` for a transport
+that receives into memory), else the strided copies of a relayout
+(``copies``, ``land``). ``kvd.core.transfer`` plans the sinks; transport/
+feeds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvd.core.pieces import PieceTemplate, cached_template, pieces_iov, template_of, tensor_iov
+from kvd.core.relayout import (
+    Copy,
+    CopyRunner,
+    GroupTensors,
+    index_on,
+    move_dtype,
+    physical,
+    run_copies,
+    select,
+    to_units,
+    widen,
+    wire_canonical,
+    wire_shape,
+)
+from kvd.core.spec import KVCacheSpec
+
+
+@dataclass
+class SegmentSink:
+    """Where one DATA frame's bytes go on the reading side."""
+
+    nbytes: int
+    remote_spec: KVCacheSpec
+    wire_dims: tuple[int, int, int, int, int]  # layers, blocks, tokens, heads, kv planes
+    local: GroupTensors
+    local_positions: tuple[int, ...]
+    local_block: tuple[int, int]
+    local_token: tuple[int, int]
+    local_head: tuple[int, int]
+    kv: tuple[int, int]  # K/V planes carried: (start, count)
+    n: int
+    u: int
+    local_block_ids: np.ndarray  # the local blocks this segment writes (for invalid_block_ids)
+    local_index: torch.Tensor | None = None  # batched scattered blocks: where each wire block lands
+
+    def _targets(self) -> list[tuple[torch.Tensor, slice, slice]]:
+        """(restricted local view, wire layer slice, wire kv slice) per part and layer run."""
+        kv0, kvn = self.kv
+        out = []
+        for p, part_kv in enumerate(self.local.kv_of_part):
+            if part_kv is None:  # the part holds the kv dim: take our planes of it
+                local_kv: tuple[int, int] | None = (kv0, kvn) if self.local.spec.num_kv > 1 else None
+                wire_kv = slice(None)
+            elif kv0 <= part_kv < kv0 + kvn:  # a K-only or V-only tensor
+                local_kv, wire_kv = None, slice(part_kv - kv0, part_kv - kv0 + 1)
+            else:
+                continue
+            for i, c, view in self.local.layer_runs(p, self.local_positions):
+                block = (0, view.shape[2]) if self.local_index is not None else self.local_block
+                dst = select(view, block, self.local_token, self.local_head, local_kv)
+                out.append((dst, slice(i, i + c), wire_kv))
+        return out
+
+    def direct(self) -> torch.Tensor | None:
+        """The local memory itself, when the wire bytes already have its layout
+        and it is contiguous: then bytes are received straight into place."""
+        rs, ls = self.remote_spec, self.local.spec
+        if rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1 or self.local_index is not None:
+            return None
+        targets = self._targets()
+        if len(targets) != 1:
+            return None
+        dst = physical(targets[0][0], rs)
+        shape, _ = wire_shape(rs, *self.wire_dims)
+        if dst.numel() * rs.itemsize != self.nbytes or not dst.is_contiguous():
+            return None
+        if tuple(dst.shape) != (shape[0], *shape[2:]) or shape[1] != 1:
+            return None
+        return dst
+
+    def batched_pieces(self) -> tuple[np.ndarray, int] | None:
+        """Where a batched segment's wire pieces land, when local memory has the
+        owner's layout and block size: equal dense pieces in wire order (layer,
+        part, outer dims, block), so they are written in place."""
+        rs, ls = self.remote_spec, self.local.spec
+        if self.local_index is None or rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
+            return None
+        block_dim = 1 + ls.layout.index("block")  # in (layer, *physical)
+
+        def build() -> PieceTemplate | None:
+            runs = []
+            for dst, layers, kv in self._targets():
+                if dst.device.type != "cpu":
+                    return None
+                runs.append((layers.start or 0, layers.stop - (layers.start or 0), (kv.start or 0) if ls.parts_per_layer == 2 else 0, physical(dst, ls)))
+            return template_of(runs, block_dim, self.wire_dims[0], self.kv[1] if ls.parts_per_layer == 2 else 1)
+
+        # _targets() depends on these and on the group the cache lives on.
+        key = ("sink", self.local_positions, self.local_token, self.local_head, self.kv, self.wire_dims[0])
+        template = cached_template(self.local, key, build)
+        if template is None:
+            return None
+        return template.addresses(self.local_index.cpu().numpy()), template.piece
+
+    def iov(self) -> np.ndarray | None:
+        """Where this segment's wire bytes land, as an iovec array of host
+        memory (one row when it lands as-is, one per block piece for batched
+        blocks), or None when they need staging and a relayout."""
+        d = self.direct()
+        if d is not None:
+            return tensor_iov(d)
+        found = self.batched_pieces()
+        return None if found is None else pieces_iov(*found)
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def copies(self, payload: torch.Tensor) -> list[Copy]:
+        """The strided copies that relayout ``payload`` (uint8, this
+        segment's bytes, on this sink's device) into local memory."""
+        src = wire_canonical(payload.view(move_dtype(self.remote_spec.dtype)), self.remote_spec, *self.wire_dims)
+        out = []
+        index = None if self.local_index is None else index_on(self.local_index, self.device)
+        for dst, layers, kv in self._targets():
+            if index is not None:
+                out.append(Copy(*widen(dst, src[layers, kv]), index_on(index, dst.device)))  # one scatter for every block
+            else:
+                out.append(Copy(*widen(to_units(dst, self.n, self.u), to_units(src[layers, kv], self.n, self.u))))
+        return out
+
+    def put(self, payload: torch.Tensor, run: CopyRunner = run_copies, wait: bool = True) -> None:
+        """This segment's wire bytes (uint8) into local memory: one copy
+        where they already have its layout, else ``land``. With ``wait``
+        False, GPU work is left queued on the caller's stream, for the caller
+        to wait on before it reports the blocks landed."""
+        direct = self.direct()
+        if direct is None:
+            self.land(payload, run, wait)
+            return
+        direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
+        if wait and direct.is_cuda:
+            torch.cuda.current_stream(direct.device).synchronize()
+
+    def land(self, payload: torch.Tensor, run: CopyRunner = run_copies, wait: bool = True) -> None:
+        """Relayout ``payload`` (uint8, this segment's bytes) into local memory;
+        ``run`` executes the copies (the daemon's copy threads, on host memory).
+
+        On a GPU the payload goes up in one copy and the relayout runs there,
+        on the caller's current stream; it has finished when this returns,
+        because the caller then reports the blocks landed, unless ``wait`` is
+        False: then the caller waits for its stream before it does."""
+        device = self.device
+        if payload.device != device:
+            # Not non_blocking into host memory: the relayout below reads it at once.
+            payload = payload.to(device, non_blocking=device.type == "cuda")
+        copies = self.copies(payload)
+        if device.type == "cuda":
+            run_copies(copies)
+            if wait:
+                torch.cuda.current_stream(device).synchronize()
+        else:
+            run(copies)
