@@ -114,10 +114,18 @@ def test_take_moves_out_the_oldest_outcomes_and_every_invalid_id():
 
 def test_the_ledger_applies_each_numbered_report_once_per_sender():
     ledger = ReportLedger(max_senders=2)
-    assert ledger.fresh("a", 1) and not ledger.fresh("a", 1)  # sent again after a lost answer
-    assert ledger.fresh("a", 2) and not ledger.fresh("a", 1)  # a late copy of an earlier one
-    assert ledger.fresh("b", 1)  # another daemon (or a restart: a new epoch) numbers from 1
-    assert ledger.fresh("", 0) and ledger.fresh("", 0)  # unnumbered reports always apply
+
+    def apply(sender: str, seq: int) -> bool:
+        if ledger.applied(sender, seq):
+            return False
+        ledger.record(sender, seq)
+        return True
+
+    assert not ledger.applied("a", 1)  # not applied until recorded: one that failed halfway comes again
+    assert apply("a", 1) and not apply("a", 1)  # sent again after a lost answer
+    assert apply("a", 2) and not apply("a", 1)  # a late copy of an earlier one
+    assert apply("b", 1)  # another daemon (or a restart: a new epoch) numbers from 1
+    assert apply("", 0) and apply("", 0)  # unnumbered reports always apply
     assert ledger.repeats == 2
-    ledger.fresh("c", 1)  # past max_senders the oldest sender is forgotten
-    assert ledger.fresh("a", 2) and not ledger.fresh("c", 1)
+    apply("c", 1)  # past max_senders the oldest sender is forgotten
+    assert apply("a", 2) and not apply("c", 1)

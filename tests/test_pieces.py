@@ -76,3 +76,16 @@ def test_owner_and_reader_pieces_pair_and_land_exactly(layout, stacked, p_tp, d_
             assert pattern.mismatch(rank.tensors, seed, d_ids, rank.coords, 20 * bs) is None
     if p_tp == d_tp:  # same layout, same heads: scattered blocks go piece to piece
         assert by_pieces > 0
+
+
+def test_staging_is_reused_grows_and_lets_go_of_big_buffers():
+    staging = Staging()
+    first = staging(100)
+    assert staging(50).data_ptr() == first.data_ptr()  # reused, not reallocated
+    staging(1000)
+    assert staging.nbytes == 1000
+    staging.shrink(500)  # after a big read: back to the allocator
+    assert staging.nbytes == 0
+    staging(10)
+    staging.shrink(500)  # small buffers stay
+    assert staging.nbytes == 10

@@ -208,16 +208,20 @@ class ReportLedger:
         self.max_senders = max_senders
         self.repeats = 0
 
-    def fresh(self, sender_epoch: str, seq: int) -> bool:
-        """Apply this report? Records it when it is new. Unnumbered reports
-        (seq 0: from a daemon that does not number them) always apply."""
-        if seq == 0 or not sender_epoch:
-            return True
-        if seq <= self._last.get(sender_epoch, 0):
-            self.repeats += 1
+    def applied(self, sender_epoch: str, seq: int) -> bool:
+        """Was this report applied already? Unnumbered reports (seq 0: from
+        a daemon that does not number them) never count as applied."""
+        if seq == 0 or not sender_epoch or seq > self._last.get(sender_epoch, 0):
             return False
-        self._last[sender_epoch] = seq
+        self.repeats += 1
+        return True
+
+    def record(self, sender_epoch: str, seq: int) -> None:
+        """This report is applied (recorded after it is, so one that failed
+        halfway is applied when it comes again)."""
+        if seq == 0 or not sender_epoch:
+            return
+        self._last[sender_epoch] = max(seq, self._last.get(sender_epoch, 0))
         self._last.move_to_end(sender_epoch)
         while len(self._last) > self.max_senders:
             self._last.popitem(last=False)
-        return True

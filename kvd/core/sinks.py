@@ -147,8 +147,8 @@ class SegmentSink:
             self.land(payload, run, wait)
             return
         direct.reshape(-1).view(torch.uint8).copy_(payload, non_blocking=True)
-        if wait and direct.is_cuda:
-            torch.cuda.current_stream(direct.device).synchronize()
+        if wait and (direct.is_cuda or payload.is_cuda):  # either end on a GPU: the copy may still be queued
+            torch.cuda.current_stream((direct if direct.is_cuda else payload).device).synchronize()
 
     def land(self, payload: torch.Tensor, run: CopyRunner = run_copies, wait: bool = True) -> None:
         """Relayout ``payload`` (uint8, this segment's bytes) into local memory;

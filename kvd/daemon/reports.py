@@ -10,7 +10,8 @@ request, as vLLM's ``KVOutputAggregator`` does, so one applied twice would
 count its rank twice and finish a request before every rank had. The
 reporter numbers its reports and sends them one at a time, the same report
 with the same number until one is answered (a timeout may follow an
-apply); the aggregator's ``ReportLedger`` drops a number it has applied.
+apply); the aggregator's ``ReportLedger`` drops a number it has applied,
+and records one only once it is applied.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ class AggregatorReports:
                     lost = len(report.batch.outcomes())
                     self.d.metrics.unread_dropped.labels("aggregator").inc(lost)
                     log.error("aggregator %s refused %d outcomes (%s): %s", self.d.config.aggregator_address, lost, e.code().name, e.details())
+                except Exception as e:  # not gRPC's (a channel that cannot be made): the sender must not die of it
+                    log.warning("report to aggregator %s failed (%s); retrying", self.d.config.aggregator_address, e)
+                    await asyncio.sleep(RETRY_SECONDS)
+                    continue
                 self.in_flight = None
 
     def _next(self) -> Report:
@@ -126,7 +131,7 @@ class AggregatorReports:
             raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {d.config.engine_id!r}")
         if len(req.sender_epoch) > MAX_SENDER_EPOCH:
             raise InvalidArgument("sender_epoch", req.sender_epoch, f"is longer than {MAX_SENDER_EPOCH} characters")
-        if not self.ledger.fresh(req.sender_epoch, req.seq):
+        if self.ledger.applied(req.sender_epoch, req.seq):
             d.metrics.repeated_reports.inc()
             log.info("report %d from daemon epoch %s applied before: not counted again", req.seq, req.sender_epoch[:8])
             return False
@@ -134,4 +139,5 @@ class AggregatorReports:
         for detail in req.details:  # one or many outcomes of that worker: a batch queued while we were unreachable
             out.add(Outcome(detail.request_id, detail.direction, detail.outcome, detail.reason, detail.bytes))
         d.report_to_hub(out)
+        self.ledger.record(req.sender_epoch, req.seq)
         return True

@@ -42,6 +42,12 @@ class Staging:
             buf = self._bufs[device] = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
         return buf[:nbytes]
 
+    def shrink(self, keep_bytes: int) -> None:
+        """Let go of buffers over ``keep_bytes`` (their work done): one per
+        thread and source, kept at a big read's size, would hold GPU memory
+        an engine needs; freed, the allocator reuses it for the next read."""
+        self._bufs = {d: b for d, b in self._bufs.items() if b.numel() <= keep_bytes}
+
 
 class OpenRead(Protocol):
     """An authorised read on the owning side."""

@@ -22,6 +22,7 @@ from kvd.core.pieces import owner_iov, serve_segment
 from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, GroupTensors, run_copies
 from kvd.core.sinks import SegmentSink
+from kvd.core.transfer import DEFAULT_SEGMENT_BYTES
 from kvd.transport import iovec
 from kvd.transport.base import Staging
 from kvd.transport.device import device_copies
@@ -89,6 +90,8 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
     for i in device_landed:  # the stack waited for their copies
         landed[i] = True
         moved += sinks[i].nbytes
+    if device_landed:  # GPU reads plan big segments: their staging goes back to the allocator
+        source.staging.shrink(DEFAULT_SEGMENT_BYTES)
     if in_place:
         assert copier is not None
         moved += copier.copy(np.concatenate(dsts), np.concatenate(srcs), cancel)
