@@ -206,15 +206,11 @@ class ReportLedger:
         # past ``max_senders`` (every restart of every daemon is a new one).
         self._last: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.max_senders = max_senders
-        self.repeats = 0
 
     def applied(self, sender_epoch: str, seq: int) -> bool:
         """Was this report applied already? Unnumbered reports (seq 0: from
         a daemon that does not number them) never count as applied."""
-        if seq == 0 or not sender_epoch or seq > self._last.get(sender_epoch, 0):
-            return False
-        self.repeats += 1
-        return True
+        return seq != 0 and bool(sender_epoch) and seq <= self._last.get(sender_epoch, 0)
 
     def record(self, sender_epoch: str, seq: int) -> None:
         """This report is applied (recorded after it is, so one that failed

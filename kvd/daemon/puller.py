@@ -405,7 +405,7 @@ def _failure_reason(e: BaseException) -> tuple[str, str]:
 # no wire, and a segment's own cost (its Python, launches and index upload,
 # some 100 us) is what a 4 MiB device copy takes at 40 GB/s: measured on an
 # H100, 4 MiB segments held that path to 12 GB/s against a 1.4 TB/s memcpy.
-LOCAL_DEVICE_SEGMENT_BYTES = 64 << 20  # each copying thread holds one as GPU staging
+LOCAL_DEVICE_SEGMENT_BYTES = 64 << 20  # gathered into GPU staging, let go after the read (samehost.copy_local)
 
 
 def _segment_bytes(configured: int, reg: Registration, peer: Peer) -> int:

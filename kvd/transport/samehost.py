@@ -70,17 +70,16 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                     srcs.append(src)
                     in_place.append(i)
                     continue
-            device = sink.device if sink.device.type == "cuda" else group.device
-            if device.type == "cuda":
+            gpus = {dev for dev in (sink.device, group.device) if dev.type == "cuda"}
+            if gpus:
                 # GPU to GPU (CUDA IPC): gathered on the owner's device, then
                 # one device copy or a relayout on ours. Every device segment
                 # of the read is queued on this thread's stream and waited for
                 # once, when the stack closes: a wait per segment left the GPU
                 # idle between them (64 waits in a 256 MiB read).
-                for dev in {device, group.device} - opened:
-                    if dev.type == "cuda":
-                        opened.add(dev)
-                        streams.enter_context(device_copies(dev))
+                for dev in gpus - opened:
+                    opened.add(dev)
+                    streams.enter_context(device_copies(dev))
                 sink.put(serve_segment(group, seg, *read.heads_of(seg), source.staging), run, wait=False)
                 device_landed.append(i)
                 continue
