@@ -100,3 +100,64 @@ def test_cuda_caches_register_by_ipc_handle_and_transfer(daemons):
     f = dw.client.wait_finished(recving={"r"}, timeout=60)
     assert f.details[("recving", "r")].outcome == "done", f.details
     assert dw.mismatch(3, [5, 6], 32) is None
+
+
+def _calls_during(address: str, action) -> tuple[float, list[float]]:
+    """Run ``action`` while another client calls the daemon back to back;
+    returns how long it took and the latency of each call made inside it."""
+    import threading
+    import time
+
+    import grpc
+
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.proto import kvd_pb2_grpc as pbg
+
+    calls: list[tuple[float, float]] = []
+    stop = threading.Event()
+    with grpc.insecure_channel(address) as ch:
+        stub = pbg.AdminStub(ch)
+        stub.Status(pb.StatusRequest(), timeout=30)
+
+        def poll() -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                stub.Status(pb.StatusRequest(), timeout=30)
+                calls.append((t, time.perf_counter() - t))
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        try:
+            action()
+        finally:
+            t1 = time.perf_counter()
+            stop.set()
+            poller.join()
+    return t1 - t0, [d for t, d in calls if t0 <= t and t + d <= t1]
+
+
+def test_the_daemon_answers_while_it_maps_a_big_cache(daemons):
+    """Mapping a region faults in every page (seconds for a real cache). The
+    daemon does it off its event loop, when a worker registers and when a
+    same-host reader first maps the owner's regions, so it answers everyone
+    else meanwhile. Done on the loop, no call made during either answered."""
+    p, d = daemons.start("prefill", same_host="auto"), daemons.start("decode", same_host="auto")
+    big = make_worker(p.grpc, "prefill", heads=8, head_size=128, num_blocks=4096, register=False)  # 1 GiB
+    dw = make_worker(d.grpc, "decode", heads=8, head_size=128, num_blocks=64)
+    took, inside = _calls_during(p.grpc, big.register)
+    assert len(inside) >= 3 and max(inside) < took / 2, (took, inside)
+
+    big.fill(3, [1, 2, 3])
+    params = big.client.publish("r", [[1, 2, 3]], 48)
+
+    def first_pull() -> None:  # the handshake maps P's gigabyte in D
+        dw.client.pull("r", params, [[4, 5, 6]])
+        f = dw.client.wait_finished(recving={"r"}, timeout=60)
+        assert f.details[("recving", "r")].outcome == "done"
+
+    took, inside = _calls_during(d.grpc, first_pull)
+    assert len(inside) >= 3 and max(inside) < took / 2, (took, inside)
+    assert dw.mismatch(3, [4, 5, 6], 48) is None
+    assert "same-host path to engine=prefill: 1 ranks mapped" in d.log()

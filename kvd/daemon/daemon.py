@@ -56,7 +56,7 @@ from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reports import AggregatorReports
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions import MappedRegion, map_region
+from kvd.regions import MappedRegion, map_regions
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
@@ -118,6 +118,7 @@ class Daemon:
         self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
         self._generation = 0
+        self._registering = asyncio.Lock()
         self.draining = False
         self.streams_ending = False  # after the drain: push streams send what is left and end
         self.grpc_address = ""  # what peers dial for gRPC: set by the server once it is bound
@@ -205,7 +206,21 @@ class Daemon:
 
     # ------------------------------------------------------------ registration
 
-    def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+    async def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+        # One at a time: each is checked against the ranks registered before
+        # it, and commits only after its mapping, which runs off the loop.
+        async with self._registering:
+            worker, model, groups = self._check_registration(req)
+            mapped = await asyncio.to_thread(map_regions, req.regions)
+            try:
+                tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
+            except BaseException:
+                for r in mapped.values():
+                    r.close()
+                raise
+            return self._commit_registration(req, worker, model, groups, mapped, tensors)
+
+    def _check_registration(self, req: pb.RegisterRequest) -> tuple[WorkerId, ModelInfo, list[GroupSpec]]:
         worker = worker_from_pb(req.worker)
         if worker.engine_id != self.config.engine_id:
             raise InvalidArgument("worker.engine_id", worker.engine_id, f"does not match this daemon's engine {self.config.engine_id!r}")
@@ -242,17 +257,10 @@ class Daemon:
                 raise InvalidArgument("worker.tp_size", worker.tp_size, f"cannot split model.total_num_kv_heads={model.total_num_kv_heads}: {e.message}") from None
             if g.spec.num_kv_heads != want:
                 raise InvalidArgument(f"groups[{g.group_id}].spec.num_kv_heads", g.spec.num_kv_heads, f"should be {want} for tp_rank {worker.tp_rank} of {worker.tp_size} with {model.total_num_kv_heads} KV heads")
-        mapped: dict[str, MappedRegion] = {}
-        try:
-            for region in req.regions:
-                if region.region_id in mapped:
-                    raise InvalidArgument("regions.region_id", region.region_id, "is listed twice")
-                mapped[region.region_id] = map_region(region)
-            tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
-        except BaseException:
-            for r in mapped.values():
-                r.close()
-            raise
+        return worker, model, groups
+
+    def _commit_registration(self, req: pb.RegisterRequest, worker: WorkerId, model: ModelInfo, groups: list[GroupSpec],
+                             mapped: dict[str, MappedRegion], tensors: list[GroupTensors]) -> pb.RegisterResponse:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.registrations.pop(key, None)
         if old is not None:

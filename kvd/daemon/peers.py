@@ -27,7 +27,7 @@ from kvd.core.relayout import GroupTensors
 from kvd.core.spec import EngineMeta, fingerprint
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.regions import MappedRegion, map_region
+from kvd.regions import MappedRegion, map_regions
 from kvd.transport.samehost import LocalSource
 
 if TYPE_CHECKING:
@@ -129,20 +129,25 @@ class Handshakes:
             self.d.metrics.handshakes.labels("caller", "ok").inc()
             peer = Peer(theirs, params.remote_address, self.d.registration_version)
             if self.d.config.same_host != "off" and theirs.host_id == self.d.host_id:
-                self._map_same_host(peer, resp.callee)
+                await self._map_same_host(peer, resp.callee)
             self.drop_peer(eid)
             self.d.data_client.set_token(theirs.data_address, resp.data_token)
             self.peers[eid] = peer
             return peer
 
-    def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
+    async def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
         """Map the owner's regions; on any failure fall back to TCP."""
+        ranks = [rank for rank in callee.ranks if rank.regions]
         try:
-            for rank in callee.ranks:
-                if not rank.regions:
-                    continue
-                mapped = {r.region_id: map_region(r) for r in rank.regions}
-                peer.mapped.extend(mapped.values())
+            # Off the loop: mapping faults in every page (a real cache takes seconds).
+            maps = await asyncio.to_thread(_map_ranks, ranks)
+        except KvdError as e:
+            log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
+            return
+        for mapped in maps:
+            peer.mapped.extend(mapped.values())
+        try:
+            for rank, mapped in zip(ranks, maps, strict=True):
                 views = {rid: m.tensor for rid, m in mapped.items()}
                 groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
                 peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
@@ -151,3 +156,17 @@ class Handshakes:
             log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
             peer.close()
 
+
+
+def _map_ranks(ranks: list[pb.RankInfo]) -> list[dict[str, MappedRegion]]:
+    """Each rank's regions mapped; on any failure none stays mapped."""
+    maps: list[dict[str, MappedRegion]] = []
+    try:
+        for rank in ranks:
+            maps.append(map_regions(rank.regions))
+    except BaseException:
+        for mapped in maps:
+            for r in mapped.values():
+                r.close()
+        raise
+    return maps

@@ -114,9 +114,9 @@ class WorkerService(pbg.WorkerServicer):
         return worker_token(context)
 
     @rpc
-    def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         self._local(context)
-        return self.d.register(request)
+        return await self.d.register(request)
 
     @rpc
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
