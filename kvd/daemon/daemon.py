@@ -56,7 +56,7 @@ from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reports import AggregatorReports
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions import MappedRegion, map_regions
+from kvd.regions import MappedRegion, close_later, map_regions
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
@@ -298,7 +298,7 @@ class Daemon:
         if self.nixl is not None:
             for h in reg.nixl_handles:
                 self.nixl.deregister(h)
-        reg.close()
+        close_later(reg.close)
 
     def registered(self, worker: WorkerId, token: bytes | None = None) -> Registration:
         """The worker's registration; with ``token``, only for the worker itself."""

@@ -27,7 +27,7 @@ from kvd.core.relayout import GroupTensors
 from kvd.core.spec import EngineMeta, fingerprint
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.regions import MappedRegion, map_regions
+from kvd.regions import MappedRegion, close_later, map_regions
 from kvd.transport.samehost import LocalSource
 
 if TYPE_CHECKING:
@@ -90,8 +90,8 @@ class Handshakes:
     def drop_peer(self, engine_id: str) -> Peer | None:
         """Forget a remote engine's handshake (and unmap its same-host regions)."""
         peer = self.peers.pop(engine_id, None)
-        if peer is not None:
-            peer.close()
+        if peer is not None and peer.mapped:
+            close_later(peer.close)
         return peer
 
     async def peer_for(self, params: pb.TransferParams) -> Peer:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import concurrent.futures
+import logging
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -59,3 +61,21 @@ def map_regions(regions: Iterable[kvd_pb2.Region]) -> dict[str, MappedRegion]:
             r.close()
         raise
     return mapped
+
+
+_unmapper: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def close_later(close: Callable[[], None]) -> None:
+    """Run ``close`` (unmapping regions) in a background thread: unmapping
+    costs about 25 ms a GiB, too long for an event loop. The memory stays
+    valid until then, and while any view of it lives."""
+    global _unmapper
+    if _unmapper is None:
+        _unmapper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-unmap")
+    _unmapper.submit(close).add_done_callback(_log_failure)
+
+
+def _log_failure(done: concurrent.futures.Future[None]) -> None:
+    if done.exception() is not None:
+        logging.getLogger("kvd.regions").error("closing mapped regions failed", exc_info=done.exception())
