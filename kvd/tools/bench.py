@@ -296,8 +296,8 @@ def bench_gpu(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
     return out
 
 
-# Within a round each figure is the best of this many tries: the first request
-# on fresh daemons also pays for connections and the handshake.
+# Within a round each figure is the best of this many tries (kvd's and the
+# peer engines' throughput each after one untimed warm-up request).
 TRIES_PER_ROUND = 2
 
 
