@@ -86,13 +86,16 @@ def assert_exact_or_invalid(dw: TestWorker, seed: int, ids: list[int], outcome: 
 def test_a_flapping_link_under_many_requests_leaves_every_byte_exact_or_invalid(daemons, hosts, sockdir):
     _, _, p_addr, d_addr = start_pair(daemons, hosts, sockdir, ("--lease-seconds", "8"), ("--stall-timeout-seconds", "3"))
     pw, dw = make_worker(p_addr, "prefill", **BIG), make_worker(d_addr, "decode", **BIG)
-    per, batch = 40, 4  # 10 MiB requests, 4 at a time
-    requests = [(f"r{i}", 100 + i, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(24)]
+    per, batch = 40, 4  # 10 MiB requests, 4 at a time, over 24 slots of blocks
     outcomes: dict[str, str] = {}
     hosts.start_flapping(seed=1)
     try:
-        for k in range(0, len(requests), batch):
-            chunk = requests[k : k + batch]
+        k = 0
+        # At least 24 requests, and more until the link has flapped 3 times:
+        # on a quiet machine 24 can finish within the flapper's first up time.
+        while k < 24 or (hosts.flaps < 3 and k < 240):
+            chunk = [(f"r{i}", 100 + i, list(range(1 + i % 24 * per, 1 + (i % 24 + 1) * per))) for i in range(k, k + batch)]
+            k += batch
             for rid, seed, ids in chunk:
                 pw.fill(seed, ids)
                 dw.fill(seed + 1000, ids)  # what D held before
