@@ -211,14 +211,36 @@ class Daemon:
         # it, and commits only after its mapping, which runs off the loop.
         async with self._registering:
             worker, model, groups = self._check_registration(req)
-            mapped = await asyncio.to_thread(map_regions, req.regions)
+            mapped, handles = await asyncio.to_thread(self._map, req.regions)
             try:
                 tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
             except BaseException:
-                for r in mapped.values():
-                    r.close()
+                self._unmap(mapped, handles)
                 raise
-            return self._commit_registration(req, worker, model, groups, mapped, tensors)
+            return self._commit_registration(req, worker, model, groups, mapped, handles, tensors)
+
+    def _map(self, regions: Sequence[pb.Region]) -> tuple[dict[str, MappedRegion], list[object]]:
+        """In a thread: map a worker's regions and register their host memory
+        with NIXL, which reads and writes only registered memory (pinning it
+        for RDMA takes long too); on any failure, nothing stays either."""
+        mapped = map_regions(regions)
+        handles: list[object] = []
+        try:
+            if self.nixl is not None:
+                for r in mapped.values():
+                    if r.tensor.device.type == "cpu":
+                        handles.append(self.nixl.register(r.tensor.data_ptr(), r.size))
+        except BaseException:
+            self._unmap(mapped, handles)
+            raise
+        return mapped, handles
+
+    def _unmap(self, mapped: dict[str, MappedRegion], handles: Sequence[object]) -> None:
+        if self.nixl is not None:
+            for h in handles:
+                self.nixl.deregister(h)
+        for r in mapped.values():
+            r.close()
 
     def _check_registration(self, req: pb.RegisterRequest) -> tuple[WorkerId, ModelInfo, list[GroupSpec]]:
         worker = worker_from_pb(req.worker)
@@ -260,7 +282,7 @@ class Daemon:
         return worker, model, groups
 
     def _commit_registration(self, req: pb.RegisterRequest, worker: WorkerId, model: ModelInfo, groups: list[GroupSpec],
-                             mapped: dict[str, MappedRegion], tensors: list[GroupTensors]) -> pb.RegisterResponse:
+                             mapped: dict[str, MappedRegion], handles: list[object], tensors: list[GroupTensors]) -> pb.RegisterResponse:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.registrations.pop(key, None)
         if old is not None:
@@ -271,10 +293,7 @@ class Daemon:
             self._release(old)
         self._generation += 1
         self.registration_version += 1
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32))
-        if self.nixl is not None:
-            # NIXL reads and writes only registered memory: the worker's regions, as mapped here.
-            reg.nixl_handles = [self.nixl.register(r.tensor.data_ptr(), r.size) for r in mapped.values() if r.tensor.device.type == "cpu"]
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32), handles)
         self.registrations[key] = reg
         # The box outlives registrations; a stream the old registration opened sees it was replaced and ends.
         self.finished.setdefault(key, WorkerFinished()).wake()
@@ -295,10 +314,11 @@ class Daemon:
         self._update_region_metrics()
 
     def _release(self, reg: Registration) -> None:
-        if self.nixl is not None:
-            for h in reg.nixl_handles:
-                self.nixl.deregister(h)
-        close_later(reg.close)
+        def unmap() -> None:
+            reg.tensors.clear()  # views keep a mapping alive
+            self._unmap(reg.regions, reg.nixl_handles)
+
+        close_later(unmap)
 
     def registered(self, worker: WorkerId, token: bytes | None = None) -> Registration:
         """The worker's registration; with ``token``, only for the worker itself."""
