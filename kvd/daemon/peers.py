@@ -136,37 +136,24 @@ class Handshakes:
             return peer
 
     async def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
-        """Map the owner's regions; on any failure fall back to TCP."""
-        ranks = [rank for rank in callee.ranks if rank.regions]
+        """Map the owner's regions, in a thread (mapping faults in every page:
+        seconds for a real cache); on any failure fall back to TCP."""
         try:
-            # Off the loop: mapping faults in every page (a real cache takes seconds).
-            maps = await asyncio.to_thread(_map_ranks, ranks)
-        except KvdError as e:
-            log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
-            return
-        for mapped in maps:
-            peer.mapped.extend(mapped.values())
-        try:
-            for rank, mapped in zip(ranks, maps, strict=True):
-                views = {rid: m.tensor for rid, m in mapped.items()}
-                groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
-                peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
+            await asyncio.to_thread(_map_owner, peer, callee)
             log.info("same-host path to engine=%s: %d ranks mapped", peer.meta.engine_id, len(peer.local_sources))
         except KvdError as e:
             log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
             peer.close()
 
 
-
-def _map_ranks(ranks: list[pb.RankInfo]) -> list[dict[str, MappedRegion]]:
-    """Each rank's regions mapped; on any failure none stays mapped."""
-    maps: list[dict[str, MappedRegion]] = []
-    try:
-        for rank in ranks:
-            maps.append(map_regions(rank.regions))
-    except BaseException:
-        for mapped in maps:
-            for r in mapped.values():
-                r.close()
-        raise
-    return maps
+def _map_owner(peer: Peer, callee: pb.EngineInfo) -> None:
+    """Each of the owner's ranks mapped into ``peer`` (not yet shared with
+    the loop), as a source to copy from."""
+    for rank in callee.ranks:
+        if not rank.regions:
+            continue
+        mapped = map_regions(rank.regions)
+        peer.mapped.extend(mapped.values())
+        views = {rid: m.tensor for rid, m in mapped.items()}
+        groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
+        peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
