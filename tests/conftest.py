@@ -156,6 +156,15 @@ def pytest_configure(config):
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _engine_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM engines bind ZMQ IPC sockets under VLLM_RPC_BASE_PATH and torch's
+    rendezvous files under TMPDIR (both the system temp folder by default),
+    and a killed engine leaves them there: the session's own folder takes
+    them instead (``tests/test_vllm.py``'s engine environment uses it)."""
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("engine-tmp")))
+
+
 def scrape(metrics_url: str, name: str, **labels: str) -> float:
     """The sum of a sample's values on a daemon's /metrics, over the label
     sets that carry ``labels`` (all of them by default)."""

@@ -349,6 +349,32 @@ def test_unresolvable_params_fail_after_the_publish_wait_with_every_block_invali
     assert f.invalid_block_ids == {5}
 
 
+def test_params_of_a_publication_that_ended_fail_at_once_saying_how(daemons):
+    """P aborted its publication before D resolved the params (made before
+    publish, as vLLM's scheduler makes them): D hears the abort at once,
+    not a capability refusal after the whole publish wait."""
+    p, d = daemons.start("prefill", "--publish-wait-seconds", "20"), daemons.start("decode", "--publish-wait-seconds", "20")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    cap = secrets.token_bytes(32)
+    pw.client.publish("p-req", [[1, 2]], 32, capability=cap)
+    assert pw.client.abort("p-req")
+    params = scheduler_params(p.grpc, "prefill", "p-req", cap, [1, 2], 32)
+    params.remote_tp_size = 1
+    t0 = time.monotonic()
+    dw.client.pull("d-req", params, [[5, 6]])
+    f = dw.client.wait_finished(recving={"d-req"}, timeout=30)
+    detail = f.details[("recving", "d-req")]
+    assert detail.outcome == "failed" and "ended before this read: aborted" in detail.reason, detail
+    assert time.monotonic() - t0 < 10 and f.invalid_block_ids == {5, 6}
+    # Negative control: another capability for the same request id learns
+    # nothing of it, and waits for a publish as before.
+    params.capability = secrets.token_bytes(32)
+    dw.client.pull("d-req2", params, [[7, 8]])
+    time.sleep(2)
+    assert "d-req2" not in dw.client.get_finished().finished_recving
+    assert dw.client.abort("d-req2")
+
+
 def test_a_reader_that_needs_nothing_releases_the_publication_at_once(daemons):
     """D already holds the prompt (a prefix-cache hit): P frees the blocks now, not at lease expiry."""
     p, d = daemons.start("prefill"), daemons.start("decode")

@@ -1,6 +1,6 @@
 import pytest
 
-from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from kvd.core.leases import PublicationTable
 
 
@@ -15,7 +15,7 @@ def test_publish_authorize_ack_ends_publication():
     t.check_blocks(pub, (0, 0), 0, 1, 3)
     ended = t.ack("r1", pub.generation, (0, 0), ("D", 0, 0, 0), expected=1)
     assert [(e.request_id, e.outcome) for e in ended] == [("r1", "done")]
-    with pytest.raises(PermissionDenied):
+    with pytest.raises(Aborted, match="ended before this read: done"):
         t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=2)
 
 
@@ -52,8 +52,24 @@ def test_reused_block_id_gets_a_new_generation():
     t.abort("a")
     new = t.publish((0, 0), "b", [[5]], [8], 16, now=1)
     assert new.generation > old.generation
-    with pytest.raises(PermissionDenied):
+    with pytest.raises(Aborted, match="'a' ended before this read: aborted"):
         t.authorize("a", old.generation, old.capability, "D", (0, 0), now=1)
+
+
+def test_a_read_of_an_ended_publication_hears_why_and_only_with_its_capability():
+    """A striped read's late stripe, after an abort, is told the publication
+    ended and how; a wrong capability learns nothing, and the record lasts a lease."""
+    t = table()
+    pub = t.publish((0, 0), "r", [[1, 2]], [8], 32, now=0)
+    t.abort("r", reason="the engine aborted it")
+    with pytest.raises(Aborted, match=r"ended before this read: aborted \(the engine aborted it\)"):
+        t.authorize("r", pub.generation, pub.capability, "D", (0, 0), now=1)
+    with pytest.raises(PermissionDenied, match="matches this capability"):
+        t.authorize("r", pub.generation, b"y" * 32, "D", (0, 0), now=1)
+    t.check_not_ended("r", b"y" * 32, now=1)  # nothing to say to a stranger
+    # The record is kept for a lease past the publication's own expiry (10 + 10).
+    with pytest.raises(PermissionDenied, match="matches this capability"):
+        t.authorize("r", pub.generation, pub.capability, "D", (0, 0), now=20)
 
 
 def test_ranks_share_capability_and_bad_input_is_refused():
@@ -102,7 +118,7 @@ def test_an_end_while_a_reader_copies_is_reported_when_the_last_pin_goes():
     pub = t.publish((0, 0), "r1", [[1, 2]], [8], 32, now=0)
     a, b = t.pin(pub, (0, 0)), t.pin(pub, (0, 0))
     assert t.abort("r1") == [] and t.pinned == 1
-    with pytest.raises(PermissionDenied):
+    with pytest.raises(Aborted, match="ended before this read"):
         t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=1)
     assert t.unpin(a) == []
     assert [(e.request_id, e.outcome) for e in t.unpin(b)] == [("r1", "aborted")]

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ PROMPTS = [[(7 * i + 3 * j) % 997 + 3 for j in range(n)] for i, n in enumerate((
 
 def _env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
-            "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+            "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1", "TMPDIR": os.environ["VLLM_RPC_BASE_PATH"]}
 
 
 def _drive(py: Path, tmp: Path, mode: str, model: Path, *extra: str, prompts_list: list[list[int]] = PROMPTS) -> tuple[dict, str]:
@@ -295,8 +296,10 @@ class OpenAIPD:
     p_grpc: str
     p_metrics: str
     procs: list[subprocess.Popen]
+    logs: list[Path]  # the servers', the daemons' and any proxy's
 
     def proxy(self, cmd: list[str], log: Path) -> str:
+        self.logs.append(log)
         port = _free_port()
         self.procs.append(subprocess.Popen([*cmd, "--prefill", self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
                                            env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
@@ -320,7 +323,8 @@ def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
             procs.append(servers[name].proc)
         for s in servers.values():
             _wait_http(f"{s.url}/health", s.proc, 300, s.log)
-        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs)
+        logs = [s.log for s in servers.values()] + [daemon.log_path for daemon in (p, d)]
+        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs, logs)
     finally:
         for proc in procs:
             _kill_group(proc)
@@ -342,11 +346,21 @@ def _complete(url: str, model: Path, prompt: list[int], *, stream: bool = False)
         return tokens
 
 
+def _complete_pd(pd: OpenAIPD, url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
+    """``_complete`` through a P/D pair; a refused request fails with its answer
+    and where each process's log ends, as CI keeps no files."""
+    try:
+        return _complete(url, model, prompt, stream=stream)
+    except urllib.error.HTTPError as e:
+        tails = "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in pd.logs if log.exists())
+        raise AssertionError(f"{url} answered {e.code}: {e.read()[:2000]!r}{tails}") from e
+
+
 def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):
     url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
     before = _received_bytes(openai_pd.d_metrics)
     for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
-        assert _complete(url, model_dir, prompt) == expected
+        assert _complete_pd(openai_pd, url, model_dir, prompt) == expected
     moved = _received_bytes(openai_pd.d_metrics) - before
     assert moved == sum(_blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
@@ -359,7 +373,7 @@ def test_streamed_layer_by_layer_through_kvd_proxy_matches_one_engine(openai_pd,
     before = _received_bytes(openai_pd.d_metrics)
     saves = scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total")
     for prompt, expected in zip(PROMPTS[4:6], baseline[4:6], strict=True):
-        assert _complete(url, model_dir, prompt) == expected
+        assert _complete_pd(openai_pd, url, model_dir, prompt) == expected
     # D loaded every prompt through kvd, and P saved each request one layer at a time, during its forward.
     assert _received_bytes(openai_pd.d_metrics) - before == sum(_blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
     assert scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total") - saves == 2 * LAYERS
@@ -371,8 +385,8 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
     url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
     before = _received_bytes(openai_pd.d_metrics)
     # Prompts D has not seen (the kvd proxy test sent the first two): no prefix hit.
-    assert _complete(url, model_dir, PROMPTS[2]) == baseline[2]
-    assert _complete(url, model_dir, PROMPTS[3], stream=True) == baseline[3]
+    assert _complete_pd(openai_pd, url, model_dir, PROMPTS[2]) == baseline[2]
+    assert _complete_pd(openai_pd, url, model_dir, PROMPTS[3], stream=True) == baseline[3]
     # The decode really loaded both prompts through kvd (and did not prefill them itself).
     assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[2]) - 1) + _blocks(len(PROMPTS[3]) - 1)) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
@@ -421,7 +435,7 @@ def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
         for proc in procs:
             _kill_group(proc)
         raise
-    return OpenAIPD(servers["prefill"], servers["decode"], "", "", "", procs)
+    return OpenAIPD(servers["prefill"], servers["decode"], "", "", "", procs, [s.log for s in servers.values()])
 
 
 def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: int) -> tuple[dict, dict[str, float]]:

@@ -203,6 +203,14 @@ class PublicationTable:
             self._tombstones.pop(next(iter(self._tombstones)))
         self._tombstones[(request_id, capability)] = (now + self.default_lease_s, outcome, reason)
 
+    def check_not_ended(self, request_id: str, capability: bytes, now: float) -> None:
+        """Raise ``Aborted`` with its outcome if this publication (request id
+        and capability) ended within a lease: a reader holding its capability
+        hears why, not that nothing matches."""
+        found = self._tombstones.get((request_id, capability))
+        if found is not None and now < found[0]:
+            raise Aborted(f"publication of request_id={request_id!r} ended before this read: {found[1]} ({found[2]})")
+
     def authorize(
         self, request_id: str, generation: int, capability: bytes, reader_engine_id: str, rank: RankKey, now: float
     ) -> Publication:
@@ -210,6 +218,9 @@ class PublicationTable:
         pub = self.by_request.get(request_id)
         # Check the capability before saying anything else about the request.
         if pub is None or not hmac.compare_digest(capability, pub.capability):
+            # A striped read's later stripes can arrive after an abort: say
+            # that the publication ended, as a read already under way hears.
+            self.check_not_ended(request_id, capability, now)
             raise PermissionDenied(f"no publication of request_id={request_id!r} matches this capability")
         if pub.generation != generation:
             raise PermissionDenied(f"request_id={request_id!r} generation={generation} is stale (current {pub.generation})")
