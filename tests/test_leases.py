@@ -164,3 +164,19 @@ def test_ranks_of_one_publication_agree_on_its_tokens_and_each_group_holds_them(
         t.publish((0, 0), "s", [[1, 2], [5, 6]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 8])
     with pytest.raises(InvalidArgument, match=r"block_ids\[1\]='<1 blocks>' of 16 tokens from token 32 cannot hold num_tokens=60"):
         t.publish((0, 0), "s", [[1, 2], [5]], [8, 8], 60, now=0, block_sizes=[32, 16], first_tokens=[0, 32])
+
+
+def test_a_repeated_block_id_is_named_whether_ids_are_dense_or_sparse():
+    """Dense ids (below a few times their count) are counted, sparse ones
+    sorted: both name the smallest repeated id, and unique ids pass."""
+    import numpy as np
+
+    from kvd.core.leases import check_unique
+
+    dense = np.random.default_rng(0).permutation(100_000)
+    check_unique("ids", dense)
+    for ids in (np.append(dense, [70_000, 5]), np.array([1 << 40, 7, 3, 1 << 40, 3])):
+        with pytest.raises(InvalidArgument, match=r"ids=(5|3) is listed more than once"):
+            check_unique("ids", ids)
+    check_unique("ids", np.array([1 << 40, 7, 3]))
+    check_unique("ids", np.array([4]))

@@ -348,7 +348,16 @@ class PublicationTable:
 
 def check_unique(field: str, ids: np.ndarray) -> None:
     """Refuse a block id listed twice, naming it: it would be read (or land) once, silently."""
-    if ids.size > 1:
-        uniq, counts = np.unique(ids, return_counts=True)
-        if (counts > 1).any():
-            raise InvalidArgument(field, int(uniq[counts > 1][0]), "is listed more than once")
+    if ids.size < 2:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < 4 * ids.size + (1 << 16):
+        # Block ids are dense (below the cache's block count): a count per id
+        # is one pass, where np.unique sorts (20 ms at 100k ids).
+        counts = np.bincount(ids, minlength=0)
+        repeated = np.flatnonzero(counts > 1)
+    else:
+        ordered = np.sort(ids)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size:
+        raise InvalidArgument(field, int(repeated[0]), "is listed more than once")
