@@ -90,7 +90,7 @@ class PublicationTable:
         self,
         rank: RankKey,
         request_id: str,
-        block_ids: Sequence[Sequence[int]],
+        block_ids: Sequence[Sequence[int] | np.ndarray],
         num_blocks: Sequence[int],
         num_tokens: int,
         now: float,

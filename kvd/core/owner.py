@@ -197,7 +197,7 @@ class Owner:
         """Heartbeat: which of (request id, generation, capability) are still held."""
         return [self.publications.renew(rid, gen, cap, now) for rid, gen, cap in leases]
 
-    def publish(self, rank: RankKey, request_id: str, block_ids: Sequence[Sequence[int]], tensors: Sequence[GroupTensors],
+    def publish(self, rank: RankKey, request_id: str, block_ids: Sequence[Sequence[int] | np.ndarray], tensors: Sequence[GroupTensors],
                 num_tokens: int, now: float, *, capability: bytes = b"", reader_engine_id: str = "",
                 lease_s: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False) -> tuple[Publication, list[Ended]]:
         """Offer ``rank``'s blocks; and what ends at once because this

@@ -79,7 +79,7 @@ class Publisher:
             raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
         with self.lock:
             pub, ended = self.owner.publish(
-                (worker.tp_rank, worker.pp_rank), req.request_id, [list(b.ids) for b in req.block_ids], reg.tensors,
+                (worker.tp_rank, worker.pp_rank), req.request_id, [np.asarray(b.ids, dtype=np.int64) for b in req.block_ids], reg.tensors,
                 req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
                 lease_s=req.lease_seconds, first_tokens=[b.first_token for b in req.block_ids], stream=req.stream,
             )
@@ -90,7 +90,7 @@ class Publisher:
         return pb.PublishResponse(params=pb.TransferParams(
             remote_engine_id=d.config.engine_id, remote_address=d.grpc_address, remote_epoch=d.epoch,
             request_id=req.request_id, generation=pub.generation, capability=pub.capability,
-            block_ids=[pb.BlockIds(ids=list(b.ids), first_token=b.first_token) for b in req.block_ids], num_tokens=req.num_tokens,
+            block_ids=req.block_ids, num_tokens=req.num_tokens,  # copied by protobuf, not through Python ints
             remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
             lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds, stream=req.stream,
         ))
