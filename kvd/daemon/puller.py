@@ -163,7 +163,7 @@ class Puller:
                 total = await asyncio.wait_for(self._with_retries(reg, req, rank, local_ids, progress), d.config.pull_timeout_seconds)
             landed = self._replica_future(req.params, rank)
             if not landed.done():
-                landed.set_result([np.asarray(ids, dtype=np.int64) for ids in local_ids])
+                landed.set_result([np.asarray(b.ids, dtype=np.int64) for b in req.local_block_ids])  # from protobuf: no Python ints
             d.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
             self._count_window_savings(reg, req)
             d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
