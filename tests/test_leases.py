@@ -1,7 +1,8 @@
+import numpy as np
 import pytest
 
 from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvd.core.leases import PublicationTable
+from kvd.core.leases import PublicationTable, check_unique
 
 
 def table():
@@ -169,10 +170,6 @@ def test_ranks_of_one_publication_agree_on_its_tokens_and_each_group_holds_them(
 def test_a_repeated_block_id_is_named_whether_ids_are_dense_or_sparse():
     """Dense ids (below a few times their count) are counted, sparse ones
     sorted: both name the smallest repeated id, and unique ids pass."""
-    import numpy as np
-
-    from kvd.core.leases import check_unique
-
     dense = np.random.default_rng(0).permutation(100_000)
     check_unique("ids", dense)
     for ids in (np.append(dense, [70_000, 5]), np.array([1 << 40, 7, 3, 1 << 40, 3])):

@@ -24,6 +24,8 @@ def test_a_block_id_published_twice_is_refused_naming_it(daemons):
     pw = make_worker(p.grpc, "prefill")
     with pytest.raises(InvalidArgument, match=r"block_ids\[0\]=3 is listed more than once"):
         pw.client.publish("r", [[1, 3, 2, 3]], 64)
+    with pytest.raises(InvalidArgument, match=r"block_ids\[0\]=64 is outside the registered range \[0, 64\)"):
+        pw.client.publish("r", [[1, 64, 2, 3]], 64)
     # Negative control: the same blocks once each are accepted.
     assert pw.client.publish("r", [[1, 3, 2, 4]], 64).generation > 0
 
@@ -35,6 +37,8 @@ def test_a_local_block_id_pulled_twice_is_refused_naming_it(daemons):
     params = pw.client.publish("r", [[1, 2, 3]], 48)
     with pytest.raises(InvalidArgument, match=r"local_block_ids\[0\]=7 is listed more than once"):
         dw.client.pull("r", params, [[7, 8, 7]])
+    with pytest.raises(InvalidArgument, match=r"local_block_ids\[0\]=70 is outside the registered range \[0, 64\)"):
+        dw.client.pull("r", params, [[7, 70, 9]])
     dw.client.pull("r", params, [[7, 8, 9]])
     f = dw.client.wait_finished(recving={"r"}, timeout=20)
     assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(1, [7, 8, 9], 48) is None

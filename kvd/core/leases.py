@@ -113,10 +113,7 @@ class PublicationTable:
         masks, arrays = [], []
         for g, (ids, n) in enumerate(zip(block_ids, num_blocks, strict=True)):
             arr = np.asarray(ids, dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= n):
-                bad = int(arr[(arr < 0) | (arr >= n)][0])
-                raise InvalidArgument(f"block_ids[{g}]", bad, f"is outside the registered range [0, {n})")
-            check_unique(f"block_ids[{g}]", arr)
+            check_block_ids(f"block_ids[{g}]", arr, n)
             first = first_tokens[g] if g < len(first_tokens) else 0
             if g < len(block_sizes) and block_sizes[g] > 0:
                 if first < 0 or first % block_sizes[g] or first >= num_tokens:
@@ -344,6 +341,14 @@ class PublicationTable:
             self._held[key] = ended
             return []
         return [ended]
+
+
+def check_block_ids(field: str, ids: np.ndarray, num_blocks: int) -> None:
+    """Refuse a block id outside ``[0, num_blocks)`` or listed twice, naming it."""
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise InvalidArgument(field, bad, f"is outside the registered range [0, {num_blocks})")
+    check_unique(field, ids)
 
 
 def check_unique(field: str, ids: np.ndarray) -> None:

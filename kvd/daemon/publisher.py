@@ -124,14 +124,13 @@ class Publisher:
             while True:
                 with self.lock:
                     pub = self.publications.matching(req.request_id, req.capability)
+                    if pub is None:
+                        # Ended (aborted by either side) before this resolve: no use waiting.
+                        self.publications.check_not_ended(req.request_id, req.capability, time.monotonic())
                     ranks = set(pub.masks) if pub is not None else set()
                 if pub is not None and set(d.registrations) <= ranks:
                     break
                 remaining = deadline - loop.time()
-                if pub is None:
-                    # Ended (aborted by either side) before this resolve: no use waiting.
-                    with self.lock:
-                        self.publications.check_not_ended(req.request_id, req.capability, time.monotonic())
                 if remaining <= 0:
                     if pub is not None:
                         break  # some ranks published: reads of the others are refused one by one

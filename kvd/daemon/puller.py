@@ -27,7 +27,7 @@ from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
-from kvd.core.leases import RankKey, check_unique
+from kvd.core.leases import RankKey, check_block_ids
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
@@ -110,11 +110,7 @@ class Puller:
         if len(req.local_block_ids) != len(reg.groups):
             raise InvalidArgument("local_block_ids", f"<{len(req.local_block_ids)} groups>", f"must give one list per KV cache group ({len(reg.groups)})")
         for g, ids in zip(reg.groups, req.local_block_ids, strict=True):
-            arr = np.asarray(ids.ids, dtype=np.int64)  # uint32 on the wire: never negative
-            if arr.size and arr.max() >= g.spec.num_blocks:
-                raise InvalidArgument(f"local_block_ids[{g.group_id}]", int(arr[arr >= g.spec.num_blocks][0]),
-                                      f"is outside the registered range [0, {g.spec.num_blocks})")
-            check_unique(f"local_block_ids[{g.group_id}]", arr)
+            check_block_ids(f"local_block_ids[{g.group_id}]", np.asarray(ids.ids, dtype=np.int64), g.spec.num_blocks)
             if ids.first_token % g.spec.block_size or ids.first_token > p.num_tokens:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}].first_token", ids.first_token,
                                       f"must be a multiple of the block size {g.spec.block_size}, at most params.num_tokens={p.num_tokens}")
