@@ -342,8 +342,15 @@ def _complete(url: str, model: Path, prompt: list[int], *, stream: bool = False)
         tokens: list[int] = []
         for line in r.read().decode().splitlines():
             if line.startswith("data: {"):
-                tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                event = json.loads(line[6:])
+                if "choices" not in event:  # a request that fails once streaming says so in an event
+                    raise StreamError(line[:2000])
+                tokens += event["choices"][0].get("token_ids") or []
         return tokens
+
+
+class StreamError(Exception):
+    """A streamed answer carried an error event (the HTTP status was 200 already)."""
 
 
 def _complete_pd(pd: OpenAIPD, url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
@@ -351,9 +358,10 @@ def _complete_pd(pd: OpenAIPD, url: str, model: Path, prompt: list[int], *, stre
     and where each process's log ends, as CI keeps no files."""
     try:
         return _complete(url, model, prompt, stream=stream)
-    except urllib.error.HTTPError as e:
+    except (urllib.error.HTTPError, StreamError) as e:
+        answer = f"{e.code}: {e.read()[:2000]!r}" if isinstance(e, urllib.error.HTTPError) else f"an error event: {e}"
         tails = "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in pd.logs if log.exists())
-        raise AssertionError(f"{url} answered {e.code}: {e.read()[:2000]!r}{tails}") from e
+        raise AssertionError(f"{url} answered {answer}{tails}") from e
 
 
 def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):
