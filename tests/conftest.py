@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -163,6 +164,43 @@ def _engine_tmp(tmp_path_factory: pytest.TempPathFactory) -> None:
     and a killed engine leaves them there: the session's own folder takes
     them instead (``tests/test_vllm.py``'s engine environment uses it)."""
     os.environ.setdefault("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("engine-tmp")))
+
+
+# Shared memory a killed vLLM engine leaves behind: its executor's message
+# ring (Python's ``psm_*``, 160 MiB) and a TP engine's CPU communicator
+# (``vllm_dist_*``, 4 MiB a rank). A reused machine would fill /dev/shm.
+ENGINE_SHM_PREFIXES = ("psm_", "vllm_dist_")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_shm() -> Iterator[None]:
+    """Unlinks, at the session's end, the engines' shared memory that
+    appeared during it and that no live process has open or mapped."""
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm)) if shm.is_dir() else set()
+    yield
+    if not shm.is_dir():
+        return
+    left = {shm / n for n in set(os.listdir(shm)) - before if n.startswith(ENGINE_SHM_PREFIXES)}
+    for path in left - _in_use(left):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _in_use(paths: set[Path]) -> set[Path]:
+    """Which of ``paths`` some process has open or mapped."""
+    names = {str(p) for p in paths}
+    used: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            used.update(Path(n) for n in names if n in (proc / "maps").read_text())
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(fd)) in names:
+                        used.add(Path(target))
+    return used
 
 
 def scrape(metrics_url: str, name: str, **labels: str) -> float:
