@@ -195,7 +195,8 @@ def _in_use(paths: set[Path]) -> set[Path]:
         if not proc.name.isdigit():
             continue
         with contextlib.suppress(OSError):
-            used.update(Path(n) for n in names if n in (proc / "maps").read_text())
+            maps = (proc / "maps").read_text()
+            used.update(Path(n) for n in names if n in maps)
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
                     if (target := os.readlink(fd)) in names:
