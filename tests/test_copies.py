@@ -129,3 +129,76 @@ def test_copy_threads_closed_run_everything_on_the_caller():
     ran = []
     pool.run([lambda: ran.append(1)] * 4)
     assert ran == [1] * 4
+
+
+def test_submitted_batches_land_while_the_caller_goes_on_and_report_once_done():
+    """``submit`` returns before its jobs have run; ``on_done`` runs once,
+    after the last of them, with no failure; batches from several threads at
+    once all finish, each its own bytes."""
+    pool = CopyThreads(2, 1)
+    gate = threading.Event()
+    done: list[int] = []
+    try:
+        held = pool.submit([lambda: gate.wait(5)] * 3, lambda b: done.append(len(done)))
+        assert not held.done and not done  # the caller went on
+        gate.set()
+        held.wait(help=False)
+        assert held.done and held.failure is None and done == [0] and held.seconds > 0
+
+        dsts = [torch.zeros(64, 1024, dtype=torch.int64) for _ in range(4)]
+        srcs = [torch.arange(64 * 1024, dtype=torch.int64).view(1024, 64).t() + k for k in range(4)]  # transposing copies
+
+        def feed(k: int) -> None:
+            batches = [pool.submit_copies([Copy(dsts[k][i:i + 8], srcs[k][i:i + 8])]) for i in range(0, 64, 8)]
+            for b in batches:
+                b.wait(help=False)
+
+        feeders = [threading.Thread(target=feed, args=(k,)) for k in range(4)]
+        for t in feeders:
+            t.start()
+        for t in feeders:
+            t.join(10)
+        for k in range(4):
+            assert torch.equal(dsts[k], srcs[k])
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_a_failed_or_cancelled_batch_raises_and_starts_nothing_after_it():
+    pool = CopyThreads(2, 1)
+    seen: list[BaseException | None] = []
+    try:
+        def bad() -> None:
+            raise RuntimeError("copy failed")
+
+        ran: list[int] = []
+        batch = pool.submit([bad] + [lambda: ran.append(1)] * 50, lambda b: seen.append(b.failure))
+        with pytest.raises(RuntimeError, match="copy failed"):
+            batch.wait(help=False)
+        assert len(ran) < 50 and isinstance(seen[0], RuntimeError)
+
+        # A reader abandoned: its queued copies write nothing.
+        cancel = threading.Event()
+        cancel.set()
+        dst, src = torch.zeros(1 << 20, dtype=torch.uint8), torch.ones(1 << 20, dtype=torch.uint8)
+        with pytest.raises(ConnectionAbortedError):
+            pool.submit_copies([Copy(dst, src)], cancel=cancel).wait(help=False)
+        assert int(dst.sum()) == 0
+        # Without it, the same copy lands (the control).
+        pool.submit_copies([Copy(dst, src)]).wait(help=False)
+        assert int(dst.sum()) == 1 << 20
+    finally:
+        pool.close()
+
+
+def test_closing_copy_threads_finishes_what_is_queued_and_runs_later_work_inline():
+    pool = CopyThreads(2, 1)
+    gate = threading.Event()
+    ran: list[str] = []
+    queued = pool.submit([lambda: gate.wait(5), lambda: gate.wait(5), lambda: ran.append("queued")])
+    pool.close()
+    gate.set()
+    queued.wait(help=False)
+    later = pool.submit([lambda: ran.append("later")])
+    assert later.done and ran == ["queued", "later"]

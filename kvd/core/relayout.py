@@ -305,9 +305,14 @@ class Copy:
             self.dst[:, :, self.index] = self.src
 
     def split(self, parts: int) -> list[Copy]:
-        """At most ``parts`` copies of about equal bytes, cut along the
-        outermost dim (of ``src``) that has at least ``parts`` entries."""
-        d = next((d for d in range(self.src.dim() - 1) if self.src.shape[d] >= parts), None)
+        """At most ``parts`` copies of about equal bytes, cut along the dim of
+        ``src`` with the widest stride among those with at least ``parts``
+        entries: each part then reads one dense stretch of the source. (Cut
+        along K/V of a blocks-first source, two threads read alternate 32 KiB
+        pieces of the same pages: 0.6x a memcpy in the relayout bench, against
+        0.75-1.0x cut along its blocks.)"""
+        dims = [d for d in range(self.src.dim() - 1) if self.src.shape[d] >= parts]
+        d = max(dims, key=lambda d: abs(self.src.stride()[d]), default=None)
         if parts <= 1 or d is None:
             return [self]
         size = self.src.shape[d]

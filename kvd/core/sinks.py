@@ -137,6 +137,15 @@ class SegmentSink:
                 out.append(Copy(*widen(to_units(dst, self.n, self.u), to_units(src[layers, kv], self.n, self.u))))
         return out
 
+    def put_copies(self, payload: torch.Tensor) -> list[Copy]:
+        """The copies that put ``payload`` (uint8, on this sink's device) in
+        place: one flat copy where the wire bytes have the local layout, else
+        the relayout's."""
+        direct = self.direct()
+        if direct is None:
+            return self.copies(payload)
+        return [Copy(direct.reshape(-1).view(torch.uint8), payload)]
+
     def put(self, payload: torch.Tensor, run: CopyRunner = run_copies, wait: bool = True) -> None:
         """This segment's wire bytes (uint8) into local memory: one copy
         where they already have its layout, else ``land``. With ``wait``

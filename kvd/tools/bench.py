@@ -27,6 +27,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import random
@@ -54,7 +55,7 @@ from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_state import state_work
 from kvd.tools.bench_stream import TOKENS, bench_stream
 from kvd.transport.base import Staging
-from kvd.transport.copy_threads import CopyThreads
+from kvd.transport.copy_threads import Batch, CopyThreads
 
 
 @dataclass(frozen=True)
@@ -115,22 +116,31 @@ def bench_relayout(pairing: Pairing, *, layers: int, heads: int, head_size: int,
     # A daemon reads every remote rank at once, each on its own connection,
     # so their segments land side by side: the k-th of each rank, then the next.
     work = [w for ws in itertools.zip_longest(*per_rank) for w in ws if w is not None]
-    return relayout_row(pairing.name, work, lambda: pattern.mismatch(rank.tensors, 1, d_ids, rank.coords, tokens), repeat)
+    return relayout_row(pairing.name, work, lambda: pattern.mismatch(rank.tensors, 1, d_ids, rank.coords, tokens), repeat, len(per_rank))
 
 
 Work = list[tuple[SegmentSink, torch.Tensor]]  # each received segment's sink and payload
 
 
-def relayout_row(name: str, work: Work, check: Callable[[], str | None], repeat: int) -> dict[str, Any]:
+def relayout_row(name: str, work: Work, check: Callable[[], str | None], repeat: int, connections: int = 1) -> dict[str, Any]:
     """Time landing every received segment against memcpy of the same
     bytes, then ``check`` the landed bytes (a mismatch stops the bench)."""
     nbytes = sum(s.nbytes for s, _ in work)
 
     threads = CopyThreads(DaemonConfig("bench").copy_threads)  # as a daemon lands them
+    # A daemon's reader hands each received segment to the copy threads and
+    # receives the next; it waits only for the landing of the staging buffer
+    # it fills next (two buffers a connection).
+    depth = 2 * connections
 
     def land() -> None:
+        pending: collections.deque[Batch] = collections.deque()
         for sink, payload in work:
-            sink.put(payload, threads.run_copies)
+            if len(pending) == depth:
+                pending.popleft().wait(help=False)
+            pending.append(threads.submit_copies(sink.put_copies(payload)))
+        for batch in pending:
+            batch.wait(help=False)
 
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8).fill_(2)

@@ -1,4 +1,4 @@
-"""The daemon's copy threads: one request's copies on every core.
+"""The daemon's copy threads: relayouts and same-host copies on every core.
 
 A relayout (layout, block size, head slice) and a same-host copy are memory
 passes that one thread runs at about half of what the node's memory gives
@@ -7,80 +7,174 @@ project's 2-core machine; on two threads 0.95x). torch's ``copy_``,
 ``memcpy`` and ``process_vm_readv`` all drop the GIL, so plain threads run
 them in parallel; torch's own intra-op pool stays at one thread because its
 OpenMP workers spin between ops and take cores from the sockets.
+
+Work comes as a ``Batch`` of jobs. ``run`` waits for its batch and helps
+with it; ``submit`` returns at once, so a reader can receive segment k+1
+while segment k lands. The threads are long-lived and take batches from one
+queue: while segments keep coming they never sleep between them. Waking a
+sleeping thread costs 50-70 us on this project's VM; when every 4 MiB
+segment was handed over and waited for on its own, that was about a sixth
+of a relayout's time.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
+import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvd.core.relayout import Copy, split_copies
 
-_on_helper = threading.local()
+_on_worker = threading.local()
 
-
-def _mark_helper() -> None:
-    _on_helper.yes = True
-
-
-# Below this a copy stays whole: handing it to a helper costs more than the
-# helper saves (a thread wake-up is tens of us; 1 MiB copies in ~100 us).
+# Below this a copy stays whole: handing it to a thread costs more than the
+# thread saves (a thread wake-up is tens of us; 1 MiB copies in ~100 us).
 PARALLEL_MIN_BYTES = 1 << 20
+
+Job = Callable[[], object]
+
+
+class Batch:
+    """Jobs that any thread may take, one at a time. After a failure no job
+    starts; the batch is done once the jobs already running have stopped
+    (they may be writing into memory the caller is about to reuse)."""
+
+    def __init__(self, jobs: Sequence[Job], on_done: Callable[[Batch], None] | None = None) -> None:
+        self._jobs = list(jobs)
+        self._next = 0
+        self._running = 0
+        self._finished = False
+        self._lock = threading.Lock()
+        self._on_done = on_done
+        self._done = threading.Event()
+        self.failure: BaseException | None = None
+        self.started_at: float | None = None  # perf_counter when its first job started
+        self.seconds = 0.0  # first job's start to last job's end
+        if not self._jobs:
+            self._finish()
+
+    def _take(self) -> Job | None:
+        with self._lock:
+            if self.failure is not None or self._next == len(self._jobs):
+                return None
+            job = self._jobs[self._next]
+            self._next += 1
+            self._running += 1
+            if self.started_at is None:
+                self.started_at = time.perf_counter()
+            return job
+
+    def drain(self) -> None:
+        """Run this batch's jobs on the calling thread until none is left."""
+        while (job := self._take()) is not None:
+            failure = None
+            try:
+                job()
+            except BaseException as e:
+                failure = e
+            with self._lock:
+                self._running -= 1
+                if failure is not None and self.failure is None:
+                    self.failure = failure
+                last = (self._running == 0 and not self._finished
+                        and (self.failure is not None or self._next == len(self._jobs)))
+                self._finished = self._finished or last
+            if last:
+                self._finish()
+
+    def _finish(self) -> None:
+        if self.started_at is not None:
+            self.seconds = time.perf_counter() - self.started_at
+        try:
+            if self._on_done is not None:
+                self._on_done(self)
+        except BaseException as e:  # on a copy thread: it must not die of it
+            self.failure = self.failure or e
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, help: bool = True) -> None:
+        """Return when every job has run (helping with them, with ``help``);
+        raise the first failure."""
+        if help:
+            self.drain()
+        self._done.wait()
+        if self.failure is not None:
+            raise self.failure
+
+
+def _unless(cancel: threading.Event, job: Job) -> None:
+    if cancel.is_set():
+        raise ConnectionAbortedError("read abandoned")
+    job()
 
 
 class CopyThreads:
-    """Runs jobs on the calling thread and ``threads - 1`` helpers, each
-    taking the next job, and returns when all are done. After a failure no
-    job starts; the first failure is raised once every running job has
-    stopped. A job running on a helper that calls ``run`` runs its jobs
-    inline (a helper waiting for a helper could wait forever)."""
+    """``threads`` long-lived threads taking batches from one queue. A job
+    on one of them that calls ``run`` runs its jobs inline (a thread waiting
+    for its own pool could wait forever); after ``close`` the caller runs
+    everything."""
 
     def __init__(self, threads: int = 2, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:
         self.threads = max(1, threads)
         self.parallel_min_bytes = max(1, parallel_min_bytes)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="kvd-copy",
-                                                           initializer=_mark_helper)
+        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submissions against close
+        self._closed = False
+        self._workers = [threading.Thread(target=self._work, name=f"kvd-copy-{i}", daemon=True) for i in range(self.threads)]
+        for w in self._workers:
+            w.start()
 
-    def run(self, jobs: Sequence[Callable[[], object]]) -> None:
-        if self.threads == 1 or len(jobs) <= 1 or getattr(_on_helper, "yes", False):
-            for job in jobs:
-                job()
+    def _work(self) -> None:
+        _on_worker.yes = True
+        while (batch := self._queue.get()) is not None:
+            batch.drain()
+
+    def submit(self, jobs: Sequence[Job], on_done: Callable[[Batch], None] | None = None, *, helpers: int | None = None) -> Batch:
+        """Queue ``jobs`` for the threads and return at once; ``on_done`` runs
+        on the thread that finishes the batch. ``helpers``: how many threads
+        to call on (default: one per job, up to all of them)."""
+        batch = Batch(jobs, on_done)
+        wanted = min(self.threads, len(jobs)) if helpers is None else min(self.threads, helpers)
+        with self._lock:
+            inline = self._closed or getattr(_on_worker, "yes", False)
+            if not inline:
+                for _ in range(wanted):
+                    self._queue.put(batch)
+        if inline:
+            batch.drain()
+        return batch
+
+    def run(self, jobs: Sequence[Job]) -> None:
+        """Run ``jobs`` on the calling thread and the copy threads; return
+        when all are done, raising the first failure."""
+        if self.threads == 1 or len(jobs) <= 1:
+            Batch(jobs).wait()
             return
-        lock = threading.Lock()
-        todo = iter(jobs)
-        failed: list[BaseException] = []
+        self.submit(jobs, helpers=len(jobs) - 1).wait(help=True)
 
-        def drain() -> None:
-            while True:
-                with lock:
-                    job = None if failed else next(todo, None)
-                if job is None:
-                    return
-                try:
-                    job()
-                except BaseException as e:
-                    with lock:
-                        failed.append(e)
-                    return
-
-        helpers = []
-        for _ in range(min(self.threads, len(jobs)) - 1):
-            try:
-                helpers.append(self._pool.submit(drain))
-            except RuntimeError:  # closing: the caller runs them all
-                break
-        drain()
-        # Every job has started by now: a helper not yet running (its thread
-        # busy with another landing's share) has nothing left, so it is
-        # cancelled rather than waited for.
-        concurrent.futures.wait([h for h in helpers if not h.cancel()])
-        if failed:
-            raise failed[0]
+    def submit_copies(self, copies: Sequence[Copy], on_done: Callable[[Batch], None] | None = None,
+                      cancel: threading.Event | None = None) -> Batch:
+        """A relayout's strided copies, cut so every thread has a share, queued.
+        With ``cancel``, each copy starts only while it is clear."""
+        parts = split_copies(copies, self.threads, self.parallel_min_bytes)
+        return self.submit([c.run if cancel is None else functools.partial(_unless, cancel, c.run) for c in parts], on_done)
 
     def run_copies(self, copies: Sequence[Copy]) -> None:
         """A relayout's strided copies, cut so every thread has a share."""
         self.run([c.run for c in split_copies(copies, self.threads, self.parallel_min_bytes)])
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Let the threads finish what is queued, then stop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._workers:
+                self._queue.put(None)

@@ -29,12 +29,11 @@ import torch
 
 from kvd.core import errors
 from kvd.core.reads import DataRead
-from kvd.core.relayout import CopyRunner, run_copies
 from kvd.core.session import Ack, Data, Descriptors, End, Error, Event, Hello, ProtocolError, Read
 from kvd.core.sinks import SegmentSink
 from kvd.proto import kvd_pb2 as pb
 from kvd.transport.base import Staging
-from kvd.transport.copy_threads import CopyThreads
+from kvd.transport.copy_threads import Batch, CopyThreads
 from kvd.transport.device import device_copies
 from kvd.transport.framing import FrameSocket, as_bytes, split_address, tune
 from kvd.transport.iovec import Copier
@@ -79,7 +78,7 @@ class TcpDataClient:
         # Copies on every core: same-host piece copies and relayouts.
         self.copy_threads = CopyThreads(copy_threads)
         self.copier = Copier(pool=self.copy_threads)
-        # Relayout of received segments; each connection has at most one in flight.
+        # Relayout of received segments bound for a GPU (host ones land on the copy threads).
         self._land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land")
 
     def _connect(self, address: str) -> _Conn:
@@ -166,8 +165,8 @@ class TcpDataClient:
                 moved = self._read_nixl(conn, address, read, sinks, landed)
             else:
                 fs.send(Read(read))
-                moved = recv_segments(fs, sinks, landed, conn.staging, self.on_relayout, conn.cancel, self._land_pool,
-                                      self.copy_threads.run_copies)
+                moved = recv_segments(fs, sinks, landed, conn.staging, self.on_relayout, conn.cancel, self.copy_threads,
+                                      self._land_pool)
             # Every byte landed: the owner may end the rank's publication.
             fs.send(Ack())
             return moved
@@ -231,49 +230,74 @@ def _expect(ev: Event, kind: type) -> Any:
 
 
 class _Landing:
-    """Relayout off the receiving thread, so that segment k is relaid out
-    while segment k+1 arrives: two staging buffers, at most one landing in
-    flight. ``wait`` before reporting anything, so no byte lands after a
-    failure is reported."""
+    """Relayout off the receiving thread, so that segment k lands while
+    segment k+1 arrives: a host segment as a batch on the copy threads (they
+    take the next batch without sleeping, however many connections feed
+    them), a GPU one in a landing thread, on that thread's stream. Each
+    staging buffer has at most one landing in flight. ``wait`` before
+    reporting anything, so no byte lands after a failure is reported."""
 
-    def __init__(self, pool: concurrent.futures.Executor, buffers: tuple[Staging, Staging], landed: list[bool],
-                 on_relayout: Callable[[float], None], cancel: threading.Event, run: CopyRunner) -> None:
-        self.pool, self.buffers, self.landed, self.run = pool, buffers, landed, run
+    def __init__(self, threads: CopyThreads, pool: concurrent.futures.Executor, buffers: tuple[Staging, ...], landed: list[bool],
+                 on_relayout: Callable[[float], None], cancel: threading.Event) -> None:
+        self.threads, self.pool, self.buffers, self.landed = threads, pool, buffers, landed
         self.on_relayout, self.cancel = on_relayout, cancel
         self.next = 0
-        self.pending: concurrent.futures.Future[None] | None = None
+        self.pending: list[Batch | concurrent.futures.Future[None] | None] = [None] * len(buffers)
 
     def buffer(self, nbytes: int) -> torch.Tensor:
-        """The buffer no landing is reading."""
+        """The next buffer, once no landing is reading it."""
+        self._wait(self.next)
         return self.buffers[self.next](nbytes)
 
     def submit(self, sink: SegmentSink, buf: torch.Tensor, tag: int) -> None:
-        self.wait()  # the other buffer is free again
-        self.pending = self.pool.submit(self._land, sink, buf, tag)
-        self.next ^= 1
+        if self.cancel.is_set():
+            raise ConnectionAbortedError("read abandoned")
+        if sink.device.type == "cpu":
+            def done(batch: Batch) -> None:
+                if batch.failure is None:
+                    self.on_relayout(batch.seconds)
+                    self.landed[tag] = True
 
-    def _land(self, sink: SegmentSink, buf: torch.Tensor, tag: int) -> None:
+            self.pending[self.next] = self.threads.submit_copies(sink.put_copies(buf), done, self.cancel)
+        else:
+            self.pending[self.next] = self.pool.submit(self._land_on_device, sink, buf, tag)
+        self.next = (self.next + 1) % len(self.buffers)
+
+    def _land_on_device(self, sink: SegmentSink, buf: torch.Tensor, tag: int) -> None:
         if self.cancel.is_set():
             raise ConnectionAbortedError("read abandoned")
         t0 = time.perf_counter()
         with device_copies(sink.device):  # this thread's stream: beside other connections' landings
-            sink.land(buf, self.run)
+            sink.land(buf)
         self.on_relayout(time.perf_counter() - t0)
         self.landed[tag] = True
 
-    def wait(self) -> None:
-        pending, self.pending = self.pending, None
-        if pending is not None:
+    def _wait(self, slot: int) -> None:
+        pending, self.pending[slot] = self.pending[slot], None
+        if isinstance(pending, Batch):
+            pending.wait(help=False)
+        elif pending is not None:
             pending.result()
 
+    def wait(self) -> None:
+        """Every landing finished; the first failure raised."""
+        failure: BaseException | None = None
+        for slot in range(len(self.pending)):
+            try:
+                self._wait(slot)
+            except BaseException as e:
+                failure = failure or e
+        if failure is not None:
+            raise failure
 
-def recv_segments(fs: FrameSocket, sinks: Sequence[SegmentSink], landed: list[bool], buffers: tuple[Staging, Staging],
-                  on_relayout: Callable[[float], None], cancel: threading.Event, land_pool: concurrent.futures.Executor,
-                  run: CopyRunner = run_copies) -> int:
+
+def recv_segments(fs: FrameSocket, sinks: Sequence[SegmentSink], landed: list[bool], buffers: tuple[Staging, ...],
+                  on_relayout: Callable[[float], None], cancel: threading.Event, threads: CopyThreads,
+                  land_pool: concurrent.futures.Executor) -> int:
     """DATA frames straight into place (or into staging, relaid out while
     the next frame arrives) until END, or ERROR raised. Returns bytes moved."""
     moved = 0
-    landing = _Landing(land_pool, buffers, landed, on_relayout, cancel, run)
+    landing = _Landing(threads, land_pool, buffers, landed, on_relayout, cancel)
     try:
         while True:
             if cancel.is_set():
