@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -80,6 +81,10 @@ class Server:
         if config.metrics_port >= 0:
             httpd, _thread = start_http_server(config.metrics_port, addr=config.host, registry=daemon.metrics.registry)
             metrics_port = httpd.server_port
+        # Everything made so far (modules, torch, grpc: ~180k objects) lives as
+        # long as the process. Frozen, a full collection no longer walks it:
+        # one took 80 ms here, every thread stopped, at start-up.
+        gc.freeze()
         await server.start()
         for name in ("", *SERVICES):
             await self._health.set(name, SERVING)
