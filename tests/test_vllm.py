@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -250,10 +251,27 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     assert result["corrupted_bytes"] > 0 and result["corrupted_tokens"] != sw_baseline[-1]
 
 
+_PORTS = random.SystemRandom()  # not the seeded module-level generator: runs must not pick the same ports
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port a server will bind later, from below the kernel's ephemeral range:
+    a port the kernel hands out (``bind(0)``) may be taken by some connection's
+    local end before the server binds it (NIXL's side channel once failed so)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for _ in range(200):
+        port = _PORTS.randrange(10000, max(10001, ephemeral_low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
