@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -214,3 +216,26 @@ def scrape(metrics_url: str, name: str, **labels: str) -> float:
     text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+_PORTS = random.SystemRandom()  # not the seeded module-level generator: runs must not pick the same ports
+
+
+def free_port() -> int:
+    """A port a server will bind later, from below the kernel's ephemeral range:
+    a port the kernel hands out (``bind(0)``) may be taken by some connection's
+    local end before the server binds it (NIXL's side channel once failed so)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    for _ in range(200):
+        port = _PORTS.randrange(10000, max(10001, ephemeral_low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")

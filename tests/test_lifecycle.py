@@ -13,7 +13,7 @@ import pytest
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.tools.bench_load import proc_status_bytes
-from tests.conftest import make_worker, scrape
+from tests.conftest import free_port, make_worker, scrape
 
 
 def status(address):
@@ -93,11 +93,7 @@ def test_ranks_on_two_daemons_aggregate_on_the_engines_aggregator(daemons):
 
 
 def test_reports_queued_while_the_aggregator_is_down_arrive_when_it_starts(daemons):
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on yet: the aggregator is down
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on yet: the aggregator is down
     p = daemons.start("prefill")
     d1 = daemons.start("decode", "--aggregator-address", f"127.0.0.1:{port}")
     pw = make_worker(p.grpc, "prefill", num_blocks=64)

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import make_worker
+from tests.conftest import free_port, make_worker
 
 
 def prometheus_binary() -> str | None:
@@ -39,12 +39,7 @@ def test_real_prometheus_sees_the_bytes_moved(daemons, tmp_path):
     if binary is None:
         pytest.skip("SKIPPED LOUDLY: Debian's prometheus package could not be installed here (needs root and apt)")
     p, d = daemons.start("prefill"), daemons.start("decode")
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(json.dumps({
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},

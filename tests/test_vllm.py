@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests import vllm_env
-from tests.conftest import REPO, Daemons, scrape
+from tests.conftest import REPO, Daemons, free_port, scrape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -251,27 +249,6 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     assert result["corrupted_bytes"] > 0 and result["corrupted_tokens"] != sw_baseline[-1]
 
 
-_PORTS = random.SystemRandom()  # not the seeded module-level generator: runs must not pick the same ports
-
-
-def _free_port() -> int:
-    """A port a server will bind later, from below the kernel's ephemeral range:
-    a port the kernel hands out (``bind(0)``) may be taken by some connection's
-    local end before the server binds it (NIXL's side channel once failed so)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768
-    for _ in range(200):
-        port = _PORTS.randrange(10000, max(10001, ephemeral_low))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
@@ -298,7 +275,7 @@ def _serve(py: Path, model: Path, log: Path, *extra: str, cpus: str = "0", env: 
     """A ``vllm serve`` OpenAI server (through the launcher: the wheel's own command cannot start),
     its OpenMP threads bound to ``cpus``: unbound, vLLM puts P's and D's threads on the same
     cores, and D's engine loop starves P's prefill for seconds."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_launcher.py"), "serve", str(model), "--port", str(port), "--enforce-eager",
                              "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024", *extra],
                             env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": cpus, **(env or {})}, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -318,7 +295,7 @@ class OpenAIPD:
 
     def proxy(self, cmd: list[str], log: Path) -> str:
         self.logs.append(log)
-        port = _free_port()
+        port = free_port()
         self.procs.append(subprocess.Popen([*cmd, "--prefill", self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
                                            env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
         _wait_http(f"http://127.0.0.1:{port}/health", self.procs[-1], 60, log)
@@ -452,7 +429,7 @@ def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
     try:
         for name, role, cpus in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
             config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
-            env = {"PYTHONPATH": f"{REPO}{os.pathsep}{overlay}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port()), "UCX_TLS": "tcp,self,sm"}
+            env = {"PYTHONPATH": f"{REPO}{os.pathsep}{overlay}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TLS": "tcp,self,sm"}
             servers[name] = _serve(py, model, tmp / f"nixl-{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus, env=env)
             procs.append(servers[name].proc)
         for server in servers.values():
