@@ -86,6 +86,7 @@ SERVE_FLAGS = {
     "layer-wait-seconds": "layer-wise streaming: how long a read waits for prefill to save its next layer (default 30)",
     "connections-per-peer": "data connections to each peer (default 4)",
     "segment-bytes": "bytes of one data frame, the unit of pipelining (default 4 MiB)",
+    "in-place-segment-bytes": "bytes of one data frame over TCP where both sides hold the wire layout (default 32 MiB)",
     "stripes-per-read": "connections one big read of a remote rank is striped over (default 2)",
     "stripe-min-bytes": "reads at least this big are striped (default 32 MiB)",
     "copy-threads": "threads of one same-host copy or relayout (default 2)",

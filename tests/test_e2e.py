@@ -307,6 +307,27 @@ def test_every_transport_is_byte_exact_with_several_connections(daemons, same_ho
     assert reads > 2 * len(rids) if flags else reads == 2 * len(rids)  # two P ranks each; striped reads are several
 
 
+
+@pytest.mark.parametrize(("layout", "in_place"), [("NHD", True), ("HND", False)], ids=["wire-order", "relayout"])
+def test_a_read_in_wire_order_moves_in_its_own_frame_size(daemons, layout, in_place):
+    """Where D holds P's layout, a TCP read lands in place and takes frames of
+    in_place_segment_bytes; a read D relays out keeps segment_bytes (the
+    control). P counts a block once per frame that carries it."""
+    p = daemons.start("prefill")
+    d = daemons.start("decode", "--segment-bytes", "8192", "--in-place-segment-bytes", str(1 << 20))
+    pw = make_worker(p.grpc, "prefill")  # NHD, 4 layers of 4 KiB blocks
+    dw = make_worker(d.grpc, "decode", layout=layout)
+    p_ids, d_ids = [9, 3, 40, 17, 22, 5, 31, 60], [2, 50, 7, 33, 12, 44, 1, 28]
+    pw.fill(7, p_ids)
+    dw.client.pull("r", pw.client.publish("r", [p_ids], 128), [d_ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done"
+    assert dw.mismatch(7, d_ids, 128) is None
+    sent = scrape(p.metrics_url, "kvd_sent_blocks_total", transport="tcp")
+    # 8 blocks x 4 layers x 4 KiB: one 128 KiB frame, or 8 KiB ones of 2 layers of one block.
+    assert sent == (len(p_ids) if in_place else 2 * len(p_ids)), sent
+
+
 def scheduler_params(p_addr: str, engine_id: str, rid: str, cap: bytes, ids: list[int], ntok: int) -> pb.TransferParams:
     """Params as vLLM's scheduler makes them: before any worker published, so
     without generation or epoch (the connector's request_finished)."""

@@ -102,7 +102,9 @@ time.sleep(600)
 
 def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
     p, proxy = prefill_behind_proxy(daemons)
-    d = daemons.start("decode", "--stall-timeout-seconds", "1.5")
+    # D holds P's layout, so its frames would be in_place_segment_bytes: 4 MiB
+    # ones let a few land before the stall (landing is counted per frame).
+    d = daemons.start("decode", "--stall-timeout-seconds", "1.5", "--in-place-segment-bytes", str(4 << 20))
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 12 << 20  # a few 4 MiB segments land, then nothing
     ids = list(range(1, 200))

@@ -98,3 +98,29 @@ def test_a_pure_state_model_has_no_attention_targets():
     pure = EngineShape(2, 1, 0, False, {0: frozenset(range(4))}, {0: StateSplit(4, frozenset(range(4)))})
     t = read_targets(dataclasses.replace(pure, tp_size=1), pure, 0, 0)
     assert [(x.groups, x.remote_tp_rank, x.head_count, x.local_head_start) for x in t] == [((0,), 0, 2, 0), ((0,), 1, 2, 2)]
+
+
+def _group(layout="NHD", block_size=16, heads=4, group_id=0):
+    from kvd.core.spec import NAMED_LAYOUTS, GroupSpec, KVCacheSpec
+
+    return GroupSpec(group_id, KVCacheSpec(block_size, heads, 64, "bfloat16", NAMED_LAYOUTS[layout], 32), ())
+
+
+def _meta(*groups):
+    from kvd.core.spec import EngineLayout, EngineMeta, ModelInfo
+
+    return EngineMeta("p", "epoch", "host", "127.0.0.1:1", 1, 1, ModelInfo(4, 4), (EngineLayout(0, 0, tuple(groups)),))
+
+
+@pytest.mark.parametrize(("local", "in_order"), [
+    (_group(), True),
+    (_group(layout="HND"), False),  # a relayout
+    (_group(block_size=32), False),  # a block-size change
+    (_group(heads=2), False),  # a head slice of the remote rank
+    (_group(group_id=1), False),  # no remote counterpart
+])
+def test_a_read_is_in_wire_order_only_where_nothing_is_relaid_out(local, in_order):
+    from kvd.core.pairing import in_wire_order
+
+    assert in_wire_order([local], _meta(_group())) is in_order
+    assert not in_wire_order([], _meta(_group()))

@@ -7,6 +7,8 @@ values. ``engine_shape`` is what topology needs of an engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvd.core.errors import Incompatible
 from kvd.core.spec import EngineMeta, GroupSpec, compat_fields
 from kvd.core.topology import EngineShape, StateSplit, block_ratio, check_pairing, layers_by_stage
@@ -24,6 +26,18 @@ def engine_shape(meta: EngineMeta) -> EngineShape:
                 layers = frozenset(g.layer_indices) | (prev.layers if prev else frozenset())
                 state[g.group_id] = StateSplit(g.spec.num_kv_heads * meta.tp_size, layers)
     return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages, state)
+
+
+def in_wire_order(local: Sequence[GroupSpec], remote: EngineMeta) -> bool:
+    """Whether every local group already has the order its remote group's
+    bytes cross the wire in: the same layout, parts, block size and heads per
+    rank. Then a read over TCP is received in place and nothing is relaid out."""
+    theirs = {g.group_id: g.spec for r in remote.ranks[:1] for g in r.groups}
+    for g in local:
+        ls, rs = g.spec, theirs.get(g.group_id)
+        if rs is None or ls.state or (ls.layout, ls.parts_per_layer, ls.block_size, ls.num_kv_heads) != (rs.layout, rs.parts_per_layer, rs.block_size, rs.num_kv_heads):
+            return False
+    return bool(local)
 
 
 def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:

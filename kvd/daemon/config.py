@@ -16,7 +16,7 @@ from typing import Any
 
 from kvd.core.errors import InvalidArgument
 from kvd.core.spec import WorkerId
-from kvd.core.transfer import DEFAULT_SEGMENT_BYTES, STRIPE_MIN_BYTES
+from kvd.core.transfer import DEFAULT_SEGMENT_BYTES, IN_PLACE_SEGMENT_BYTES, STRIPE_MIN_BYTES
 
 
 @dataclass
@@ -30,6 +30,7 @@ class DaemonConfig:
     data_advertise_address: str = ""  # host:port peers dial for the data plane (behind NAT or a proxy)
     lease_seconds: float = 120.0
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    in_place_segment_bytes: int = IN_PLACE_SEGMENT_BYTES  # over TCP where both sides hold the wire layout (nothing to pipeline)
     connections_per_peer: int = 4
     pull_timeout_seconds: float = 60.0  # a whole pull, queueing excluded
     stall_timeout_seconds: float = 10.0  # no byte from a peer for this long fails the read
@@ -84,6 +85,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "metrics_port": (lambda v: -1 <= v <= 65535, "a port in [0, 65535], or -1 for none"),
     "lease_seconds": (lambda v: v > 0, "> 0"),
     "segment_bytes": (lambda v: 4096 <= v <= 1 << 30, "in [4096, 1 GiB]"),
+    "in_place_segment_bytes": (lambda v: 4096 <= v <= 1 << 30, "in [4096, 1 GiB]"),
     "connections_per_peer": (lambda v: 1 <= v <= 64, "in [1, 64]"),
     "pull_timeout_seconds": (lambda v: v > 0, "> 0"),
     "stall_timeout_seconds": (lambda v: v > 0, "> 0"),

@@ -28,7 +28,7 @@ from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
 from kvd.core.leases import RankKey, check_block_ids
-from kvd.core.pairing import engine_shape
+from kvd.core.pairing import engine_shape, in_wire_order
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
 from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
@@ -240,7 +240,7 @@ class Puller:
             plan = functools.partial(
                 plan_pull, local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                 local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
-                local_block_ids=local_ids, segment_bytes=_segment_bytes(d.config.segment_bytes, reg, peer),
+                local_block_ids=local_ids, segment_bytes=_segment_bytes(d, reg, peer),
                 local_first_tokens=[b.first_token for b in req.local_block_ids],
             )
             try:
@@ -417,8 +417,16 @@ def _failure_reason(e: BaseException) -> tuple[str, str]:
 LOCAL_DEVICE_SEGMENT_BYTES = 64 << 20  # gathered into GPU staging, let go after the read (samehost.copy_local)
 
 
-def _segment_bytes(configured: int, reg: Registration, peer: Peer) -> int:
-    """Bigger segments where every remote rank is mapped here and our memory is on a GPU."""
+def _segment_bytes(d: Daemon, reg: Registration, peer: Peer) -> int:
+    """Bigger segments where every remote rank is mapped here and our memory
+    is on a GPU, or where a TCP read lands in place (``IN_PLACE_SEGMENT_BYTES``)."""
+    configured = d.config.segment_bytes
     on_gpu = all(t.device.type == "cuda" for t in reg.tensors)
     every_rank_local = len(peer.local_sources) == len(peer.meta.ranks)
-    return max(configured, LOCAL_DEVICE_SEGMENT_BYTES) if on_gpu and every_rank_local and peer.local_sources else configured
+    if on_gpu and every_rank_local and peer.local_sources:
+        return max(configured, LOCAL_DEVICE_SEGMENT_BYTES)
+    # Over TLS every frame is received into staging; on a GPU, too.
+    plain_tcp = d.config.transport == "tcp" and d.data_client.tls is None
+    if plain_tcp and all(t.device.type == "cpu" for t in reg.tensors) and in_wire_order(reg.groups, peer.meta):
+        return max(configured, d.config.in_place_segment_bytes)
+    return configured

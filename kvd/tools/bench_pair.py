@@ -33,6 +33,8 @@ class BenchPair:
         # CPU seconds per GB of the last throughput run's cheapest request:
         # both daemons and this process (the workers), from pull to landed.
         self.cpu_s_per_gb = 0.0
+        self._block_size = self._blocks = self._bytes = self._tries = 0
+        self._name, self._rng = "", random.Random(0)
         self.cv = threading.Condition()
         self.p_client: Any = None
         self.d_client: Any = None
@@ -82,26 +84,41 @@ class BenchPair:
                 raise SystemExit(f"bench request {rid} did not finish")
         return self.done[rid] - t0
 
-    def throughput(self, name: str, unit: int, nbytes: int, layers: int, repeat: int, rng: random.Random, device: str = "cpu") -> float:
-        """Best GB/s over ``repeat`` requests of ``nbytes`` in scattered blocks
-        of ``unit`` bytes per layer (fresh random block ids each time)."""
+    def prepare(self, name: str, unit: int, nbytes: int, layers: int, rng: random.Random, device: str = "cpu") -> None:
+        """Caches for requests of ``nbytes`` in scattered blocks of ``unit``
+        bytes per layer (fresh random block ids each try), and one untimed
+        request: the first on fresh caches pays for the handshake, same-host
+        mapping and connections, which a serving daemon pays once, not per
+        request (the NIXL baseline in bench_peers warms up the same way)."""
         # 8 KV heads x 128 x bf16 x K+V = 4 KiB per token per layer
-        block_size = unit // 4096
-        blocks = max(1, nbytes // (unit * layers))
-        self.register(KVCacheSpec(block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], blocks + 1), layers, device)
-        # One untimed request first, as the NIXL baseline has (bench_peers):
-        # the first on fresh caches pays for the handshake, same-host mapping
-        # and connections, which a serving daemon pays once, not per request.
-        self.transfer(f"{name}-warm", rng.sample(range(1, blocks + 1), blocks), rng.sample(range(1, blocks + 1), blocks), blocks * block_size)
-        best = 0.0
-        for r in range(repeat):
-            p_ids = rng.sample(range(1, blocks + 1), blocks)
-            d_ids = rng.sample(range(1, blocks + 1), blocks)
-            cpu = self.cpu_seconds()
-            seconds = self.transfer(f"{name}-{r}", p_ids, d_ids, blocks * block_size)
-            per_gb = (self.cpu_seconds() - cpu) / (blocks * unit * layers / 1e9)
-            self.cpu_s_per_gb = per_gb if r == 0 else min(self.cpu_s_per_gb, per_gb)
-            best = max(best, blocks * unit * layers / seconds / 1e9)
+        self._block_size = unit // 4096
+        self._blocks = max(1, nbytes // (unit * layers))
+        self._bytes = self._blocks * unit * layers
+        self._name, self._rng, self._tries = name, rng, 0
+        self.register(KVCacheSpec(self._block_size, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], self._blocks + 1), layers, device)
+        self.transfer(f"{name}-warm", *self._ids(), self._blocks * self._block_size)
+
+    def _ids(self) -> tuple[list[int], list[int]]:
+        ids = range(1, self._blocks + 1)
+        return self._rng.sample(ids, self._blocks), self._rng.sample(ids, self._blocks)
+
+    def one_try(self) -> tuple[float, float]:
+        """One timed request as ``prepare`` set up: its GB/s, and CPU seconds
+        per GB of both daemons and this process (the workers), pull to landed."""
+        p_ids, d_ids = self._ids()
+        cpu = self.cpu_seconds()
+        seconds = self.transfer(f"{self._name}-{self._tries}", p_ids, d_ids, self._blocks * self._block_size)
+        self._tries += 1
+        return self._bytes / seconds / 1e9, (self.cpu_seconds() - cpu) / (self._bytes / 1e9)
+
+    def throughput(self, name: str, unit: int, nbytes: int, layers: int, repeat: int, rng: random.Random, device: str = "cpu") -> float:
+        """Best GB/s over ``repeat`` tries (``prepare``, ``one_try``); the least
+        CPU per GB of them in ``cpu_s_per_gb``."""
+        self.prepare(name, unit, nbytes, layers, rng, device)
+        best, self.cpu_s_per_gb = 0.0, float("inf")
+        for _ in range(repeat):
+            gbps, per_gb = self.one_try()
+            best, self.cpu_s_per_gb = max(best, gbps), min(self.cpu_s_per_gb, per_gb)
         return best
 
     def cpu_seconds(self) -> float:
