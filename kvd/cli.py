@@ -92,6 +92,7 @@ SERVE_FLAGS = {
     "copy-threads": "threads of one same-host copy or relayout (default 2)",
     "transport": "data plane: tcp (default) or nixl (NIXL/UCX moves the bytes; pip install 'kvd[nixl]')",
     "nixl-staging-bytes": "transport nixl: cap on one read's gather staging per connection (default 1 GiB)",
+    "nixl-progress-delay-us": "transport nixl: how long NIXL's progress thread waits for a UCX event (default 10000; 0 spins a core)",
     "pull-timeout-seconds": "bound on one pull (default 60)",
     "stall-timeout-seconds": "a peer silent this long fails the read (default 10)",
     "max-concurrent-pulls": "more are queued and kept alive by heartbeat (default 64)",

@@ -85,3 +85,18 @@ def test_gather_staging_is_capped_and_the_reader_is_told(daemons):
     # The daemon keeps serving reads within the cap.
     _, (f,) = transfer([pw], [dw], "small", 2, [1, 3], [2, 4], 32)
     assert f.details[("recving", "small")].outcome == "done" and dw.mismatch(2, [2, 4], 32) is None
+
+
+def test_an_idle_nixl_daemon_does_not_spin_a_core(daemons):
+    """NIXL's progress thread waits for UCX events; with no wait (delay 0,
+    NIXL's own setting: the control) it spins a core, idle or not."""
+    import time
+
+    from kvd.tools.bench_peers import process_cpu_seconds
+
+    waits, spins = daemons.start("waits", "--transport", "nixl"), daemons.start("spins", "--transport", "nixl", "--nixl-progress-delay-us", "0")
+    assert waits.info and spins.info  # both serving (the agent exists from start-up)
+    before = [process_cpu_seconds(d.proc.pid) for d in (waits, spins)]
+    time.sleep(3)
+    idle, spinning = (process_cpu_seconds(d.proc.pid) - b for d, b in zip((waits, spins), before, strict=True))
+    assert idle < 0.3 and spinning > max(0.5, 4 * idle), (idle, spinning)

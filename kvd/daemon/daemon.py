@@ -144,7 +144,7 @@ class Daemon:
         if why:
             raise InvalidArgument("transport", "nixl", why)
         try:
-            return NixlAgent(f"kvd-{config.engine_id}-{self.epoch[:8]}")
+            return NixlAgent(f"kvd-{config.engine_id}-{self.epoch[:8]}", config.nixl_progress_delay_us)
         except (ImportError, OSError) as e:
             raise InvalidArgument("transport", "nixl", f"NIXL failed to load: {e}") from None
 
