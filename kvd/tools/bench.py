@@ -206,10 +206,11 @@ def _memcpy_try(nbytes: int) -> Try:
 
 def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -> dict[str, Any]:
     """A small request's latency, pull to the engine's finished set, and its
-    floor, in four alternating parts: what the same request costs with
-    nothing around it, one gRPC round trip to the daemon on the worker
-    socket (the pull call and the finished-set push are one each way) and
-    one plain socket round trip carrying the request's bytes."""
+    floor: what the same request costs with nothing around it, one gRPC
+    round trip to the daemon on the worker socket (the pull call and the
+    finished-set push are one each way) and one plain socket round trip
+    carrying the request's bytes. All three are measured in four parts that
+    alternate."""
     spec = KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
     layers = 4
     pair.register(spec, layers)
@@ -260,7 +261,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
             else:
                 base_name, base_key, baseline = "plain socket, 1 MiB sendall", "socket_gbps" if mode == "tcp" else f"{mode}_socket_gbps", _socket_try(nbytes)
             base, kvd = _interleaved(pairs, baseline, args.repeat)
-            del baseline  # memcpy's 2x the request
+            del baseline  # memcpy's buffers: 2x the request
             out[base_key] = max(g for g, _ in base)
             say(f"  {base_name:<34} {out[base_key]:6.2f} GB/s")
             if mode == "tcp":
