@@ -119,14 +119,16 @@ def model_from_pb(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.num_layers, m.total_num_kv_heads)  # 0 heads: state parts only, checked against the groups
 
 
-def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, int], list[pb.Region]] | None = None) -> pb.EngineInfo:
-    """``regions`` (same-host peers only) adds each rank's memory and tensor views."""
+def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, int], tuple[list[pb.Region], int]] | None = None) -> pb.EngineInfo:
+    """``regions`` (same-host peers only) adds each rank's memory, tensor
+    views and the registration they belong to."""
     return pb.EngineInfo(
         engine_id=meta.engine_id, epoch=meta.epoch, host_id=meta.host_id, data_address=meta.data_address,
         tp_size=meta.tp_size, pp_size=meta.pp_size,
         model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
         ranks=[pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=regions is not None) for g in r.groups],
-                           regions=(regions or {}).get((r.tp_rank, r.pp_rank), [])) for r in meta.ranks],
+                           regions=(regions or {}).get((r.tp_rank, r.pp_rank), ([], 0))[0],
+                           registration=(regions or {}).get((r.tp_rank, r.pp_rank), ([], 0))[1]) for r in meta.ranks],
         fingerprint=fingerprint, features=list(meta.features),
     )
 
@@ -166,6 +168,7 @@ def read_to_pb(r: DataRead) -> pb.DataRead:
         tp_rank=r.tp_rank, pp_rank=r.pp_rank, head_start=r.head_start, head_count=r.head_count,
         segments=[segment_to_pb(s) for s in r.segments], reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank,
         nixl_metadata_version=r.nixl_metadata_version, stripe=r.stripe, stripes=r.stripes, stream=r.stream,
+        mapped_registration=r.mapped_registration,
     )
 
 
@@ -176,5 +179,5 @@ def read_from_pb(r: pb.DataRead) -> DataRead:
         segments=tuple(DataSegment(s.group_id, tuple(s.layers), s.block_start, s.block_count, s.token_start, s.token_count,
                                    s.kv_start, s.kv_count, tuple(s.block_ids), s.head_start, s.head_count) for s in r.segments),
         reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank, nixl_metadata_version=r.nixl_metadata_version,
-        stripe=r.stripe, stripes=r.stripes, stream=r.stream,
+        stripe=r.stripe, stripes=r.stripes, stream=r.stream, mapped_registration=r.mapped_registration,
     )

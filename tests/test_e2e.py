@@ -272,6 +272,27 @@ def test_reregistration_replaces_stale_regions_and_publications(daemons):
     assert dw.mismatch(2, [3, 4], 32) is None  # served from the new memory
 
 
+
+def test_a_same_host_reader_never_copies_memory_its_owner_left(daemons):
+    """The worker restarts and registers new memory: the reader's mapping of
+    the old memory is stale. The owner refuses a local read that names the
+    old registration, and the reader handshakes again and copies the new
+    memory. The old memory is changed too, so a stale copy would show."""
+    p, d = daemons.start("prefill", same_host="auto"), daemons.start("decode", same_host="auto")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [1, 2])
+    dw.client.pull("first", pw.client.publish("first", [[1, 2]], 32), [[3, 4]])
+    assert dw.client.wait_finished(recving={"first"}).details[("recving", "first")].outcome == "done"
+    assert dw.mismatch(1, [3, 4], 32) is None
+    pw2 = make_worker(p.grpc, "prefill")  # the same rank, new memory
+    pw2.fill(2, [1, 2])
+    pw.fill(3, [1, 2])  # what a stale mapping would copy
+    dw.client.pull("new", pw2.client.publish("new", [[1, 2]], 32), [[5, 6]])
+    f = dw.client.wait_finished(recving={"new"})
+    assert f.details[("recving", "new")].outcome == "done", f.details
+    assert dw.mismatch(2, [5, 6], 32) is None
+    assert scrape(d.metrics_url, "kvd_received_bytes_total", transport="samehost") > 0  # it stayed on the same-host path
+
 @pytest.mark.parametrize(("same_host", "flags"), [("off", ()), ("off", ("--stripes-per-read", "3", "--stripe-min-bytes", "1", "--segment-bytes", "65536")), ("auto", ())],
                          ids=["tcp", "tcp-striped", "samehost"])
 def test_every_transport_is_byte_exact_with_several_connections(daemons, same_host, flags):

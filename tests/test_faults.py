@@ -315,3 +315,40 @@ def test_blocks_an_abort_frees_are_never_read_after_it_is_reported(daemons, path
     print("outcomes by abort delay:", outcomes)
     assert_no_leaks(p.grpc, d.grpc)
     assert scrape(p.metrics_url, "kvd_pinned_ranks") == 0 and status(p.grpc).pinned_ranks == 0
+
+
+@pytest.mark.parametrize(("same_host", "shrinks"), [("auto", "prefill"), ("off", "prefill"), ("off", "decode")],
+                         ids=["samehost-owner", "tcp-owner", "tcp-reader"])
+def test_a_region_that_shrinks_after_registering_fails_reads_not_the_daemon(daemons, same_host, shrinks):
+    """A worker truncates its shm file under the daemons' mappings: touching
+    it past the new end would kill a daemon (SIGBUS). Reads of it fail,
+    saying so, both daemons go on serving, and the worker registering again
+    recovers. The same pull before the truncation is the control."""
+    from kvd.caches import _region_of
+
+    p, d = daemons.start("prefill", same_host=same_host), daemons.start("decode", same_host=same_host)
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    ids = [3, 4, 5]
+    pw.fill(21, ids)
+    dw.client.pull("before", pw.client.publish("before", [ids], 48), [ids])
+    f = dw.client.wait_finished(recving={"before"}, timeout=30)
+    assert f.details[("recving", "before")].outcome == "done" and dw.mismatch(21, ids, 48) is None
+    victim = pw if shrinks == "prefill" else dw
+    region = _region_of(next(iter(victim.caches.values())).data_ptr())
+    os.truncate(f"/dev/shm/{region.name}", 4096)  # nothing here touches the victim's memory after this
+    dw.client.pull("after", pw.client.publish("after", [ids], 48), [[6, 7, 8]])
+    detail = dw.client.wait_finished(recving={"after"}, timeout=30).details[("recving", "after")]
+    assert detail.outcome == "failed" and "shrank to 4096 bytes" in detail.reason and "register again" in detail.reason, detail.reason
+    for daemon in (p, d):
+        assert daemon.proc.poll() is None, daemon.log()
+    # The victim registers fresh memory, and the same daemons move bytes again.
+    if shrinks == "prefill":
+        pw = make_worker(p.grpc, "prefill")
+        pw.fill(22, ids)
+    else:
+        dw = make_worker(d.grpc, "decode")
+        pw.fill(22, ids)
+    dw.client.pull("again", pw.client.publish("again", [ids], 48), [[9, 10, 11]])
+    f = dw.client.wait_finished(recving={"again"}, timeout=30)
+    assert f.details[("recving", "again")].outcome == "done", f.details[("recving", "again")].reason
+    assert dw.mismatch(22, [9, 10, 11], 48) is None

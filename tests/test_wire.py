@@ -88,6 +88,21 @@ def test_a_whole_read_round_trips_between_two_sessions():
         reader.send(Ack())  # one ACK per END
 
 
+def test_a_segment_is_confirmed_only_by_the_owners_next_frame():
+    """The owner checks its publication alive before each frame after a DATA;
+    until the next one arrives, the last segment may hold the blocks' reuse."""
+    reader = _reader_reading(2)
+    assert reader.unconfirmed is None
+    reader.receive_header(Header(FrameType.DATA, 0, 5).encode())
+    assert reader.unconfirmed == 0  # a cut here leaves segment 0 unconfirmed
+    reader.receive_header(Header(FrameType.DATA, 1, 5).encode())
+    assert reader.unconfirmed == 1  # DATA 1 confirmed segment 0
+    end = CODEC.encode(End(10))
+    reader.receive_header(Header(FrameType.END, 0, len(end)).encode())
+    reader.receive_body(end)
+    assert reader.unconfirmed is None  # END confirmed the last
+
+
 def test_an_error_after_data_names_the_segment_sent_last():
     reader = _reader_reading(3)
     reader.receive_header(Header(FrameType.DATA, 0, 5).encode())

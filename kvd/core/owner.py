@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.core.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from kvd.core.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from kvd.core.leases import Ended, PinKey, Publication, PublicationTable, RankKey
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import validate_segment
@@ -93,13 +99,19 @@ class Owner:
     # ------------------------------------------------------------ reads
 
     def authorize(self, read: DataRead, reader: Reader, tensors: Sequence[GroupTensors] | None, now: float, *,
-                  local: bool = False, reader_copies: bool = False) -> Grant:
+                  local: bool = False, reader_copies: bool = False, registration: int = 0) -> Grant:
         """May ``read`` be served to ``reader``? ``tensors`` are the read
-        rank's registered groups (None: not registered). ``local``: a
-        same-host read; ``reader_copies``: the reader copies our memory itself
-        (same host, NIXL), so the rank stays pinned until ``release``."""
+        rank's registered groups (None: not registered), ``registration``
+        their generation. ``local``: a same-host read; ``reader_copies``: the
+        reader copies our memory itself (same host, NIXL), so the rank stays
+        pinned until ``release``."""
         if local and (reader.meta.host_id != self.host_id or not self.same_host):
             raise PermissionDenied("a same-host read from a reader on another host (or with same_host=off)")
+        if local and tensors is not None and read.mapped_registration != registration:
+            # The reader mapped memory the worker has since left: copying it
+            # would land another request's bytes (or none) as this one's.
+            raise Unavailable(f"rank tp{read.tp_rank}/pp{read.pp_rank} registered again (registration {registration}) since the reader "
+                              f"mapped registration {read.mapped_registration}: handshake again")
         if len(read.segments) > self.max_segments_per_read:
             raise InvalidArgument("read.segments", f"<{len(read.segments)} segments>", f"exceeds the limit of {self.max_segments_per_read}")
         if read.stripes > MAX_STRIPES or read.stripe >= max(1, read.stripes):

@@ -58,6 +58,9 @@ class DataRead:
     # A streaming publication (layer-wise): segments come layer-major, each
     # served once its layers are saved, so the reader waits between them.
     stream: bool = False
+    # A same-host read: the owner rank's registration whose memory the reader
+    # mapped. The owner refuses a stale one (the worker registered again).
+    mapped_registration: int = 0
 
     def heads_of(self, seg: DataSegment) -> tuple[int, int]:
         """The owner-rank heads ``seg`` reads: its own, else the read's."""

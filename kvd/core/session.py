@@ -89,9 +89,9 @@ class End:
 class Error:
     code: str  # a Status name, e.g. PERMISSION_DENIED
     message: str
-    # The owner saw the publication end after sending this segment: it may
-    # hold bytes of the blocks' reuse, so it counts as not landed. Set by
-    # the reader's session; the owner never sends it.
+    # The owner saw the publication end after sending this segment (the
+    # session's ``unconfirmed``): it may hold bytes of the blocks' reuse, so
+    # it counts as not landed. Set by the reader's session; the owner never sends it.
     after_segment: int | None = None
 
     @classmethod
@@ -169,7 +169,11 @@ class Session:
         self.state = State.AWAIT_HELLO
         self.segments_expected = 0
         self.segments_seen = 0
-        self.last_data: int | None = None  # the tag of the last DATA of this read
+        # The reader's last DATA segment until the owner's next frame (DATA or
+        # END), sent only after the publication was seen alive, confirms it:
+        # the engine may reuse blocks the moment it ends, so an unconfirmed
+        # segment may hold bytes of the reuse and does not count as landed.
+        self.unconfirmed: int | None = None
         self._rx = _OWNER_RX if owner else _READER_RX
         self._tx = _OWNER_TX if owner else _READER_TX
         self._pending: Header | None = None  # a control header whose body is due
@@ -190,7 +194,7 @@ class Session:
             if header.tag != self.segments_seen or self.segments_seen >= self.segments_expected:
                 return self._fail(f"DATA tag {header.tag} out of order (expected {self.segments_seen} of {self.segments_expected})")
             self.segments_seen += 1
-            self.last_data = header.tag
+            self.unconfirmed = header.tag
             self.state = nxt
             return Data(header.tag, header.length)
         if header.type is FrameType.DESCS and self.segments_seen:
@@ -213,8 +217,10 @@ class Session:
             self.segments_seen = self.segments_expected  # one frame describes them all
         elif isinstance(event, Read):
             self._begin(event)
-        elif isinstance(event, Error) and self.last_data is not None:
-            event = Error(event.code, event.message, self.last_data)
+        elif isinstance(event, End):
+            self.unconfirmed = None
+        elif isinstance(event, Error) and self.unconfirmed is not None:
+            event = Error(event.code, event.message, self.unconfirmed)
         return event
 
     # ------------------------------------------------------------ events in, bytes out
@@ -243,7 +249,7 @@ class Session:
         # A same-host read is answered by END alone: no segment crosses.
         self.segments_expected = 0 if event.local else len(event.read.segments)
         self.segments_seen = 0
-        self.last_data = None
+        self.unconfirmed = None
 
     def _fail(self, why: str):  # type: ignore[no-untyped-def]
         self.state = State.CLOSED

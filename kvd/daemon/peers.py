@@ -11,6 +11,7 @@ present (``kvd.core.owner``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from kvd.core.relayout import GroupTensors
 from kvd.core.spec import EngineMeta, fingerprint
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.regions import MappedRegion, close_later, map_regions
+from kvd.regions import MappedRegion, check_intact, close_later, map_regions
 from kvd.transport.samehost import LocalSource
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Handshakes:
         self.d.metrics.handshakes.labels("callee", "ok").inc()
         same_host = self.d.config.same_host != "off" and theirs.host_id == self.d.host_id
         log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
-        regions = {k: r.region_pbs for k, r in self.d.registrations.items()} if same_host else None
+        regions = {k: (r.region_pbs, r.generation) for k, r in self.d.registrations.items()} if same_host else None
         return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
 
     def drop_peer(self, engine_id: str) -> Peer | None:
@@ -156,4 +157,6 @@ def _map_owner(peer: Peer, callee: pb.EngineInfo) -> None:
         peer.mapped.extend(mapped.values())
         views = {rid: m.tensor for rid, m in mapped.items()}
         groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
-        peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups)
+        whose = f"engine {peer.meta.engine_id!r} tp{rank.tp_rank}/pp{rank.pp_rank}'s"
+        peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups, rank.registration,
+                                                                       functools.partial(check_intact, list(mapped.values()), whose))

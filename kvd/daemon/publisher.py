@@ -41,6 +41,7 @@ from kvd.core.reads import DataRead
 from kvd.core.session import Hello
 from kvd.core.spec import check_request_id
 from kvd.proto import kvd_pb2 as pb
+from kvd.regions import check_intact
 
 if TYPE_CHECKING:
     from kvd.daemon.daemon import Daemon, Registration
@@ -214,10 +215,12 @@ class Publisher:
         stays pinned until the returned read is closed."""
         reg = self.d.registrations.get(read.rank)
         try:
+            if reg is not None:
+                check_intact(reg.regions.values(), f"worker {reg.worker}'s")
             with self.lock:
                 reader = self.owner.reader(hello.engine_id, hello.epoch)
                 grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
-                                             local=local, reader_copies=reader_copies)
+                                             local=local, reader_copies=reader_copies, registration=reg.generation if reg is not None else 0)
         except KvdError as e:
             self.d.metrics.refused_reads.labels(e.code.name.lower()).inc()
             raise

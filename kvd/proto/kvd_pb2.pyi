@@ -331,16 +331,18 @@ class SetExpectedFinishedCountResponse(_message.Message):
     def __init__(self, expected_finished_count: _Optional[int] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("tp_rank", "pp_rank", "groups", "regions")
+    __slots__ = ("tp_rank", "pp_rank", "groups", "regions", "registration")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     pp_rank: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     regions: _containers.RepeatedCompositeFieldContainer[Region]
-    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+    registration: int
+    def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint", "features")
@@ -569,7 +571,7 @@ class DataHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DataRead(_message.Message):
-    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes", "stream")
+    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes", "stream", "mapped_registration")
     OWNER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -585,6 +587,7 @@ class DataRead(_message.Message):
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     STRIPES_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     owner_engine_id: str
     request_id: str
     generation: int
@@ -600,7 +603,8 @@ class DataRead(_message.Message):
     stripe: int
     stripes: int
     stream: bool
-    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
+    mapped_registration: int
+    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., stream: _Optional[bool] = ..., mapped_registration: _Optional[int] = ...) -> None: ...
 
 class DataSegment(_message.Message):
     __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids", "head_start", "head_count")

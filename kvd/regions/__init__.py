@@ -2,6 +2,6 @@
 IPC handles for GPU caches. Both present the same ``MappedRegion``: a flat
 uint8 tensor the relayout code views with strides."""
 
-from kvd.regions.base import MappedRegion, close_later, map_region, map_regions
+from kvd.regions.base import MappedRegion, check_intact, close_later, map_region, map_regions
 
-__all__ = ["MappedRegion", "close_later", "map_region", "map_regions"]
+__all__ = ["MappedRegion", "check_intact", "close_later", "map_region", "map_regions"]

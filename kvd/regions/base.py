@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from kvd.core.errors import InvalidArgument
+from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.proto import kvd_pb2
 
 
@@ -20,6 +20,10 @@ class MappedRegion(Protocol):
     tensor: torch.Tensor  # flat uint8, on CPU or a CUDA device
 
     def close(self) -> None: ...
+
+    def backing_bytes(self) -> int:
+        """Bytes of the memory behind the mapping now (it may have shrunk since)."""
+        ...
 
 
 REGION_ID_MAX = 128
@@ -61,6 +65,21 @@ def map_regions(regions: Iterable[kvd_pb2.Region]) -> dict[str, MappedRegion]:
             r.close()
         raise
     return mapped
+
+
+def check_intact(regions: Iterable[MappedRegion], whose: str) -> None:
+    """Refuse to touch regions whose memory shrank after they were mapped.
+
+    A shared-memory file truncated under a mapping turns the next access
+    past its end into SIGBUS, which kills the whole daemon (copies by torch
+    or ``memmove`` fault; only the kernel's socket copies fail cleanly). One
+    ``fstat`` a region before each read; a truncation during the copy itself
+    is not caught."""
+    for r in regions:
+        now = r.backing_bytes()
+        if now < r.size:
+            raise FailedPrecondition(f"{whose} region {r.region_id!r} shrank to {now} bytes after it was registered with {r.size}; "
+                                     f"the worker must register again")
 
 
 _unmapper: concurrent.futures.ThreadPoolExecutor | None = None

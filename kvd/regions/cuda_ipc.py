@@ -71,6 +71,9 @@ class CudaIpcRegion:
         tensor.set_(storage, 0, (size,), (1,))
         return cls(region_id, size, tensor, storage)
 
+    def backing_bytes(self) -> int:
+        return self.size  # a CUDA allocation does not shrink under its handle
+
     def close(self) -> None:
         # Dropping the last reference to the opened storage is what tells the
         # engine's process (its IPC ref counter) that we are done with it; a

@@ -121,6 +121,12 @@ class ShmRegion:
         prefault(mm, write=False)
         return cls(region_id, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=False)
 
+    def backing_bytes(self) -> int:
+        try:
+            return self.mm.size()  # fstat of the mapping's own descriptor: the file's size now
+        except (ValueError, OSError):  # closed
+            return 0
+
     def close(self) -> None:
         # Drop our tensor first; the mmap closes once no view holds it.
         self.tensor = torch.empty(0, dtype=torch.uint8)

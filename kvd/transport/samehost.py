@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,8 +31,12 @@ from kvd.transport.device import device_copies
 class LocalSource:
     """The owner rank's memory, mapped by the reader on the same host."""
 
-    def __init__(self, groups: dict[int, GroupTensors]) -> None:
+    def __init__(self, groups: dict[int, GroupTensors], registration: int = 0, check: Callable[[], None] = lambda: None) -> None:
         self.groups = groups
+        self.registration = registration  # the owner's, when we mapped it: every read names it
+        # Raises where the owner's memory shrank under our mapping: the next
+        # copy from it would fault (SIGBUS) and take the daemon down.
+        self.check = check
         # Several pulls may copy from this source at once, each in its own
         # thread: each thread gathers into its own staging.
         self._local = threading.local()
@@ -51,6 +55,7 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
     (the owner's layout and block size here), every such segment goes in one
     ``copier`` pass, piece to piece, with no staging; the rest are gathered
     from the owner's memory and landed as usual."""
+    source.check()
     moved = 0
     dsts: list[np.ndarray] = []
     srcs: list[np.ndarray] = []

@@ -156,7 +156,7 @@ class TcpDataClient:
                 # Authorisation first, then the copy: copying while the owner
                 # decides would save a round trip, but a refused read would
                 # already have written another request's bytes into our memory.
-                fs.send(Read(read, local=True))
+                fs.send(Read(dataclasses.replace(read, mapped_registration=source.registration), local=True))
                 _expect(fs.next_event(), End)
                 t0 = time.perf_counter()
                 moved = copy_local(read, sinks, landed, source, conn.cancel, self.copier, self.copy_threads.run_copies)
@@ -295,7 +295,13 @@ def recv_segments(fs: FrameSocket, sinks: Sequence[SegmentSink], landed: list[bo
                   on_relayout: Callable[[float], None], cancel: threading.Event, threads: CopyThreads,
                   land_pool: concurrent.futures.Executor) -> int:
     """DATA frames straight into place (or into staging, relaid out while
-    the next frame arrives) until END, or ERROR raised. Returns bytes moved."""
+    the next frame arrives) until END, or ERROR raised. Returns bytes moved.
+
+    A segment counts as landed only once the owner's next frame (DATA or
+    END) arrives: the owner checks the publication alive before each, and
+    the engine may reuse the blocks the moment it ends, so the bytes of the
+    last segment before an ERROR, a reset or an abandoned read may be the
+    reuse's."""
     moved = 0
     landing = _Landing(threads, land_pool, buffers, landed, on_relayout, cancel)
     try:
@@ -304,11 +310,6 @@ def recv_segments(fs: FrameSocket, sinks: Sequence[SegmentSink], landed: list[bo
                 raise ConnectionAbortedError("read abandoned")
             ev = fs.next_event()
             if isinstance(ev, Error):
-                landing.wait()
-                if ev.after_segment is not None:
-                    # The owner saw the publication end after sending this
-                    # segment: it may hold bytes of the blocks' reuse.
-                    landed[ev.after_segment] = False
                 raise errors.from_code(ev.code, ev.message)
             if isinstance(ev, End):
                 landing.wait()  # every byte landed
@@ -329,3 +330,5 @@ def recv_segments(fs: FrameSocket, sinks: Sequence[SegmentSink], landed: list[bo
     finally:
         with contextlib.suppress(BaseException):
             landing.wait()
+        if fs.session.unconfirmed is not None:
+            landed[fs.session.unconfirmed] = False

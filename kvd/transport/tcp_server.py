@@ -11,8 +11,10 @@ interleaved layout). GPU memory is gathered on the GPU and copied to pinned
 memory on a side stream while the previous segment is sent
 (``kvd.transport.device``).
 
-END goes out only after the publication is seen alive past the last byte:
-the engine may reuse the blocks the moment the publication ends. A
+The publication is checked alive before every frame after a DATA frame
+(the next DATA, or END): the engine may reuse the blocks the moment the
+publication ends, so a DATA frame is safe only once the frame after it
+went out, and the reader counts a segment as landed only then. A
 streaming publication's segment leaves only once prefill saved its layers
 (``OpenRead.wait_saved``); the thread waits for them between segments.
 """
@@ -45,13 +47,9 @@ log = logging.getLogger("kvd.tcp")
 class TcpDataServer:
     def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
                  max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None,
-                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30, whole_send_bytes: int = 4 << 20,
+                 nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30,
                  pinned_read_timeout_s: float = 60.0) -> None:
         self.server = server
-        # A read this small whose segments all lie in place leaves in one
-        # sendmsg (every DATA frame), then END: a syscall per segment costs
-        # more than the bytes on a small read.
-        self.whole_send_bytes = whole_send_bytes
         self.tls = tls  # mTLS: every connection is wrapped before its HELLO
         self.nixl = nixl  # transport nixl: reads may ask for descriptors instead of DATA
         self.nixl_staging_bytes = nixl_staging_bytes
@@ -204,9 +202,7 @@ class TcpDataServer:
                 msg, total = self._descriptors(fs, opened, count, arena, ev.read.nixl_metadata_version)
                 fs.send(Descriptors(msg))
             elif not ev.local:
-                total = self._send_whole(fs, opened, count)
-                if total < 0:
-                    total = send_segments(fs, opened, count, staging, to_host)
+                total = send_segments(fs, opened, count, staging, to_host)
                 # Every byte left while the publication was alive: only
                 # then END, as the engine may reuse the blocks once it ends.
                 opened.check_alive()
@@ -217,23 +213,6 @@ class TcpDataServer:
             return False
         fs.send(End(total))
         return True
-
-    def _send_whole(self, fs: FrameSocket, opened: OpenRead, count: int) -> int:
-        """A small read whose segments all lie in place: every DATA frame in
-        one sendmsg. Returns its payload bytes, or -1 where it is not that."""
-        if fs.tls or not opened.saved():
-            return -1  # a streaming read goes segment by segment, each once its layers are saved
-        total, iovs = 0, []
-        for i in range(count):
-            total += opened.segment_nbytes(i)
-            iov = opened.segment_iov(i) if total <= self.whole_send_bytes else None
-            if iov is None:
-                return -1
-            iovs.append(iov)
-        whole, _keep = fs.data_frames(iovs)
-        fs.send_iov(whole)
-        opened.count_sent(total, sum(opened.segment_blocks(i) for i in range(count)), "tcp")
-        return total
 
     def _descriptors(self, fs: FrameSocket, opened: OpenRead, count: int, arena: Arena | None, reader_version: int) -> tuple[object, int]:
         """Owner side of a NIXL read: where each segment lies, and our agent's
