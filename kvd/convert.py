@@ -126,11 +126,15 @@ def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, in
         engine_id=meta.engine_id, epoch=meta.epoch, host_id=meta.host_id, data_address=meta.data_address,
         tp_size=meta.tp_size, pp_size=meta.pp_size,
         model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
-        ranks=[pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=regions is not None) for g in r.groups],
-                           regions=(regions or {}).get((r.tp_rank, r.pp_rank), ([], 0))[0],
-                           registration=(regions or {}).get((r.tp_rank, r.pp_rank), ([], 0))[1]) for r in meta.ranks],
+        ranks=[_rank_to_pb(r, regions) for r in meta.ranks],
         fingerprint=fingerprint, features=list(meta.features),
     )
+
+
+def _rank_to_pb(r: EngineLayout, regions: dict[tuple[int, int], tuple[list[pb.Region], int]] | None) -> pb.RankInfo:
+    mapped, registration = (regions or {}).get((r.tp_rank, r.pp_rank), ([], 0))
+    return pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=regions is not None) for g in r.groups],
+                       regions=mapped, registration=registration)
 
 
 def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:

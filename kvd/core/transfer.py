@@ -41,8 +41,8 @@ DEFAULT_SEGMENT_BYTES = 4 << 20
 # needs pipelining and a frame's fixed cost (its Python and wake-ups on both
 # sides) is all its size controls. 256 MiB over loopback in 1 MiB / 16 KiB
 # units, against 4 MiB frames (benchmarks, same run): CPU per GB 0.57 -> 0.50
-# and 0.73 -> 0.56 (medians), 16 KiB units 2.8 -> 3.3 GB/s (best). Still two
-# frames to a stripe of a read of 2 x STRIPE_MIN_BYTES.
+# and 0.73 -> 0.56 (medians), 16 KiB units 2.8 -> 3.3 GB/s (best). A read of
+# 2 x STRIPE_MIN_BYTES still has a frame for each of its two stripes.
 IN_PLACE_SEGMENT_BYTES = 32 << 20
 
 @dataclass

@@ -56,7 +56,7 @@ from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reports import AggregatorReports
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions import MappedRegion, close_later, map_regions
+from kvd.regions import MappedRegion, check_intact, close_later, map_regions
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
@@ -81,6 +81,10 @@ class Registration:
     @property
     def nbytes(self) -> int:
         return sum(r.size for r in self.regions.values())
+
+    def check_intact(self) -> None:
+        """Raise where a region shrank since it was mapped (``regions.check_intact``)."""
+        check_intact(self.regions.values(), f"worker {self.worker}'s")
 
     def close(self) -> None:
         self.tensors.clear()

@@ -41,7 +41,6 @@ from kvd.core.reads import DataRead
 from kvd.core.session import Hello
 from kvd.core.spec import check_request_id
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions import check_intact
 
 if TYPE_CHECKING:
     from kvd.daemon.daemon import Daemon, Registration
@@ -216,7 +215,7 @@ class Publisher:
         reg = self.d.registrations.get(read.rank)
         try:
             if reg is not None:
-                check_intact(reg.regions.values(), f"worker {reg.worker}'s")
+                reg.check_intact()
             with self.lock:
                 reader = self.owner.reader(hello.engine_id, hello.epoch)
                 grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),

@@ -36,7 +36,6 @@ from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from kvd.regions import check_intact
 
 if TYPE_CHECKING:
     from kvd.daemon.daemon import Daemon, Registration
@@ -256,7 +255,7 @@ class Puller:
                 # Our view of the remote engine predates a rank it registered since: look again.
                 d.handshakes.drop_peer(req.params.remote_engine_id)
                 peer = await d.handshakes.peer_for(req.params)
-        check_intact(reg.regions.values(), f"worker {reg.worker}'s")  # we write into them
+        reg.check_intact()  # we write into them
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
