@@ -55,6 +55,7 @@ from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reports import AggregatorReports
+from kvd.daemon.watchdog import LoopWatchdog
 from kvd.proto import kvd_pb2 as pb
 from kvd.regions import MappedRegion, check_intact, close_later, map_regions
 from kvd.transport.nixl import NixlAgent
@@ -119,6 +120,7 @@ class Daemon:
         self.reports = AggregatorReports(self)  # to (or, as the aggregator, from) the other nodes' daemons
         self._last_outcome_at = float("-inf")  # monotonic time of the newest outcome
         self._background: list[asyncio.Task[None]] = []
+        self._watchdog: LoopWatchdog | None = None
         self.registration_version = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
         self._generation = 0
@@ -158,6 +160,8 @@ class Daemon:
         self.config.data_port = await self.data_server.start()
         self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat()),
                             asyncio.create_task(self.reports.run())]
+        self._watchdog = LoopWatchdog(asyncio.get_running_loop(), self.metrics.event_loop_lag)
+        self._watchdog.start()
 
     @property
     def data_address(self) -> str:
@@ -194,6 +198,8 @@ class Daemon:
             notify(WorkerFinished())  # empty: the stream's cue to end
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         for t in self._background:
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

@@ -49,6 +49,8 @@ class Metrics:
         # divides by the wall time during which any pull was active, not by
         # the sum of overlapping durations (which under-reports by the concurrency).
         self.active_seconds = Counter("kvd_transfer_active_seconds", "Wall time during which at least one pull was in flight", registry=r)
+        self.event_loop_lag = Histogram("kvd_event_loop_lag_seconds", "How long the daemon's event loop took to run a ping sent every "
+                                        "half second: every control call waits behind a blocked loop", buckets=DURATION_BUCKETS, registry=r)
         self.build = Info("kvd_build", "kvd build information", registry=r)
         self.build.info({"version": __version__})
 

@@ -134,6 +134,7 @@ class Publisher:
                 if remaining <= 0:
                     if pub is not None:
                         break  # some ranks published: reads of the others are refused one by one
+                    log.info("resolve refused request_id=%s engine=%s: nothing published under its capability within %gs", req.request_id, req.engine_id, wait)
                     raise PermissionDenied(f"no publication of request_id={req.request_id!r} matches this capability (waited {wait:g}s)")
                 event = self._published.setdefault(req.request_id, asyncio.Event())
                 with contextlib.suppress(TimeoutError):

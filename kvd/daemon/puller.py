@@ -303,12 +303,14 @@ class Puller:
         """Fill in the generation (and epoch) of params made before P published."""
         d = self.d
         wait = d.config.publish_wait_seconds
+        t0 = time.monotonic()
         try:
             resp = await pbg.PeerStub(d.channel(params.remote_address)).Resolve(
                 pb.ResolveRequest(engine_id=params.remote_engine_id, request_id=params.request_id, capability=params.capability, wait_seconds=wait),
                 timeout=wait + 10, metadata=d.auth.call_metadata())
         except grpc.aio.AioRpcError as e:
-            raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address}: {e.details()}") from None
+            raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address} "
+                                   f"(after {time.monotonic() - t0:.1f}s): {e.details()}") from None
         params.generation = resp.generation
         if not params.remote_epoch:
             params.remote_epoch = resp.epoch

@@ -1,0 +1,92 @@
+"""The event-loop watchdog: a blocked loop is logged with where it blocks, and every ping's wait is scraped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from kvd.daemon.watchdog import LoopWatchdog
+from tests.conftest import scrape
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A real event loop running on its own thread, as the daemon's runs on its main thread."""
+    lp = asyncio.new_event_loop()
+    t = threading.Thread(target=lp.run_forever, daemon=True)
+    t.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    t.join(5)
+    lp.close()
+
+
+def _watch(loop: asyncio.AbstractEventLoop) -> tuple[LoopWatchdog, Histogram]:
+    lag = Histogram("lag_seconds", "", registry=CollectorRegistry(), buckets=(0.1, 1.0))
+    dog = LoopWatchdog(loop, lag, interval=0.05, warn_after=0.4)
+    started = threading.Event()
+
+    def start() -> None:
+        dog.start()  # on the loop's thread, as the daemon starts it
+        started.set()
+
+    loop.call_soon_threadsafe(start)
+    assert started.wait(5)
+    return dog, lag
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # a handler that blocks instead of awaiting
+
+
+def _samples(lag: Histogram) -> dict[str, float]:
+    return {s.name.removeprefix("lag_seconds_") + s.labels.get("le", ""): s.value for m in lag.collect() for s in m.samples}
+
+
+def test_a_blocked_loop_is_logged_with_where_it_blocks_and_counted(loop, caplog):
+    dog, lag = _watch(loop)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvd.daemon"):
+            time.sleep(0.3)  # a few prompt pings first: the control
+            quiet = _samples(lag)
+            loop.call_soon_threadsafe(_hold_the_loop, 1.2)
+            deadline = time.monotonic() + 5
+            while "ran again" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        dog.stop()
+    assert quiet["count"] >= 2 and quiet["bucket0.1"] == quiet["count"], quiet  # nothing logged or slow before the block
+    blocked = [r.getMessage() for r in caplog.records if "blocked for" in r.getMessage()]
+    assert len(blocked) == 1, caplog.text  # once a stall, not once a ping
+    assert "_hold_the_loop" in blocked[0] and "time.sleep(seconds)" in blocked[0], blocked[0]
+    after = _samples(lag)
+    assert after["count"] - after["bucket1.0"] == 1, after  # the one ping that waited out the block
+    assert after["sum"] - quiet["sum"] >= 0.8, after
+
+
+def test_a_loop_that_keeps_running_is_never_logged(loop, caplog):
+    dog, lag = _watch(loop)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvd.daemon"):
+            for _ in range(10):
+                loop.call_soon_threadsafe(_hold_the_loop, 0.02)  # short handlers, as a daemon runs them
+                time.sleep(0.05)
+    finally:
+        dog.stop()
+    assert "blocked" not in caplog.text
+    assert _samples(lag)["count"] >= 4
+
+
+def test_a_daemon_scrapes_its_loop_lag(daemons):
+    d = daemons.start("p")
+    deadline = time.monotonic() + 10
+    while scrape(d.metrics_url, "kvd_event_loop_lag_seconds_count") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert scrape(d.metrics_url, "kvd_event_loop_lag_seconds_count") >= 2
+    assert "event loop blocked" not in d.log_path.read_text()
