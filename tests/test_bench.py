@@ -30,6 +30,10 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert last["tcp_cpu_vs_socket"] == last["tcp_cpu_s_per_gb"] / last["socket_cpu_s_per_gb"]
     assert 0 < out["small_request_p50_ms"] <= out["small_request_p99_ms"]
     assert 0 < out["small_request_floor_ms"] == out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
+    # Where a small request's time goes, from the daemons' /metrics: D's phases, P's serving, no resolve (params were published).
+    phases = out["rounds"][-1]["small_request_phases_ms"]
+    assert {"queued", "handshake", "plan", "transfer", "report", "serve"} <= set(phases) and "resolve" not in phases, phases
+    assert 0 < phases["serve"] < phases["transfer"] < out["small_request_p99_ms"], phases
     for peer in ("vs_nixl", "vs_mooncake"):
         assert out[peer] is None or out[peer] > 0
     # The verdict: each target's worst round beside its limit, computed from the rounds.

@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from kvd import __version__
 
 # From 100 us (a 16-block same-host request) to 30 s (a long prompt on a slow link).
+PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
+
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -49,6 +51,14 @@ class Metrics:
         # divides by the wall time during which any pull was active, not by
         # the sum of overlapping durations (which under-reports by the concurrency).
         self.active_seconds = Counter("kvd_transfer_active_seconds", "Wall time during which at least one pull was in flight", registry=r)
+        self.pull_phase_seconds = Histogram("kvd_pull_phase_seconds", "Where D's pulls spend their time, by phase: queued (for a pull slot), "
+                                            "resolve (params made before P published), handshake, plan, transfer (the data plane, "
+                                            "bytes moved and landed), report (landed to the worker's finished set)", ["phase"],
+                                            buckets=DURATION_BUCKETS, registry=r)
+        for phase in PULL_PHASES:  # scraped from the start, as 0
+            self.pull_phase_seconds.labels(phase)
+        self.read_serve_seconds = Histogram("kvd_read_serve_seconds", "P serving one TCP read: its READ frame in, authorised, to its END out",
+                                            buckets=DURATION_BUCKETS, registry=r)
         self.event_loop_lag = Histogram("kvd_event_loop_lag_seconds", "How long the daemon's event loop took to run a ping sent every "
                                         "half second: every control call waits behind a blocked loop", buckets=DURATION_BUCKETS, registry=r)
         self.build = Info("kvd_build", "kvd build information", registry=r)

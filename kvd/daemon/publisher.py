@@ -290,6 +290,10 @@ class OpenRead:
         self._metrics.bytes_sent.labels(transport).inc(nbytes)
         self._metrics.blocks_sent.labels(transport).inc(blocks)
 
+    def served(self, seconds: float) -> None:
+        """The data plane sent this read's END ``seconds`` after its READ came in."""
+        self._metrics.read_serve_seconds.observe(seconds)
+
     def segment_blocks(self, index: int) -> int:
         return self.read.segments[index].block_count
 

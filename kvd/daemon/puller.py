@@ -57,6 +57,7 @@ class ActivePull:
     next_renew: float = 0.0
     cancel_reason: str = ""  # why we cancelled it ourselves
     cancel_outcome: str = "failed"  # "aborted" when the local worker asked
+    accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
 
     @property
     def params(self) -> pb.TransferParams:
@@ -119,7 +120,7 @@ class Puller:
         if key in self.pulls:
             raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
         now = time.monotonic()
-        active = ActivePull(worker, req, now, next_renew=now + _renew_interval(p))
+        active = ActivePull(worker, req, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter())
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
         active.task.add_done_callback(lambda _t: self.pulls.pop(key, None))
@@ -153,16 +154,20 @@ class Puller:
         progress = PullProgress()
         t0 = time.perf_counter()
         d.metrics.pulls_in_flight.inc()
+        phase = d.metrics.pull_phase_seconds
         try:
             async with self._slots:
                 t0 = time.perf_counter()
+                phase.labels("queued").observe(t0 - active.accepted)
                 total = await asyncio.wait_for(self._with_retries(reg, req, rank, local_ids, progress), d.config.pull_timeout_seconds)
+            landed_at = time.perf_counter()
             landed = self._replica_future(req.params, rank)
             if not landed.done():
                 landed.set_result([np.asarray(b.ids, dtype=np.int64) for b in req.local_block_ids])  # from protobuf: no Python ints
             d.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
             self._count_window_savings(reg, req)
             d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
+            phase.labels("report").observe(time.perf_counter() - landed_at)
         except BaseException as e:
             reason, message = _failure_reason(e)
             outcome = "failed"
@@ -224,9 +229,15 @@ class Puller:
         source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
         if source is not None:
             return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
+        phase = d.metrics.pull_phase_seconds
         if not req.params.generation:
+            t = time.perf_counter()
             await self._resolve(req.params)  # before the handshake: it fills in the epoch the handshake is cached by
+            phase.labels("resolve").observe(time.perf_counter() - t)
+        t = time.perf_counter()
         peer = await d.handshakes.peer_for(req.params)
+        phase.labels("handshake").observe(time.perf_counter() - t)
+        t = time.perf_counter()
         if peer.meta.epoch != req.params.remote_epoch:
             raise FailedPrecondition(
                 f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
@@ -256,6 +267,8 @@ class Puller:
                 d.handshakes.drop_peer(req.params.remote_engine_id)
                 peer = await d.handshakes.peer_for(req.params)
         reg.check_intact()  # we write into them
+        phase.labels("plan").observe(time.perf_counter() - t)
+        t = time.perf_counter()
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
@@ -271,14 +284,15 @@ class Puller:
             finally:
                 # One read failed (or we were cancelled): stop the others and wait
                 # until they have, so nothing lands after the failure is reported.
-                for t in tasks.values():
-                    t.cancel()
+                for task in tasks.values():
+                    task.cancel()
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
                 self._count_landed(progress, progress.settle(list(tasks)), sources)
             # Report the read that failed, not a sibling we cancelled because of it.
-            failed = [t.exception() for t in tasks.values() if not t.cancelled() and t.exception() is not None]
+            failed = [task.exception() for task in tasks.values() if not task.cancelled() and task.exception() is not None]
             if failed:
                 raise failed[0]  # type: ignore[misc]
+            phase.labels("transfer").observe(time.perf_counter() - t)
         finally:
             d.active_clock.stop()
             d.metrics.bytes_in_flight.dec(planned)

@@ -218,6 +218,7 @@ def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -
     lat: list[float] = []
     rpc: list[float] = []
     sock: list[float] = []
+    before = pair.timings()
     for part in range(4):
         count = max(1, requests // 4)
         lat += [pair.transfer(f"small-{part}-{i}", list(range(1, 17)), list(range(17, 33)), 256) for i in range(count)]
@@ -226,13 +227,19 @@ def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -
             pair.d_client.get_finished()
             rpc.append(time.perf_counter() - t0)
         sock += socket_round_trip(small_bytes, count)
+    after = pair.timings()
     lat.sort()
-    out = {"small_request_p50_ms": _p50(lat) * 1e3, "small_request_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
+    # Where the time goes: D's pull phases and P serving its read, mean ms a request.
+    phases = {k: (after[k][0] - before.get(k, (0.0, 0.0))[0]) / (after[k][1] - before.get(k, (0.0, 0.0))[1]) * 1e3
+              for k in after if after[k][1] > before.get(k, (0.0, 0.0))[1]}
+    out: dict[str, Any] = {"small_request_phases_ms": phases, "small_request_p50_ms": _p50(lat) * 1e3, "small_request_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
            "grpc_round_trip_ms": _p50(rpc) * 1e3, "socket_round_trip_ms": _p50(sock) * 1e3}
     out["small_request_floor_ms"] = out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
     say(f"  {f'small request (16 blocks, {small_bytes / (1 << 20):.0f} MiB) p50/p99':<34} {out['small_request_p50_ms']:6.2f} / {out['small_request_p99_ms']:.2f} ms")
     say(f"  {'  floor: gRPC + socket round trips':<34} {out['small_request_floor_ms']:6.2f} ms "
         f"({out['grpc_round_trip_ms']:.2f} + {out['socket_round_trip_ms']:.2f}; p50s)")
+    d_part = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "serve")
+    say(f"  {'  where it goes (mean ms)':<34} D: {d_part}; P serves its read in {phases.get('serve', 0.0):.2f}")
     return out
 
 

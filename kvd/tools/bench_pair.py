@@ -22,7 +22,7 @@ class BenchPair:
         from kvd.tools.demo import Daemons
 
         self.daemons = Daemons()
-        flag = ["--same-host", "auto" if mode == "samehost" else "off", "--metrics-port", "-1"]
+        flag = ["--same-host", "auto" if mode == "samehost" else "off"]
         if mode == "nixl":
             flag += ["--transport", "nixl"]
         # Workers reach their daemon over its Unix socket, as in the sidecar
@@ -126,6 +126,28 @@ class BenchPair:
         from kvd.tools.bench_peers import process_cpu_seconds
 
         return sum(process_cpu_seconds(p.pid) for p in self.daemons.procs) + time.process_time()
+
+    def timings(self) -> dict[str, tuple[float, float]]:
+        """(sum of seconds, count) so far of D's pull phases (``kvd_pull_phase_seconds``)
+        and of P serving a read (``serve``), from the daemons' /metrics."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, tuple[float, float]] = {}
+        for info, family, label in ((self.d, "kvd_pull_phase_seconds", "phase"), (self.p, "kvd_read_serve_seconds", "")):
+            text = urllib.request.urlopen(f"http://{info['metrics']}/metrics", timeout=10).read().decode()
+            for fam in text_string_to_metric_families(text):
+                if fam.name != family:
+                    continue
+                for sample in fam.samples:
+                    name = sample.labels.get(label, "serve") if label else "serve"
+                    total, count = out.get(name, (0.0, 0.0))
+                    if sample.name.endswith("_sum"):
+                        out[name] = (total + sample.value, count)
+                    elif sample.name.endswith("_count"):
+                        out[name] = (total, count + sample.value)
+        return out
 
     def close(self) -> None:
         from kvd.caches import release_all

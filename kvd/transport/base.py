@@ -83,6 +83,10 @@ class OpenRead(Protocol):
         """Metrics for bytes that left without ``segment`` (in place)."""
         ...
 
+    def served(self, seconds: float) -> None:
+        """Metrics: the read's END left ``seconds`` after its READ came in."""
+        ...
+
     def segment_device(self, index: int) -> torch.device:
         """Where the segment's memory lies: host memory, or a GPU."""
         ...

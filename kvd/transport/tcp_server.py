@@ -29,6 +29,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -157,6 +158,7 @@ class TcpDataServer:
                 with fs.stall_bound(None):  # idle between reads
                     ev = fs.next_event()  # only READ is admitted here
                 assert isinstance(ev, Read)
+                came_in = time.perf_counter()
                 try:
                     opened = self.server.open_read(hello, ev.read, local=ev.local, reader_copies=ev.nixl)
                 except errors.KvdError as e:
@@ -166,6 +168,7 @@ class TcpDataServer:
                     with fs.stall_bound(self.hello_timeout_s * 3):
                         if not self._answer(fs, opened, ev, staging, to_host, arena):
                             continue
+                    opened.served(time.perf_counter() - came_in)
                     # A reader that copies our memory itself holds its pin until
                     # this ACK; one that never sends it may not hold it forever.
                     with fs.stall_bound(self.pinned_read_timeout_s if opened.pin is not None else None):

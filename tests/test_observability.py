@@ -1,9 +1,12 @@
-"""The event-loop watchdog: a blocked loop is logged with where it blocks, and every ping's wait is scraped."""
+"""What a daemon tells its operator about its own time: where each pull's
+time goes (``kvd_pull_phase_seconds``), how long P takes to serve a read,
+and an event loop that stops answering (the watchdog)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +15,42 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from kvd.daemon.watchdog import LoopWatchdog
-from tests.conftest import scrape
+from tests.conftest import make_worker, scrape
+from tests.test_e2e import scheduler_params, transfer
+
+PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
+
+
+def _phases(metrics_url: str, stat: str) -> dict[str, float]:
+    return {ph: scrape(metrics_url, f"kvd_pull_phase_seconds_{stat}", phase=ph) for ph in PHASES}
+
+
+def test_each_pull_is_timed_by_phase_and_resolve_only_when_params_predate_the_publish(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    assert _phases(d.metrics_url, "count") == dict.fromkeys(PHASES, 0.0)  # exported before any pull
+    transfer([pw], [dw], "r1", 1, [1, 2], [3, 4], 32)
+    counts = _phases(d.metrics_url, "count")
+    # Published params carry their generation: nothing to resolve.
+    assert counts == {**dict.fromkeys(PHASES, 1.0), "resolve": 0.0}, counts
+    assert scrape(p.metrics_url, "kvd_read_serve_seconds_count") == 1
+    # The phases are parts of the pull: together no longer than it, and the transfer its larger part.
+    sums = _phases(d.metrics_url, "sum")
+    assert 0 < sum(sums.values()) <= scrape(d.metrics_url, "kvd_transfer_duration_seconds_sum") + sums["queued"] + sums["report"]
+    assert sums["transfer"] > 0 and sums["plan"] > 0
+    # Params made before P published (as vLLM's scheduler makes them): D resolves them first.
+    cap = secrets.token_bytes(32)
+    pw.fill(2, [5])
+    params = scheduler_params(p.grpc, "prefill", "p-r2", cap, [5], 16)
+    params.remote_tp_size = 1
+    dw.client.pull("r2", params, [[6]])
+    time.sleep(0.3)
+    pw.client.publish("p-r2", [[5]], 16, capability=cap)
+    f = dw.client.wait_finished(recving={"r2"}, timeout=30)
+    assert f.details[("recving", "r2")].outcome == "done" and dw.mismatch(2, [6], 16) is None
+    counts = _phases(d.metrics_url, "count")
+    assert counts == dict.fromkeys(PHASES, 2.0) | {"resolve": 1.0}, counts
+    assert scrape(d.metrics_url, "kvd_pull_phase_seconds_sum", phase="resolve") >= 0.2  # it waited for the publish
 
 
 @pytest.fixture
