@@ -14,7 +14,25 @@ from kvd.core.spec import EngineMeta, GroupSpec, compat_fields
 from kvd.core.topology import EngineShape, StateSplit, block_ratio, check_pairing, layers_by_stage
 
 
+# Shapes of the metas seen last, by identity: a meta is immutable, and a
+# daemon keeps each one (its own until a worker registers, a peer's until it
+# handshakes again), so every pull would otherwise derive the same shape again.
+_SHAPES: dict[int, tuple[EngineMeta, EngineShape]] = {}
+_SHAPES_KEPT = 64
+
+
 def engine_shape(meta: EngineMeta) -> EngineShape:
+    hit = _SHAPES.get(id(meta))
+    if hit is not None and hit[0] is meta:
+        return hit[1]
+    shape = _engine_shape(meta)
+    if len(_SHAPES) >= _SHAPES_KEPT:
+        _SHAPES.pop(next(iter(_SHAPES)), None)
+    _SHAPES[id(meta)] = (meta, shape)  # the meta is kept with it: its id is not reused while cached
+    return shape
+
+
+def _engine_shape(meta: EngineMeta) -> EngineShape:
     use_mla = any(g.spec.use_mla for r in meta.ranks for g in r.groups)
     stages = layers_by_stage([(r.pp_rank, [idx for g in r.groups for idx in g.layer_indices]) for r in meta.ranks])
     # A state part splits over TP by its own heads: each rank holds an equal share.

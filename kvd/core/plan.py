@@ -116,10 +116,14 @@ def plan_extents(
     r_addr, l_addr = r_block * k_r + r_slot, l_block * k_l + l_slot
 
     # Runs of units contiguous on both sides.
+    # (Slices, not np.diff/np.append: their Python wrappers cost more than the
+    # arithmetic on the few ids of a small request, which is planned per pull.)
     breaks = np.ones(units, dtype=bool)
-    breaks[1:] = (np.diff(r_addr) != 1) | (np.diff(l_addr) != 1)
+    breaks[1:] = (r_addr[1:] - r_addr[:-1] != 1) | (l_addr[1:] - l_addr[:-1] != 1)
     run_start = np.flatnonzero(breaks)
-    run_len = np.diff(np.append(run_start, units))
+    ends = np.empty_like(run_start)
+    ends[:-1], ends[-1:] = run_start[1:], units
+    run_len = ends - run_start
 
     # Cut each run at the big side's block boundaries: head, full middle, tail.
     big_addr = r_addr if k_r == k else l_addr
@@ -136,9 +140,9 @@ def plan_extents(
     n = lens // per_big
     u = per_big
 
-    if max_units > 0:
+    n_max = np.maximum(1, max_units // u) if max_units > 0 else n
+    if max_units > 0 and (n > n_max).any():
         # Split rows over max_units into chunks of whole big blocks.
-        n_max = np.maximum(1, max_units // u)
         chunks = -(-n // n_max)
         row = np.repeat(np.arange(len(n)), chunks)
         first = np.cumsum(chunks) - chunks

@@ -27,6 +27,7 @@ a special case.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -247,8 +248,8 @@ class GroupSpec:
         if self.kind.is_state != self.spec.state:
             raise InvalidArgument(f"groups[{self.group_id}].kind", self.kind.name, f"must be 'state' exactly when spec.state is set (it is {self.spec.state})")
 
-    @property
-    def layer_indices(self) -> tuple[int, ...]:
+    @functools.cached_property
+    def layer_indices(self) -> tuple[int, ...]:  # cached: planning asks for it per group per pull
         return tuple(layer.layer_index for layer in self.layers)
 
 
