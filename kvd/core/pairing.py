@@ -13,7 +13,6 @@ from kvd.core.errors import Incompatible
 from kvd.core.spec import EngineMeta, GroupSpec, compat_fields
 from kvd.core.topology import EngineShape, StateSplit, block_ratio, check_pairing, layers_by_stage
 
-
 # Shapes of the metas seen last, by identity: a meta is immutable, and a
 # daemon keeps each one (its own until a worker registers, a peer's until it
 # handshakes again), so every pull would otherwise derive the same shape again.
