@@ -103,17 +103,18 @@ def test_a_segment_is_confirmed_only_by_the_owners_next_frame():
     assert reader.unconfirmed is None  # END confirmed the last
 
 
-def test_an_error_after_data_names_the_segment_sent_last():
+def test_an_error_after_data_leaves_the_segment_sent_last_unconfirmed():
     reader = _reader_reading(3)
     reader.receive_header(Header(FrameType.DATA, 0, 5).encode())
     reader.receive_header(Header(FrameType.DATA, 1, 5).encode())
     frame = CODEC.encode(Error("ABORTED", "ended"))
     reader.receive_header(Header(FrameType.ERROR, 0, len(frame)).encode())
-    assert reader.receive_body(frame) == Error("ABORTED", "ended", after_segment=1)
+    assert reader.receive_body(frame) == Error("ABORTED", "ended")
+    assert reader.unconfirmed == 1  # the reader un-lands it: segment 0 alone was confirmed (by DATA 1)
     # A refusal before any data invalidates nothing.
     fresh = _reader_reading(3)
     fresh.receive_header(Header(FrameType.ERROR, 0, len(frame)).encode())
-    assert fresh.receive_body(frame).after_segment is None
+    assert fresh.receive_body(frame) == Error("ABORTED", "ended") and fresh.unconfirmed is None
 
 
 @settings(max_examples=500, deadline=None)

@@ -89,10 +89,6 @@ class End:
 class Error:
     code: str  # a Status name, e.g. PERMISSION_DENIED
     message: str
-    # The owner saw the publication end after sending this segment (the
-    # session's ``unconfirmed``): it may hold bytes of the blocks' reuse, so
-    # it counts as not landed. Set by the reader's session; the owner never sends it.
-    after_segment: int | None = None
 
     @classmethod
     def of(cls, e: KvdError) -> Error:
@@ -219,9 +215,7 @@ class Session:
             self._begin(event)
         elif isinstance(event, End):
             self.unconfirmed = None
-        elif isinstance(event, Error) and self.unconfirmed is not None:
-            event = Error(event.code, event.message, self.unconfirmed)
-        return event
+        return event  # after an ERROR, ``unconfirmed`` is the segment it leaves not landed
 
     # ------------------------------------------------------------ events in, bytes out
 
