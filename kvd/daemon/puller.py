@@ -246,6 +246,7 @@ class Puller:
         if offer.stream and LAYER_STREAM not in peer.meta.features:
             raise FailedPrecondition(f"params.stream: engine {req.params.remote_engine_id!r} does not serve layer-wise streaming "
                                      f"(its features: {list(peer.meta.features)})")
+        reg.check_intact()  # we write into them: checked before planning, so a shrunk region plans nothing
         blocks = sum(len(ids) for ids in local_ids)
         for fresh in (False, True):
             plan = functools.partial(
@@ -266,7 +267,6 @@ class Puller:
                 # Our view of the remote engine predates a rank it registered since: look again.
                 d.handshakes.drop_peer(req.params.remote_engine_id)
                 peer = await d.handshakes.peer_for(req.params)
-        reg.check_intact()  # we write into them
         phase.labels("plan").observe(time.perf_counter() - t)
         t = time.perf_counter()
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
