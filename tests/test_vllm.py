@@ -422,6 +422,15 @@ def _pull_seconds(metrics_url: str) -> tuple[float, float]:
     return (scrape(metrics_url, "kvd_transfer_duration_seconds_sum"), scrape(metrics_url, "kvd_transfer_duration_seconds_count"))
 
 
+PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
+
+
+def _phase_seconds(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """Each of D's pull phases: (seconds, count) so far."""
+    return {ph: (scrape(metrics_url, "kvd_pull_phase_seconds_sum", phase=ph), scrape(metrics_url, "kvd_pull_phase_seconds_count", phase=ph))
+            for ph in PULL_PHASES}
+
+
 def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
     """vLLM's own NixlConnector on the same engines, cores and proxy: UCX_TLS=tcp,self,sm (TCP, or shared
     memory between the two processes where UCX picks it), KV staged in CPU memory."""
@@ -448,16 +457,21 @@ def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: i
     url = openai_pd.proxy([str(py), str(REPO / "tests" / "generic_pd_proxy.py")], tmp / "generic-proxy.log")
     skip = _warm(url, model)
     before, pulls_before = _received_bytes(openai_pd.d_metrics), _pull_seconds(openai_pd.d_metrics)
+    phases_before = _phase_seconds(openai_pd.d_metrics)
     pd = _bench_serve(py, url, model, tmp / "pd.json", tmp / "bench-pd.log", seed)
     assert (pd["completed"], pd.get("failed", 0)) == (32, 0), pd
     pulls = [a - b for a, b in zip(_pull_seconds(openai_pd.d_metrics), pulls_before, strict=True)]
+    phases_after = _phase_seconds(openai_pd.d_metrics)
+    # Mean ms a pull spent in each phase (resolve: params made before P published, as vLLM's scheduler makes them).
+    phases = {ph: (phases_after[ph][0] - phases_before[ph][0]) / pulls[1] * 1e3 for ph in PULL_PHASES}
+    assert all(phases_after[ph][1] - phases_before[ph][1] == pulls[1] for ph in ("queued", "report")), (phases_before, phases_after)
     if seed == 0:
         # 256-token prompts: two 128-token blocks each, every one read from P (seed 0's prompts share
         # no block). vLLM's random prompts are runs of consecutive token ids from a random start, so
         # another seed's may share a block with one D has seen: then it loads less.
         assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
         assert pulls[1] == 32, pulls
-    return pd, {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3}
+    return pd, {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3, **{f"pull_{ph}": v for ph, v in phases.items()}}
 
 
 def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> None:
@@ -468,6 +482,8 @@ def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> No
     for name, part in parts.items():
         pull = f"   of which kvd's pull {part['pull']:.1f} (D's daemon, mean)" if "pull" in part else ""
         print(f"  {name:16} prefill {part['prefill']:7.1f}   decode to first token {part['decode_first']:7.1f}{pull}")
+        if "pull_plan" in part:
+            print(f"  {'':16} D's pull by phase, mean: " + ", ".join(f"{ph} {part['pull_' + ph]:.2f}" for ph in PULL_PHASES))
 
 
 def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
