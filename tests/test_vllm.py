@@ -425,10 +425,24 @@ def _pull_seconds(metrics_url: str) -> tuple[float, float]:
 PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
 
 
-def _phase_seconds(metrics_url: str) -> dict[str, tuple[float, float]]:
-    """Each of D's pull phases: (seconds, count) so far."""
-    return {ph: (scrape(metrics_url, "kvd_pull_phase_seconds_sum", phase=ph), scrape(metrics_url, "kvd_pull_phase_seconds_count", phase=ph))
+PHASE_BOUNDS = ("0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "+Inf")
+
+
+def _phase_seconds(metrics_url: str) -> dict[str, tuple[float, ...]]:
+    """Each of D's pull phases so far: (seconds, count, then the histogram's cumulative bucket counts at PHASE_BOUNDS)."""
+    return {ph: (scrape(metrics_url, "kvd_pull_phase_seconds_sum", phase=ph), scrape(metrics_url, "kvd_pull_phase_seconds_count", phase=ph),
+                 *(scrape(metrics_url, "kvd_pull_phase_seconds_bucket", phase=ph, le=le) for le in PHASE_BOUNDS))
             for ph in PULL_PHASES}
+
+
+def _median_bound_ms(before: tuple[float, ...], after: tuple[float, ...]) -> str:
+    """The bucket bound below which half of the phase's new observations fell: a few slow
+    pulls make a phase's mean on shared cores, so its median is told apart."""
+    count = after[1] - before[1]
+    for le, b, a in zip(PHASE_BOUNDS, before[2:], after[2:], strict=True):
+        if count and a - b >= count / 2:
+            return "inf" if le == "+Inf" else f"{float(le) * 1e3:g}"
+    return "-"
 
 
 def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
@@ -471,7 +485,8 @@ def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: i
         # another seed's may share a block with one D has seen: then it loads less.
         assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
         assert pulls[1] == 32, pulls
-    return pd, {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3, **{f"pull_{ph}": v for ph, v in phases.items()}}
+    medians = {f"pull_{ph}_p50": _median_bound_ms(phases_before[ph], phases_after[ph]) for ph in PULL_PHASES}
+    return pd, {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3, **{f"pull_{ph}": v for ph, v in phases.items()}, **medians}
 
 
 def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> None:
@@ -483,7 +498,8 @@ def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> No
         pull = f"   of which kvd's pull {part['pull']:.1f} (D's daemon, mean)" if "pull" in part else ""
         print(f"  {name:16} prefill {part['prefill']:7.1f}   decode to first token {part['decode_first']:7.1f}{pull}")
         if "pull_plan" in part:
-            print(f"  {'':16} D's pull by phase, mean: " + ", ".join(f"{ph} {part['pull_' + ph]:.2f}" for ph in PULL_PHASES))
+            print(f"  {'':16} D's pull by phase, mean (median at most): "
+                  + ", ".join(f"{ph} {part['pull_' + ph]:.2f} ({part['pull_' + ph + '_p50']})" for ph in PULL_PHASES))
 
 
 def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
