@@ -90,3 +90,26 @@ def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
         assert sum(sizes) == rr.nbytes
         assert max(sizes) - min(sizes) <= max(s.nbytes for s in rr.sinks)  # balanced to one segment
         assert all(part.read.request_id == "r" and part.read.capability == rr.read.capability for part in parts)
+
+
+def test_an_engine_shape_is_memoised_by_identity_never_shared_between_metas():
+    """``engine_shape`` keeps the shapes of the metas a daemon holds; another
+    meta (an engine that re-registered, another peer) gets its own, past the
+    memo's bound too."""
+    import random
+
+    from kvd.core import pairing
+    from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+    from kvd.testing.sim import make_engine
+
+    model, rng = ModelInfo(4, 8), random.Random(0)
+    metas = [make_engine(f"e{i}", tp, pp, model, lambda r, tp=tp: KVCacheSpec(16, 8 // tp, 64, "bfloat16", NAMED_LAYOUTS["NHD"], 8), rng,
+                         fill=False).meta
+             for i, (tp, pp) in enumerate([(1, 1), (2, 1), (1, 2), (2, 2)] * 20)]
+    for _ in range(2):  # the second pass reads the memo where it still holds them, and refills it where it was cleared
+        for meta in metas:
+            shape = pairing.engine_shape(meta)
+            assert shape == pairing._engine_shape(meta), meta.engine_id
+            assert (shape.tp_size, shape.pp_size) == (meta.tp_size, meta.pp_size)
+    assert pairing.engine_shape(metas[-1]) is pairing.engine_shape(metas[-1])  # a hit: the very same shape
+    assert len(pairing._SHAPES) <= pairing._SHAPES_KEPT

@@ -26,7 +26,7 @@ def engine_shape(meta: EngineMeta) -> EngineShape:
         return hit[1]
     shape = _engine_shape(meta)
     if len(_SHAPES) >= _SHAPES_KEPT:
-        _SHAPES.pop(next(iter(_SHAPES)), None)
+        _SHAPES.clear()  # one call, safe beside a plan in another thread (a big pull's)
     _SHAPES[id(meta)] = (meta, shape)  # the meta is kept with it: its id is not reused while cached
     return shape
 
