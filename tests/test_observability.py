@@ -14,11 +14,10 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
+from kvd.daemon.metrics import PULL_PHASES as PHASES
 from kvd.daemon.watchdog import LoopWatchdog
 from tests.conftest import make_worker, scrape
 from tests.test_e2e import scheduler_params, transfer
-
-PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
 
 
 def _phases(metrics_url: str, stat: str) -> dict[str, float]:

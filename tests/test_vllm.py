@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from kvd.daemon.metrics import PULL_PHASES
 from tests import vllm_env
 from tests.conftest import REPO, Daemons, free_port, scrape
 
@@ -422,7 +423,6 @@ def _pull_seconds(metrics_url: str) -> tuple[float, float]:
     return (scrape(metrics_url, "kvd_transfer_duration_seconds_sum"), scrape(metrics_url, "kvd_transfer_duration_seconds_count"))
 
 
-PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
 
 
 PHASE_BOUNDS = ("0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "2.5", "5.0", "10.0", "30.0", "+Inf")

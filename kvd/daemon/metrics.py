@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from kvd import __version__
 
 # From 100 us (a 16-block same-host request) to 30 s (a long prompt on a slow link).
-PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")
-
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")  # kvd_pull_phase_seconds{phase}
 
 
 class Metrics:
