@@ -113,3 +113,45 @@ def test_an_engine_shape_is_memoised_by_identity_never_shared_between_metas():
             assert (shape.tp_size, shape.pp_size) == (meta.tp_size, meta.pp_size)
     assert pairing.engine_shape(metas[-1]) is pairing.engine_shape(metas[-1])  # a hit: the very same shape
     assert len(pairing._SHAPES) <= pairing._SHAPES_KEPT
+
+
+@pytest.mark.parametrize("d_ids", [[5, 6, 7, 8, 9, 10], [9, 2, 7, 4, 11, 6]], ids=["local run", "local scatter"])
+def test_scattered_remote_blocks_onto_a_local_run_land_by_a_slice_copy_exactly(d_ids):
+    """P's blocks scattered, D's one run, and a relayout (HND -> NHD): the
+    batch lands by a slice copy of the run, not a scatter (the control: D's
+    blocks scattered keep the scatter). Both land every byte exactly, and
+    a sink aimed one block off is caught by the same check."""
+    import dataclasses
+    import random
+
+    from kvd.core.pieces import serve_segment
+    from kvd.core.reads import Offer
+    from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+    from kvd.core.transfer import plan_pull
+    from kvd.testing import pattern
+    from kvd.testing.sim import make_engine
+    from kvd.transport.base import Staging
+
+    model = ModelInfo(2, 4)
+    p = make_engine("P", 1, 1, model, lambda r: KVCacheSpec(16, 4, 8, "bfloat16", NAMED_LAYOUTS["HND"], 16), random.Random(1))
+    p_ids = [12, 3, 8, 1, 14, 5]
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, 7, p_ids, r.coords)
+
+    def land(shift: int) -> str | None:
+        d = make_engine("D", 1, 1, model, lambda r: KVCacheSpec(16, 4, 8, "bfloat16", NAMED_LAYOUTS["NHD"], 16), random.Random(2))
+        rank = d.ranks[(0, 0)]
+        reads = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
+                          remote=p.meta, params=Offer("r", 1, b"", (tuple(p_ids),), 96), local_block_ids=[d_ids])
+        for rr in reads:
+            for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                assert seg.block_ids, "P's scattered blocks are batched"
+                assert (sink.local_index is None) == (d_ids == sorted(d_ids)), "a run lands by slice, a scatter by index"
+                if shift:
+                    sink = dataclasses.replace(sink, local_block=(sink.local_block[0] + shift, sink.local_block[1]))
+                sink.put(serve_segment(p.ranks[(0, 0)].tensors, seg, *rr.read.heads_of(seg), Staging()).clone())
+        return pattern.mismatch(rank.tensors, 7, d_ids, rank.coords, 96)
+
+    assert land(0) is None
+    if d_ids == sorted(d_ids):
+        assert land(1) is not None  # the negative control: one block off is caught
