@@ -163,6 +163,17 @@ class KvdClient:
         ))
         return resp.params
 
+    def publish_engine(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"",
+                       reader_engine_id: str = "", lease_seconds: float = 0.0, first_tokens: Sequence[int] = ()) -> pb.TransferParams:
+        """Offer ``request_id``'s blocks on every rank of this engine at once
+        (the engine's scheduler, with a registered worker's ``worker_token``);
+        refused unless every rank is registered with this daemon."""
+        resp = self._call(self._worker.PublishEngine, pb.PublishEngineRequest(
+            engine_id=self.worker.engine_id, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
+            num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
+        ))
+        return resp.params
+
     def layers_saved(self, request_ids: Sequence[str], layers_saved: int, *, wait: bool = False) -> None:
         """Layer-wise streaming: every model layer below ``layers_saved`` of
         these streaming publications is written on this rank. Sent without

@@ -129,6 +129,8 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
         assert params["remote_engine_id"] == "prefill" and f"{params['remote_host']}:{params['remote_port']}" == p.grpc
         assert len(params["remote_block_ids"][0]) == _blocks(len(pd_prompts[check["prompt"]]))
         assert len(bytes.fromhex(params["kvd_capability"])) == 32
+        # P's scheduler published it for every rank as it finished: the params carry its generation.
+        assert params["kvd_generation"] > 0 and params["kvd_epoch"], params
         # P kept the blocks until D read them, then let them go.
         assert check["held_before_read"], check
         assert check["released_after_read_s"] < 10
@@ -142,6 +144,9 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     # prompt once, plus the one tail block of the prefix-hit repeat.
     loaded_blocks = sum(_blocks(len(pr) - 1) for pr in PROMPTS) + 1
     assert _received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    # Published before D had the params: D's daemon never waited to resolve them.
+    assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="resolve") == 0
+    assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="transfer") >= len(PROMPTS)
 
     # Negative control: zero P's cache between prefill and decode, and the output changes.
     assert result["corrupted_bytes"] > 0

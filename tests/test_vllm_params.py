@@ -36,6 +36,21 @@ def test_params_round_trip_into_a_pull():
     assert load.local_block_ids == ((7, 8, 9),) and load.local_first_tokens == (0,)
 
 
+def test_params_of_a_publication_the_scheduler_made_carry_its_generation_and_epoch():
+    """Published already (``PublishEngine``): D's daemon need not resolve them."""
+    from kvd.proto import kvd_pb2 as pb
+
+    pub = Publication("cmpl-1-abcd", ((3, 4, 5),), 300, bytes(range(32)), 30.0)
+    params = make_params(pub, engine_id="prefill", address="10.0.0.7:50051", tp_size=2, pp_size=1, block_size=128,
+                         published=pb.TransferParams(generation=17, remote_epoch="e" * 32))
+    p = load_request("d-req", params, [GroupBlocks(0, (7, 8, 9))], [128]).params
+    assert (p.generation, p.remote_epoch) == (17, "e" * 32)
+    assert "kvd_generation" not in _params()  # control: not published yet, D resolves them
+    for bad in ({"kvd_generation": -1}, {"kvd_epoch": ""}, {"kvd_generation": 0}):
+        with pytest.raises(InvalidArgument, match="kvd_generation"):
+            load_request("d-req", {**params, **bad}, [GroupBlocks(0, (7, 8, 9))], [128])
+
+
 def test_a_local_prefix_hit_starts_decode_later_and_p_stays_whole():
     # D holds 256 tokens already: its one block starts there; tokens are the
     # prompt's own positions, so P's list is not cut.

@@ -21,6 +21,7 @@ import torch
 from kvd.convert import worker_from_pb
 from kvd.core.errors import (
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     KvdError,
     PermissionDenied,
@@ -84,15 +85,55 @@ class Publisher:
                 lease_s=req.lease_seconds, first_tokens=[b.first_token for b in req.block_ids], stream=req.stream,
             )
         self.report(ended)
+        return self._published_now(req, pub.generation, pub.capability, worker.tp_size, worker.pp_size)
+
+    def publish_engine(self, req: pb.PublishEngineRequest, token: bytes) -> pb.PublishResponse:
+        """The engine's scheduler publishes ``req`` for every rank at once
+        (vLLM's block ids are the same on every rank). All or nothing: it is
+        refused unless every rank of the engine is registered here with the
+        same groups, and then no rank can refuse what the first accepted."""
+        d = self.d
+        d.check_engine_token(req.engine_id, token)
+        if d.draining:
+            raise Unavailable("daemon is draining")
+        if req.num_tokens <= 0:
+            raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
+        regs = [d.registrations[k] for k in sorted(d.registrations)]
+        first = regs[0].worker  # check_engine_token found a registration
+        world = first.tp_size * first.pp_size
+        if len(regs) != world:
+            raise FailedPrecondition(f"only {len(regs)} of the {world} ranks of engine {req.engine_id!r} are registered with this daemon; "
+                                     "its workers publish for themselves")
+        shapes = {tuple((g.spec.num_blocks, g.spec.block_size, g.spec.state) for g in r.tensors) for r in regs}
+        if len(shapes) > 1:
+            raise FailedPrecondition(f"the ranks of engine {req.engine_id!r} registered different KV cache groups; its workers publish for themselves")
+        ids = [np.asarray(b.ids, dtype=np.int64) for b in req.block_ids]
+        ended: list[Ended] = []
+        with self.lock:
+            for reg in regs:
+                pub, now_ended = self.owner.publish(
+                    (reg.worker.tp_rank, reg.worker.pp_rank), req.request_id, ids, reg.tensors, req.num_tokens, time.monotonic(),
+                    capability=req.capability, reader_engine_id=req.reader_engine_id, lease_s=req.lease_seconds,
+                    first_tokens=[b.first_token for b in req.block_ids],
+                )
+                ended += now_ended
+        self.report(ended)
+        return self._published_now(req, pub.generation, pub.capability, first.tp_size, first.pp_size)
+
+    def _published_now(self, req: pb.PublishRequest | pb.PublishEngineRequest, generation: int, capability: bytes,
+                       tp_size: int, pp_size: int) -> pb.PublishResponse:
+        """Wake the resolves waiting for ``req``, and the params that offer it."""
+        d = self.d
         event = self._published.pop(req.request_id, None)
         if event is not None:
             event.set()
         return pb.PublishResponse(params=pb.TransferParams(
             remote_engine_id=d.config.engine_id, remote_address=d.grpc_address, remote_epoch=d.epoch,
-            request_id=req.request_id, generation=pub.generation, capability=pub.capability,
+            request_id=req.request_id, generation=generation, capability=capability,
             block_ids=req.block_ids, num_tokens=req.num_tokens,  # copied by protobuf, not through Python ints
-            remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
-            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds, stream=req.stream,
+            remote_tp_size=tp_size, remote_pp_size=pp_size,
+            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds,
+            stream=isinstance(req, pb.PublishRequest) and req.stream,
         ))
 
     def layers_saved(self, req: pb.LayersSavedRequest, token: bytes | None = None) -> int:

@@ -128,6 +128,10 @@ class WorkerService(pbg.WorkerServicer):
         return self.d.publisher.publish(request, self._local(context))
 
     @rpc
+    def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
+        return self.d.publisher.publish_engine(request, self._local(context))
+
+    @rpc
     def LayersSaved(self, request: pb.LayersSavedRequest, context: Any) -> pb.LayersSavedResponse:
         return pb.LayersSavedResponse(advanced=self.d.publisher.layers_saved(request, self._local(context)))
 

@@ -48,6 +48,7 @@ class Publication:
     lease_seconds: float
     first_tokens: tuple[int, ...] = ()
     stream: bool = False  # published before the step computes it; its layers are saved as they are
+    published: bool = False  # the scheduler published it for every rank: the workers only track it
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,15 @@ class LoadRequest:
     local_first_tokens: tuple[int, ...] = ()
 
 
-def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int, block_size: int) -> dict[str, Any]:
-    """The JSON-safe dict P returns from ``request_finished``."""
+def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int, block_size: int,
+                published: pb.TransferParams | None = None) -> dict[str, Any]:
+    """The JSON-safe dict P returns from ``request_finished``; with
+    ``published`` (the daemon's params: it is published already), its
+    generation and epoch, so D's daemon need not resolve them."""
     host, _, port = address.rpartition(":")
+    known = {"kvd_generation": published.generation, "kvd_epoch": published.remote_epoch} if published is not None else {}
     return {
+        **known,
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
@@ -141,6 +147,7 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         else:
             remote, num_tokens = [list(map(int, g)) for g in params["remote_block_ids"]], int(params["remote_num_tokens"])
         firsts = [int(x) for x in params.get("kvd_first_tokens", [0] * len(remote))]
+        generation, epoch = int(params.get("kvd_generation", 0)), str(params.get("kvd_epoch", ""))
         capability = bytes.fromhex(str(params["kvd_capability"]))
         address = f"{params['remote_host']}:{int(params['remote_port'])}"
         engine_id, request_id = str(params["remote_engine_id"]), str(params["remote_request_id"])
@@ -154,6 +161,8 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         raise InvalidArgument("kvd_first_tokens", firsts, f"must give one token per group ({len(remote)})")
     if num_tokens <= 0:
         raise InvalidArgument("remote_num_tokens", num_tokens, "must be positive")
+    if generation < 0 or (generation > 0) != bool(epoch):
+        raise InvalidArgument("kvd_generation", generation, f"must be 0, or positive with a kvd_epoch (got {epoch[:16]!r})")
     for g, first in enumerate(firsts):
         if not 0 <= first < num_tokens:
             raise InvalidArgument(f"kvd_first_tokens[{g}]", first, f"must be in [0, remote_num_tokens={num_tokens})")
@@ -178,6 +187,6 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
         block_ids=[pb.BlockIds(ids=r, first_token=f) for r, f in zip(remote, firsts, strict=True)], num_tokens=loaded,
         remote_tp_size=int(params.get("tp_size", 1)), remote_pp_size=int(params.get("pp_size", 1)),
-        lease_seconds=float(params.get("kvd_lease_seconds", 0.0)), stream=stream,
+        lease_seconds=float(params.get("kvd_lease_seconds", 0.0)), stream=stream, generation=generation, remote_epoch=epoch,
     )
     return LoadRequest(request_id, tuple(ids), tp, tuple(firsts_local))

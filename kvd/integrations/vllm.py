@@ -24,9 +24,12 @@ How a request flows (the P/D split of vLLM's NixlConnector):
 
 1. P runs the prefill with ``kv_transfer_params={"do_remote_decode": True}``.
    Its scheduler's ``request_finished`` keeps the blocks (delay free), picks a
-   capability and returns params naming P's daemon, the blocks and the
-   capability. On the next step P's worker publishes the blocks to its daemon
-   under that capability and lease.
+   capability, publishes the blocks for every rank to its daemon under that
+   capability and lease (``PublishEngine``, with a worker's token from vLLM's
+   connector handshake), and returns params naming P's daemon, the blocks,
+   the capability and the publication's generation. Where the scheduler may
+   not (a rank registered elsewhere), P's workers publish on the next step,
+   and D's daemon resolves the params first.
 2. D gets those params with the same prompt. ``get_num_new_matched_tokens``
    claims the prompt as an asynchronous load; once blocks are allocated,
    D's worker asks its daemon to pull; the daemon reads P's blocks straight
@@ -46,11 +49,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -94,6 +99,15 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger, so it prints with the engine's logs
+
+@dataclass
+class KvdHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its engine's scheduler once it registered (vLLM's
+    connector handshake): its token, so the scheduler may publish finished
+    requests for the whole engine (``PublishEngine``)."""
+
+    worker_token: str  # hex
+
 
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's connector API on top of a kvd daemon; one object per role.
@@ -143,6 +157,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return tuple(range(len(self._scheduler.block_sizes)))
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        # Every rank's, pipeline stages included: kvd moves PP ranks like any other.
+        if self._scheduler is not None:
+            self._scheduler.publish_for_engine([bytes.fromhex(m.worker_token) for _, m in sorted(metadata.items())
+                                                if isinstance(m, KvdHandshakeMetadata) and m.worker_token])
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """kvd reads any layout from the registered strides and turns it into
@@ -157,6 +180,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        client = self._worker.client if self._worker is not None else None
+        return KvdHandshakeMetadata(client.worker_token.hex()) if client is not None and client.worker_token else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -225,6 +252,8 @@ class _WorkerSide:
         self._loading: dict[str, set[int]] = {}
         # A publication named other than its request (streamed: the proxy named it) -> the request.
         self._names: dict[str, str] = {}
+        # Published by the scheduler and already ended when its metadata came (not to be tracked then).
+        self._ended_unseen: set[str] = set()
         self._streaming: list[str] = []  # names whose layers this step's forward saves
         self.saver: LayerSaver | None = None
 
@@ -322,7 +351,12 @@ class _WorkerSide:
         if client is None:
             return
         for rid, pub in meta.to_publish.items():
-            if not pub.stream:  # streams were published before the forward
+            if pub.published:  # by the scheduler, for every rank: only its outcome is ours to track
+                if rid in self._ended_unseen:
+                    self._ended_unseen.discard(rid)
+                else:
+                    self._sending.add(rid)
+            elif not pub.stream:  # streams were published before the forward
                 self._publish(rid, pub)
         for rid, release in meta.to_release.items():
             try:
@@ -356,6 +390,8 @@ class _WorkerSide:
             f = self.feed.take()
             # Streamed publications were named by the proxy: vLLM knows their requests.
             f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending} - {""}
+            # Only one the scheduler published can end before we hear of it (vLLM holds its blocks all the same).
+            self._ended_unseen |= f.finished_sending - self._sending
             self._sending -= f.finished_sending
             for rid in f.finished_recving:
                 self._loading.pop(rid, None)

@@ -8,6 +8,7 @@ It runs in vLLM's scheduler process; what it decides reaches the workers as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 from collections.abc import Mapping, Sequence
@@ -19,8 +20,8 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from kvd.auth import AuthConfig
-from kvd.client import daemon_status
-from kvd.errors import KvdError
+from kvd.client import KvdClient, daemon_status
+from kvd.errors import FailedPrecondition, KvdError, PermissionDenied
 from kvd.integrations.kv_params import (
     GroupBlocks,
     LoadRequest,
@@ -34,6 +35,7 @@ from kvd.integrations.kv_params import (
 )
 from kvd.integrations.vllm_caches import group_parts
 from kvd.proto import kvd_pb2 as pb
+from kvd.spec import WorkerId
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,6 +45,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvd")
 
 T = TypeVar("T")
+
+# How long the scheduler's publish may take before the workers publish
+# instead: a local call that takes well under a millisecond when all is well.
+PUBLISH_TIMEOUT_S = 5.0
 
 _PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -120,6 +126,9 @@ class SchedulerSide:
         self.state = [isinstance(sp, MambaSpec) for sp in specs] or [False]
         self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self._engine_id = ""
+        # Publishes a finished request for every rank at once (PublishEngine),
+        # once the workers' tokens came through vLLM's connector handshake.
+        self._engine_client: KvdClient | None = None
         self._to_publish: dict[str, Publication] = {}
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
@@ -151,6 +160,40 @@ class SchedulerSide:
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
         params["_kvd_truncated"] = True
+
+    def publish_for_engine(self, tokens: Sequence[bytes]) -> None:
+        """The workers' tokens (vLLM's connector handshake, after they
+        registered): from now on this scheduler publishes each finished
+        request for every rank itself, as it finishes, so decode does not
+        wait for P's next engine step, when the workers would publish it."""
+        if not tokens:
+            return
+        try:
+            # A short deadline: the engine's scheduling waits on this call.
+            client = KvdClient(self.settings.address, WorkerId(self.engine_id), auth=self.settings.auth, timeout=PUBLISH_TIMEOUT_S)
+        except KvdError as e:
+            log.warning("kvd: daemon at %s unreachable; the workers publish each request: %s", self.settings.address, e.message)
+            return
+        client.worker_token = tokens[0]
+        self._engine_client = client
+
+    def _publish_now(self, rid: str, pub: Publication) -> pb.TransferParams | None:
+        """``pub`` published for every rank; None: the workers publish it on the next step."""
+        client = self._engine_client
+        if client is None or pub.request_id != rid:
+            # A publication the proxy named: the workers must learn its name
+            # before the daemon can report it, so they publish it themselves.
+            return None
+        try:
+            return client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
+                                         lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens)
+        except (PermissionDenied, FailedPrecondition) as e:
+            # It will not work next time either (a rank elsewhere, a worker re-registered).
+            log.warning("kvd: the scheduler cannot publish for the engine; its workers publish each request from now on: %s", e.message)
+            self._engine_client = None
+        except KvdError as e:
+            log.info("kvd: publishing request %s from the scheduler failed; its workers publish it: %s", rid, e.message)
+        return None
 
     @property
     def engine_id(self) -> str:
@@ -260,9 +303,10 @@ class SchedulerSide:
         pub = self._publication(request, block_ids, int(request.num_computed_tokens), stream=False)
         if pub is None:
             return False, None
-        self._to_publish[request.request_id] = pub
+        published = self._publish_now(request.request_id, pub)
+        self._to_publish[request.request_id] = dataclasses.replace(pub, published=published is not None)
         out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,
-                          block_size=self.block_size)
+                          block_size=self.block_size, published=published)
         # Keep P's blocks until its daemon reports the request in finished_sending.
         return True, out
 

@@ -240,6 +240,24 @@ class PublishResponse(_message.Message):
     params: TransferParams
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ...) -> None: ...
 
+class PublishEngineRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    capability: bytes
+    reader_engine_id: str
+    lease_seconds: float
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("worker", "request_id", "params", "local_block_ids")
     WORKER_FIELD_NUMBER: _ClassVar[int]

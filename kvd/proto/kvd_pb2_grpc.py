@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.PublishRequest.SerializeToString,
                 response_deserializer=kvd_dot_proto_dot_kvd__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.PublishEngine = channel.unary_unary(
+                '/kvd.v1.Worker/PublishEngine',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.PublishEngineRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.PublishResponse.FromString,
+                _registered_method=True)
         self.LayersSaved = channel.unary_unary(
                 '/kvd.v1.Worker/LayersSaved',
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.LayersSavedRequest.SerializeToString,
@@ -107,6 +112,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Publish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishEngine(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +193,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'Publish': grpc.unary_unary_rpc_method_handler(
                     servicer.Publish,
                     request_deserializer=kvd_dot_proto_dot_kvd__pb2.PublishRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.PublishResponse.SerializeToString,
+            ),
+            'PublishEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishEngine,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.PublishEngineRequest.FromString,
                     response_serializer=kvd_dot_proto_dot_kvd__pb2.PublishResponse.SerializeToString,
             ),
             'LayersSaved': grpc.unary_unary_rpc_method_handler(
@@ -305,6 +321,33 @@ class Worker:
             target,
             '/kvd.v1.Worker/Publish',
             kvd_dot_proto_dot_kvd__pb2.PublishRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Worker/PublishEngine',
+            kvd_dot_proto_dot_kvd__pb2.PublishEngineRequest.SerializeToString,
             kvd_dot_proto_dot_kvd__pb2.PublishResponse.FromString,
             options,
             channel_credentials,
