@@ -100,6 +100,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger, so it prints with the engine's logs
 
+
 @dataclass
 class KvdHandshakeMetadata(KVConnectorHandshakeMetadata):
     """What a worker tells its engine's scheduler once it registered (vLLM's

@@ -49,6 +49,9 @@ T = TypeVar("T")
 # How long the scheduler's publish may take before the workers publish
 # instead: a local call that takes well under a millisecond when all is well.
 PUBLISH_TIMEOUT_S = 5.0
+# Refusals in a row (FAILED_PRECONDITION) after which the scheduler stops
+# publishing for the engine: one may be the request's own (published twice).
+ENGINE_REFUSALS_TO_STOP = 3
 
 _PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -129,6 +132,7 @@ class SchedulerSide:
         # Publishes a finished request for every rank at once (PublishEngine),
         # once the workers' tokens came through vLLM's connector handshake.
         self._engine_client: KvdClient | None = None
+        self._engine_refusals = 0  # in a row
         self._to_publish: dict[str, Publication] = {}
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
@@ -185,12 +189,19 @@ class SchedulerSide:
             # before the daemon can report it, so they publish it themselves.
             return None
         try:
-            return client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
-                                         lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens)
+            params = client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
+                                           lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens)
+            self._engine_refusals = 0
+            return params
         except (PermissionDenied, FailedPrecondition) as e:
-            # It will not work next time either (a rank elsewhere, a worker re-registered).
-            log.warning("kvd: the scheduler cannot publish for the engine; its workers publish each request from now on: %s", e.message)
-            self._engine_client = None
+            # Refused again and again (a rank registered elsewhere, a worker
+            # that registered anew): stop asking, the workers publish.
+            self._engine_refusals += 1
+            if isinstance(e, PermissionDenied) or self._engine_refusals >= ENGINE_REFUSALS_TO_STOP:
+                log.warning("kvd: the scheduler cannot publish for the engine; its workers publish each request from now on: %s", e.message)
+                self._engine_client = None
+            else:
+                log.info("kvd: publishing request %s from the scheduler was refused; its workers publish it: %s", rid, e.message)
         except KvdError as e:
             log.info("kvd: publishing request %s from the scheduler failed; its workers publish it: %s", rid, e.message)
         return None
