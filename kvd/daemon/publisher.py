@@ -71,21 +71,9 @@ class Publisher:
     # ------------------------------------------------------------ gRPC
 
     def publish(self, req: pb.PublishRequest, token: bytes | None = None) -> pb.PublishResponse:
-        d = self.d
-        reg = d.registered(worker_from_pb(req.worker), token)
-        worker = reg.worker
-        if d.draining:
-            raise Unavailable("daemon is draining")
-        if req.num_tokens <= 0:
-            raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
-        with self.lock:
-            pub, ended = self.owner.publish(
-                (worker.tp_rank, worker.pp_rank), req.request_id, [np.asarray(b.ids, dtype=np.int64) for b in req.block_ids], reg.tensors,
-                req.num_tokens, time.monotonic(), capability=req.capability, reader_engine_id=req.reader_engine_id,
-                lease_s=req.lease_seconds, first_tokens=[b.first_token for b in req.block_ids], stream=req.stream,
-            )
-        self.report(ended)
-        return self._published_now(req, pub.generation, pub.capability, worker.tp_size, worker.pp_size)
+        reg = self.d.registered(worker_from_pb(req.worker), token)
+        self._check_open(req.num_tokens)
+        return self._publish_ranks([reg], req, stream=req.stream)
 
     def publish_engine(self, req: pb.PublishEngineRequest, token: bytes) -> pb.PublishResponse:
         """The engine's scheduler publishes ``req`` for every rank at once
@@ -94,10 +82,7 @@ class Publisher:
         same groups, and then no rank can refuse what the first accepted."""
         d = self.d
         d.check_engine_token(req.engine_id, token)
-        if d.draining:
-            raise Unavailable("daemon is draining")
-        if req.num_tokens <= 0:
-            raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
+        self._check_open(req.num_tokens)
         regs = [d.registrations[k] for k in sorted(d.registrations)]
         first = regs[0].worker  # check_engine_token found a registration
         world = first.tp_size * first.pp_size
@@ -107,6 +92,19 @@ class Publisher:
         shapes = {tuple((g.spec.num_blocks, g.spec.block_size, g.spec.state) for g in r.tensors) for r in regs}
         if len(shapes) > 1:
             raise FailedPrecondition(f"the ranks of engine {req.engine_id!r} registered different KV cache groups; its workers publish for themselves")
+        return self._publish_ranks(regs, req, stream=False)
+
+    def _check_open(self, num_tokens: int) -> None:
+        if self.d.draining:
+            raise Unavailable("daemon is draining")
+        if num_tokens <= 0:
+            raise InvalidArgument("num_tokens", num_tokens, "must be positive")
+
+    def _publish_ranks(self, regs: list[Registration], req: pb.PublishRequest | pb.PublishEngineRequest, *, stream: bool) -> pb.PublishResponse:
+        """``req`` published on the ranks of ``regs`` (one lock hold), what
+        that ended reported, the resolves waiting for it woken, and the
+        params that offer it."""
+        d = self.d
         ids = [np.asarray(b.ids, dtype=np.int64) for b in req.block_ids]
         ended: list[Ended] = []
         with self.lock:
@@ -114,26 +112,20 @@ class Publisher:
                 pub, now_ended = self.owner.publish(
                     (reg.worker.tp_rank, reg.worker.pp_rank), req.request_id, ids, reg.tensors, req.num_tokens, time.monotonic(),
                     capability=req.capability, reader_engine_id=req.reader_engine_id, lease_s=req.lease_seconds,
-                    first_tokens=[b.first_token for b in req.block_ids],
+                    first_tokens=[b.first_token for b in req.block_ids], stream=stream,
                 )
                 ended += now_ended
         self.report(ended)
-        return self._published_now(req, pub.generation, pub.capability, first.tp_size, first.pp_size)
-
-    def _published_now(self, req: pb.PublishRequest | pb.PublishEngineRequest, generation: int, capability: bytes,
-                       tp_size: int, pp_size: int) -> pb.PublishResponse:
-        """Wake the resolves waiting for ``req``, and the params that offer it."""
-        d = self.d
         event = self._published.pop(req.request_id, None)
         if event is not None:
             event.set()
+        worker = regs[0].worker
         return pb.PublishResponse(params=pb.TransferParams(
             remote_engine_id=d.config.engine_id, remote_address=d.grpc_address, remote_epoch=d.epoch,
-            request_id=req.request_id, generation=generation, capability=capability,
+            request_id=req.request_id, generation=pub.generation, capability=pub.capability,
             block_ids=req.block_ids, num_tokens=req.num_tokens,  # copied by protobuf, not through Python ints
-            remote_tp_size=tp_size, remote_pp_size=pp_size,
-            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds,
-            stream=isinstance(req, pb.PublishRequest) and req.stream,
+            remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
+            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds, stream=stream,
         ))
 
     def layers_saved(self, req: pb.LayersSavedRequest, token: bytes | None = None) -> int:
