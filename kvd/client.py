@@ -18,9 +18,10 @@ For a vLLM developer, the mapping is:
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +205,26 @@ class KvdClient:
         self._call(self._worker.Pull, pb.PullRequest(
             worker=self._wid, request_id=request_id, params=params, local_block_ids=_block_ids(local_block_ids, first_tokens),
         ))
+
+    def pull_nowait(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]], *,
+                    first_tokens: Sequence[int] = (), answered: Callable[[KvdError | None], None]) -> None:
+        """``pull`` without waiting for the daemon's answer: ``answered`` is
+        called (on a gRPC thread) with None once the daemon accepted it, or
+        with why it did not. An engine step that starts loads then waits no
+        round trip per load, and a daemon slow to answer (busy, or stuck)
+        holds up no step: the load fails at the call's timeout instead."""
+        future = self._worker.Pull.future(pb.PullRequest(
+            worker=self._wid, request_id=request_id, params=params, local_block_ids=_block_ids(local_block_ids, first_tokens),
+        ), timeout=self.timeout, metadata=self._metadata())
+
+        def done(f: Any) -> None:
+            if f.cancelled():
+                answered(Unavailable(f"pull of request_id={request_id!r}: the call was cancelled (the client closed)"))
+                return
+            e = f.exception()
+            answered(None if e is None else from_code(e.code().name, e.details() or ""))
+
+        future.add_done_callback(done)
 
     def abort(self, request_id: str, *, release: pb.TransferParams | None = None) -> bool:
         """Cancel this worker's pull or publication of ``request_id``; with
@@ -390,43 +411,52 @@ def _block_ids(block_ids: Sequence[Sequence[int]], first_tokens: Sequence[int]) 
     return [pb.BlockIds(ids=list(b), first_token=first_tokens[g] if g < len(first_tokens) else 0) for g, b in enumerate(block_ids)]
 
 
-class LayerSaver:
-    """Layer-wise streaming from inside an engine's forward: says each layer
-    saved (``KvdClient.layers_saved``) from its own thread, in order, once
-    the device has written it (a CUDA event recorded on the compute stream
-    when the layer's tensor is on a GPU), so the forward never waits on
-    the daemon or the device."""
+class AfterDevice:
+    """Calls an engine step makes of the daemon from inside its forward,
+    each run on this thread, in order, once the device has done what the
+    step enqueued before it (a CUDA event recorded on the compute stream
+    when the caches are on a GPU; at once on host caches), so the forward
+    never waits on the daemon or the device. A streaming prefill says its
+    layers saved (``saved``); a decode starts its loads after vLLM's zeroing
+    of the blocks they land in (``run``)."""
 
     def __init__(self, client: KvdClient, num_layers: int, *, cuda: bool = False) -> None:
         import queue
 
-        # cuda: the caches are on a GPU; each save waits for the compute stream to get there.
+        # cuda: the caches are on a GPU; each call waits for the compute stream to get there.
         self.client, self.num_layers, self.cuda = client, num_layers, cuda
-        self.error: KvdError | None = None  # the last refusal, for the engine's log
-        self._queue: queue.SimpleQueue[tuple[list[str], int, Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvd-layer-saver", daemon=True)
+        self.error: KvdError | None = None  # the last refused save, for the engine's log
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvd-after-device", daemon=True)
         self._thread.start()
 
-    def saved(self, names: Sequence[str], layers_saved: int) -> None:
-        """Every layer below ``layers_saved`` of ``names`` is written, or (on
-        a GPU) will be once the current stream reaches this point."""
+    def run(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the current stream has reached this point."""
         event = None
         if self.cuda:
             import torch
 
             event = torch.cuda.Event()
             event.record()
-        self._queue.put((list(names), layers_saved, event))
+        self._queue.put((fn, event))
+
+    def saved(self, names: Sequence[str], layers_saved: int) -> None:
+        """Every layer below ``layers_saved`` of ``names`` is written, or (on
+        a GPU) will be once the current stream reaches this point."""
+        self.run(functools.partial(self._say_saved, list(names), layers_saved))
+
+    def _say_saved(self, names: list[str], upto: int) -> None:
+        try:
+            self.client.layers_saved(names, upto)
+        except KvdError as e:  # an earlier save was refused; its read fails at layer_wait_seconds
+            self.error = e
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            names, upto, event = item
+            fn, event = item
             if event is not None:
                 event.synchronize()
-            try:
-                self.client.layers_saved(names, upto)
-            except KvdError as e:  # an earlier save was refused; its read fails at layer_wait_seconds
-                self.error = e
+            fn()
 
     def close(self) -> None:
         self._queue.put(None)

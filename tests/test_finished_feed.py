@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import grpc
@@ -177,3 +178,68 @@ def test_unregistering_ends_the_stream_and_the_feed_says_why(daemons):
         assert feed.error is not None and "not registered" in feed.error.message
     finally:
         feed.close()
+
+
+def test_a_pull_not_waited_for_lands_and_a_refused_one_says_why_on_its_callback(pair):
+    """``pull_nowait``: the caller goes on at once; the daemon's answer comes
+    to a callback: None for a pull it took (whose bytes land, its outcome
+    pushed as any other), the error naming the field for one it refused
+    (which then has no outcome at all), and the call's own failure when the
+    daemon is gone. A stopped daemon holds up no caller."""
+    _p, d, pw, dw = pair
+    answers: dict[str, KvdError | None] = {}
+    heard = threading.Condition()
+
+    def answered(rid: str):
+        def on(error: KvdError | None) -> None:
+            with heard:
+                answers[rid] = error
+                heard.notify_all()
+        return on
+
+    def wait_answer(rid: str) -> KvdError | None:
+        with heard:
+            assert heard.wait_for(lambda: rid in answers, 30), f"no answer for {rid}"
+            return answers[rid]
+
+    feed = FinishedFeed(dw.client).start()
+    try:
+        assert feed.subscribed.wait(10)
+        pw.fill(7, [1, 2])
+        params = pw.client.publish("ok", [[1, 2]], 32)
+        dw.client.pull_nowait("ok", params, [[3, 4]], answered=answered("ok"))
+        assert wait_answer("ok") is None
+        assert feed.wait_finished(recving={"ok"}, timeout=30).details[("recving", "ok")].outcome == "done"
+        assert dw.mismatch(7, [3, 4], 32) is None
+        assert dw.mismatch(8, [3, 4], 32) is not None  # the check compares bytes
+        # Refused by D's daemon itself: params naming its own engine. Nothing is pulled or reported.
+        own = pb.TransferParams()
+        own.CopyFrom(params)
+        own.remote_engine_id = "decode"
+        dw.client.pull_nowait("own", own, [[5, 6]], answered=answered("own"))
+        error = wait_answer("own")
+        assert error is not None and error.code.name == "INVALID_ARGUMENT" and "params.remote_engine_id" in error.message, error
+        assert pulls_in_flight(d.grpc) == 0 and "own" not in feed.take().finished_recving
+        # A daemon that does not answer (stopped) holds up no caller; its answer comes once it runs again.
+        pw.fill(9, [7])
+        late = pw.client.publish("late", [[7]], 16)
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            dw.client.pull_nowait("late", late, [[8]], answered=answered("late"))
+            assert time.monotonic() - t0 < 0.5
+            time.sleep(0.5)
+            assert "late" not in answers  # (the control: the answer does wait for the daemon)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        assert wait_answer("late") is None
+        assert feed.wait_finished(recving={"late"}, timeout=30).details[("recving", "late")].outcome == "done"
+        assert dw.mismatch(9, [8], 16) is None
+    finally:
+        feed.close()
+    # The daemon gone: the call itself fails, and the callback hears it.
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    dw.client.pull_nowait("gone", params, [[7]], answered=answered("gone"))
+    error = wait_answer("gone")
+    assert error is not None and error.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"), error

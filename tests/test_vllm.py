@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -177,7 +178,7 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
     engine alone already gives other tokens than a TP1 engine)."""
     p_tp, p_bs, d_tp, d_bs = HETERO[case]
     p, d = daemons.start("prefill"), daemons.start("decode")
-    result, _ = _drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
+    result, log = _drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
                        "--p-tp", str(p_tp), "--p-block-size", str(p_bs), "--d-tp", str(d_tp), "--d-block-size", str(d_bs))
     assert result["tokens"] == baseline_f32[:-1]
     assert _received_bytes(d.metrics_url) > 0
@@ -190,6 +191,11 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
     assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp  # that load, on each D rank; nothing else failed
     # Its invalid blocks were exact: D recomputed them and still gives one engine's tokens.
     assert failed["tokens"] == baseline_f32[0]
+    # A pull D's daemon refused (its answer not awaited by the step): reported
+    # failed by a later step, and computed by D, to one engine's tokens; it
+    # was never accepted, so it is not among the pulls that failed above.
+    assert result["refused_load"]["tokens"] == baseline_f32[0]
+    assert "refused: params.remote_engine_id" in log, log[-3000:]
 
     # Negative control: zero P's cache between prefill and decode, and the output changes.
     assert result["corrupted_bytes"] > 0
@@ -419,9 +425,42 @@ def _warm(url: str, model: Path) -> int:
 
 
 def _proxy_timings(url: str, skip: int) -> dict[str, float]:
-    """Medians of where the proxy saw each request's time to first token go."""
+    """Medians (and means) of where the proxy saw each request's time to first token go."""
     rows = json.loads(urllib.request.urlopen(f"{url}/timings", timeout=10).read())[skip:]
-    return {k: statistics.median(r[k] for r in rows) for k in ("prefill", "decode_first")}
+    return {**{k: statistics.median(r[k] for r in rows) for k in ("prefill", "decode_first")},
+            **{f"{k}_mean": statistics.mean(r[k] for r in rows) for k in ("prefill", "decode_first")}}
+
+
+# vLLM's own per-request histograms. A request that loads its KV asynchronously
+# is queued when it reaches the engine and scheduled only once its load
+# finished, so "queued" on D holds its wait for the KV: the steps until the
+# scheduler takes it up, kvd's pull, and the step that hears of the pull's end.
+ENGINE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queued": "vllm:request_queue_time_seconds",
+                     "first_token": "vllm:request_prefill_time_seconds", "e2e": "vllm:e2e_request_latency_seconds"}
+
+
+def _engine_times(server_url: str) -> dict[str, tuple[float, float]]:
+    """Each of ENGINE_HISTOGRAMS on a vLLM server so far: (seconds, count)."""
+    return {k: (scrape(f"{server_url}/metrics", f"{name}_sum"), scrape(f"{server_url}/metrics", f"{name}_count"))
+            for k, name in ENGINE_HISTOGRAMS.items()}
+
+
+def _engine_parts(p_url: str, d_url: str, before: tuple[dict, dict], proxy: dict[str, float]) -> dict[str, float]:
+    """Where the requests since ``before`` spent their time in P's and D's
+    engines, by vLLM's own clocks (means, ms): D's time to first token is
+    its arrival (tokenizing, reaching the engine), its wait for the KV
+    (queued), and its first token once scheduled; the rest of what the
+    proxy saw is HTTP and the proxy."""
+    out = {}
+    for side, url, was in (("p", p_url, before[0]), ("d", d_url, before[1])):
+        now = _engine_times(url)
+        for k in now:
+            n = now[k][1] - was[k][1]
+            out[f"{side}_{k}"] = (now[k][0] - was[k][0]) / n * 1e3 if n else float("nan")
+    out["d_arrival"] = out["d_ttft"] - out["d_queued"] - out["d_first_token"]
+    out["d_http"] = proxy["decode_first_mean"] - out["d_ttft"]
+    out["p_http"] = proxy["prefill_mean"] - out["p_e2e"]
+    return out
 
 
 def _pull_seconds(metrics_url: str) -> tuple[float, float]:
@@ -477,6 +516,7 @@ def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: i
     skip = _warm(url, model)
     before, pulls_before = _received_bytes(openai_pd.d_metrics), _pull_seconds(openai_pd.d_metrics)
     phases_before = _phase_seconds(openai_pd.d_metrics)
+    engines_before = (_engine_times(openai_pd.prefill.url), _engine_times(openai_pd.decode.url))
     pd = _bench_serve(py, url, model, tmp / "pd.json", tmp / "bench-pd.log", seed)
     assert (pd["completed"], pd.get("failed", 0)) == (32, 0), pd
     pulls = [a - b for a, b in zip(_pull_seconds(openai_pd.d_metrics), pulls_before, strict=True)]
@@ -491,7 +531,9 @@ def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: i
         assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
         assert pulls[1] == 32, pulls
     medians = {f"pull_{ph}_p50": _median_bound_ms(phases_before[ph], phases_after[ph]) for ph in PULL_PHASES}
-    return pd, {**_proxy_timings(url, skip), "pull": pulls[0] / pulls[1] * 1e3, **{f"pull_{ph}": v for ph, v in phases.items()}, **medians}
+    proxy = _proxy_timings(url, skip)
+    return pd, {**proxy, **_engine_parts(openai_pd.prefill.url, openai_pd.decode.url, engines_before, proxy),
+                "pull": pulls[0] / pulls[1] * 1e3, **{f"pull_{ph}": v for ph, v in phases.items()}, **medians}
 
 
 def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> None:
@@ -505,6 +547,11 @@ def _print_rows(rows: dict[str, dict], parts: dict[str, dict[str, float]]) -> No
         if "pull_plan" in part:
             print(f"  {'':16} D's pull by phase, mean (median at most): "
                   + ", ".join(f"{ph} {part['pull_' + ph]:.2f} ({part['pull_' + ph + '_p50']})" for ph in PULL_PHASES))
+        if "d_ttft" in part:
+            pull = f" (kvd's pull {part['pull']:.1f} of it)" if "pull" in part else ""
+            print(f"  {'':16} by vLLM's own clocks, means: P: prefill to its end {part['p_e2e']:.1f}, HTTP and proxy {part['p_http']:.1f};"
+                  f" D: arrival {part['d_arrival']:.1f}, queued until its KV came {part['d_queued']:.1f}{pull},"
+                  f" first token {part['d_first_token']:.1f}, HTTP and proxy {part['d_http']:.1f}")
 
 
 def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_python, model_dir, tmp_path):
@@ -514,6 +561,10 @@ def test_vllm_bench_serve_through_a_plain_proxy_has_no_failures(openai_pd, vllm_
     ``pytest -m latency`` (below)."""
     pd, parts = _kvd_pd_bench(openai_pd, vllm_python, model_dir, tmp_path, seed=0)
     _print_rows({"P/D through kvd": pd}, {"P/D through kvd": parts})
+    # Where the time to first token went, by vLLM's own clocks: each part present and computed.
+    for k in ("p_e2e", "p_http", "d_ttft", "d_arrival", "d_queued", "d_first_token", "d_http"):
+        assert math.isfinite(parts[k]), (k, parts)
+    assert parts["d_queued"] > 0 and parts["d_first_token"] > 0, parts
 
 
 @pytest.mark.latency
@@ -534,8 +585,10 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
         try:
             nixl_url = nixl_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "nixl-proxy.log")
             nixl_skip = _warm(nixl_url, model_dir)
+            engines_before = (_engine_times(nixl_pd.prefill.url), _engine_times(nixl_pd.decode.url))
             rows["P/D through NIXL"] = _bench_serve(vllm_python, nixl_url, model_dir, tmp_path / "nixl.json", tmp_path / "bench-nixl.log", 1)
-            parts["P/D through NIXL"] = _proxy_timings(nixl_url, nixl_skip)
+            proxy = _proxy_timings(nixl_url, nixl_skip)
+            parts["P/D through NIXL"] = {**proxy, **_engine_parts(nixl_pd.prefill.url, nixl_pd.decode.url, engines_before, proxy)}
         finally:
             for proc in nixl_pd.procs:
                 _kill_group(proc)

@@ -288,6 +288,12 @@ def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     dec = generate(d, pd_prompts[0], sampling(args.max_tokens, params))
     out["failed_load"] = {"held_before": held, "tokens": list(dec.outputs[0].token_ids),
                           "released_after_s": wait_until(lambda: rid not in leases(args.p_kvd), 30, f"release of {rid}")}
+    # A pull D's daemon refuses outright (the params name D's own engine): the
+    # worker's step does not wait for that answer, so a later step reports the
+    # load failed, and D computes the prompt itself.
+    pre = generate(p, pd_prompts[0], sampling(1, {"do_remote_decode": True}))
+    params = {**pre.kv_transfer_params, "remote_engine_id": status(args.d_kvd).engine_id}
+    out["refused_load"] = {"tokens": list(generate(d, pd_prompts[0], sampling(args.max_tokens, params)).outputs[0].token_ids)}
     # Negative control, last: P's cache zeroed between prefill and decode.
     pre = generate(p, control, sampling(1, {"do_remote_decode": True}))
     wait_until(lambda: pre.kv_transfer_params["remote_request_id"] in leases(args.p_kvd), 10, "publication")

@@ -284,9 +284,11 @@ class Puller:
             finally:
                 # One read failed (or we were cancelled): stop the others and wait
                 # until they have, so nothing lands after the failure is reported.
-                for task in tasks.values():
+                pending = [task for task in tasks.values() if not task.done()]
+                for task in pending:
                     task.cancel()
-                await asyncio.gather(*tasks.values(), return_exceptions=True)
+                if pending:  # (an await costs a turn of the loop even when all are done)
+                    await asyncio.gather(*pending, return_exceptions=True)
                 self._count_landed(progress, progress.settle(list(tasks)), sources)
             # Report the read that failed, not a sibling we cancelled because of it.
             failed = [task.exception() for task in tasks.values() if not task.cancelled() and task.exception() is not None]

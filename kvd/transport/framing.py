@@ -76,6 +76,16 @@ class FrameSocket:
     def send(self, event: Event) -> None:
         self.sock.sendall(self.session.send(event))
 
+    def send_nowait(self, frame: memoryview) -> int:
+        """Write as much of ``frame`` as the socket takes without blocking
+        (from the event loop); returns the bytes written."""
+        if self.tls:
+            return 0  # an SSL socket's record state belongs to the thread that drives it
+        try:
+            return self.sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+
     def send_data(self, tag: int, payload: np.ndarray | torch.Tensor) -> int:
         """One DATA frame: its header, then the payload from where it lies
         (an iovec array of host memory, or a tensor). Returns payload bytes."""
