@@ -210,9 +210,9 @@ class KvdClient:
                     first_tokens: Sequence[int] = (), answered: Callable[[KvdError | None], None]) -> None:
         """``pull`` without waiting for the daemon's answer: ``answered`` is
         called (on a gRPC thread) with None once the daemon accepted it, or
-        with why it did not. An engine step that starts loads then waits no
-        round trip per load, and a daemon slow to answer (busy, or stuck)
-        holds up no step: the load fails at the call's timeout instead."""
+        with why it did not. The caller (a thread an engine step hands its
+        loads to) goes on at once, and a daemon slow to answer (busy, or
+        stuck) holds nothing up: the load fails at the call's timeout."""
         future = self._worker.Pull.future(pb.PullRequest(
             worker=self._wid, request_id=request_id, params=params, local_block_ids=_block_ids(local_block_ids, first_tokens),
         ), timeout=self.timeout, metadata=self._metadata())

@@ -384,33 +384,35 @@ class _WorkerSide:
         return self.after_device is not None and self.after_device.cuda
 
     def start_loads(self, meta: KvdConnectorMetadata) -> None:
-        """Start this step's loads; the step does not wait for the daemon's
-        answer (a refusal is reported by a later poll, like any other failed
-        load). vLLM zeroes a step's new blocks, those a load lands in too,
-        before the forward (``_update_states``). On a GPU that is only
-        enqueued, and the daemon copies from another process, unordered
-        with it: so GPU loads start before the forward (``bind``), each once
-        the stream got past the zeroing (``AfterDevice``), and no zeroing
-        lands after the bytes. Host loads start where vLLM starts them,
-        after the forward (``start_load_kv``): begun before it, a pull
-        competed with the CPU forward for the cores, and in the real-engine
-        bench here took a mean 14-24 ms instead of 4-10, the request waiting
-        no less for it."""
+        """Start this step's loads; a refusal is reported by the next poll.
+        vLLM zeroes a step's new blocks before the forward; on a GPU that is
+        only enqueued, unordered with the daemon's copies (another process),
+        so GPU loads start before the forward (``bind``), each from the
+        ``AfterDevice`` thread once the stream got past the zeroing, and the
+        step waits for no answer. Host loads start where vLLM starts them,
+        after the forward, and the step waits for the answer: in the
+        real-engine bench here, a host step that went on at once
+        (``pull_nowait``) took the cores from the daemon with its next
+        forward; the pull took a mean 23 ms instead of 10 (six alternating
+        runs each) and the request waited longer for its KV."""
         client, after = self.client, self.after_device
         if client is None or after is None:
             return
         for rid, load in meta.to_load.items():
             self._loading[rid] = {i for g in load.local_block_ids for i in g}
-            pull = functools.partial(client.pull_nowait, rid, load.params, load.local_block_ids, first_tokens=load.local_first_tokens,
-                                     answered=functools.partial(self._pull_answered, rid, load.params))
+            answered = functools.partial(self._pull_answered, rid, load.params)
             if after.cuda:
-                after.run(pull)
-            else:
-                pull()
+                after.run(functools.partial(client.pull_nowait, rid, load.params, load.local_block_ids,
+                                            first_tokens=load.local_first_tokens, answered=answered))
+                continue
+            try:
+                client.pull(rid, load.params, load.local_block_ids, first_tokens=load.local_first_tokens)
+            except KvdError as e:
+                answered(e)
         meta.to_load = {}  # started: once per step, whichever hook got there first
 
     def _pull_answered(self, rid: str, params: pb.TransferParams, error: KvdError | None) -> None:
-        """On a gRPC thread: keep a refusal for the engine's next poll."""
+        """Keep a refusal for the engine's next poll (from a gRPC thread for GPU loads)."""
         if error is not None:
             with self._lock:
                 self._refused[rid] = (params, error.message)
