@@ -384,17 +384,13 @@ class _WorkerSide:
         return self.after_device is not None and self.after_device.cuda
 
     def start_loads(self, meta: KvdConnectorMetadata) -> None:
-        """Start this step's loads; a refusal is reported by the next poll.
-        vLLM zeroes a step's new blocks before the forward; on a GPU that is
-        only enqueued, unordered with the daemon's copies (another process),
-        so GPU loads start before the forward (``bind``), each from the
-        ``AfterDevice`` thread once the stream got past the zeroing, and the
-        step waits for no answer. Host loads start where vLLM starts them,
-        after the forward, and the step waits for the answer: in the
-        real-engine bench here, a host step that went on at once
-        (``pull_nowait``) took the cores from the daemon with its next
-        forward; the pull took a mean 23 ms instead of 10 (six alternating
-        runs each) and the request waited longer for its KV."""
+        """Start this step's loads; the next poll reports a refusal. vLLM
+        zeroes new blocks before the forward, on a GPU only enqueued and
+        unordered with the daemon's copies: GPU loads start at ``bind``, from
+        ``AfterDevice`` once the stream got past it, waiting for no answer.
+        Host loads start after the forward, as vLLM's, and wait: going on at
+        once let the next CPU forward take the cores from the daemon (the
+        real-engine bench's pull: a mean 23 ms instead of 10, six runs each)."""
         client, after = self.client, self.after_device
         if client is None or after is None:
             return
