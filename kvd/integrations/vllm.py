@@ -78,7 +78,7 @@ from kvd.client import (
     daemon_status,
     infer_spec_from_tensors,
 )
-from kvd.errors import KvdError
+from kvd.errors import KvdError, Status
 from kvd.integrations.kv_params import Publication
 from kvd.integrations.vllm_caches import (
     cpu_cache_registration,
@@ -237,6 +237,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
 
+_DEFINITE_REFUSALS = frozenset(Status) - {Status.INTERNAL, Status.UNAVAILABLE, Status.ABORTED, Status.DEADLINE_EXCEEDED}  # never started
+
+
 class _WorkerSide:
     def __init__(self, vllm_config: VllmConfig, settings: Settings, kv_cache_config: Any = None) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -252,7 +255,7 @@ class _WorkerSide:
         self._done_sending: set[str] = set()  # failed publishes: free the blocks at once
         self._done_recving: set[str] = set()  # failed pulls
         self._lock = threading.Lock()  # guards _refused, which gRPC threads fill
-        self._refused: dict[str, tuple[pb.TransferParams, str]] = {}  # pulls the daemon refused, not yet reported
+        self._refused: dict[str, tuple[pb.TransferParams, KvdError]] = {}  # pulls the daemon refused, not yet reported
         self._reported_failed: set[str] = set()  # refused pulls reported failed, in case the daemon's outcome comes after all
         self._failed_recving: set[str] = set()
         self._invalid: set[int] = set()
@@ -384,13 +387,12 @@ class _WorkerSide:
         return self.after_device is not None and self.after_device.cuda
 
     def start_loads(self, meta: KvdConnectorMetadata) -> None:
-        """Start this step's loads; the next poll reports a refusal. vLLM
-        zeroes new blocks before the forward, on a GPU only enqueued and
-        unordered with the daemon's copies: GPU loads start at ``bind``, from
-        ``AfterDevice`` once the stream got past it, waiting for no answer.
-        Host loads start after the forward, as vLLM's, and wait: going on at
-        once let the next CPU forward take the cores from the daemon (the
-        real-engine bench's pull: a mean 23 ms instead of 10, six runs each)."""
+        """Start this step's loads; the next poll reports a refusal. vLLM zeroes
+        new blocks before the forward, on a GPU only enqueued and unordered with
+        the daemon's copies: GPU loads start at ``bind``, from ``AfterDevice``
+        once the stream got past it, waiting for no answer. Host loads start after
+        the forward, as vLLM's, and wait: going on at once let the next CPU forward
+        take the cores from the daemon (real-engine bench: pull 23 ms, not 10)."""
         client, after = self.client, self.after_device
         if client is None or after is None:
             return
@@ -411,24 +413,25 @@ class _WorkerSide:
         """Keep a refusal for the engine's next poll (from a gRPC thread for GPU loads)."""
         if error is not None:
             with self._lock:
-                self._refused[rid] = (params, error.message)
+                self._refused[rid] = (params, error)
 
     def _report_refused(self, out: KVConnectorTransferResults) -> None:
         """Pulls the daemon refused: failed loads, every block invalid."""
         assert self.client is not None
         with self._lock:
             refused, self._refused = self._refused, {}
-        for rid, (params, message) in refused.items():
+        for rid, (params, error) in refused.items():
             ids = self._loading.pop(rid, None)
             if ids is None:
                 continue  # its outcome came first: the daemon took it, and only its answer was lost
-            log.error("kvd: pull of request %s refused: %s", rid, message)
+            log.error("kvd: pull of request %s refused: %s", rid, error.message)
             with contextlib.suppress(KvdError):  # P need not hold what we will not read
                 self.client.abort(rid, release=params)
             out.finished_recving.add(rid)
             out.failed_recving.add(rid)
             self._invalid |= ids
-            self._reported_failed.add(rid)
+            if error.code not in _DEFINITE_REFUSALS:  # a definite refusal has no outcome to come
+                self._reported_failed.add(rid)
 
     def poll(self) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults(set(self._done_sending), set(self._done_recving), set(self._failed_recving))
@@ -446,9 +449,8 @@ class _WorkerSide:
             # Only one the scheduler published can end before we hear of it (vLLM holds its blocks all the same).
             self._ended_unseen |= f.finished_sending - self._sending
             self._sending -= f.finished_sending
-            if self._reported_failed & f.finished_recving:
+            if late := self._reported_failed & f.finished_recving:
                 # Reported failed when the answer to its Pull was lost, yet the daemon had taken it: vLLM heard of it once.
-                late = self._reported_failed & f.finished_recving
                 f.finished_recving -= late
                 self._reported_failed -= late
             for rid in f.finished_recving:
