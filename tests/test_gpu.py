@@ -102,3 +102,38 @@ def test_device_copies_run_on_a_side_stream_and_finish_inside() -> None:
     assert torch.cuda.current_stream(device) == default
     assert torch.cuda.current_stream(device).query()  # nothing left queued on the default stream either
     assert torch.equal(dst.cpu(), (src * 2).cpu())
+
+
+def test_after_device_runs_each_call_once_the_stream_has_got_there() -> None:
+    """The vLLM worker starts a load from inside the step through
+    ``AfterDevice.run``: the call must not run before the GPU has done what
+    the step enqueued ahead of it (vLLM's zeroing of the blocks the load
+    lands in). A value the GPU writes after a long kernel is what the call
+    sees; without the event (``cuda=False``) it runs at once and sees the old
+    value (the negative control)."""
+    import threading
+
+    from kvd.client import AfterDevice
+
+    dev = torch.zeros(1, dtype=torch.int32, device="cuda")
+    host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    seen: dict[bool, int] = {}
+    for cuda in (True, False):
+        after = AfterDevice(None, 1, cuda=cuda)  # type: ignore[arg-type]  # run() never calls the daemon
+        done = threading.Event()
+        host.zero_()
+        dev.zero_()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 30)  # about half a second of spinning at H100/H200 clocks
+        dev.fill_(7)
+        host.copy_(dev, non_blocking=True)  # lands in pinned memory, read below without a sync
+
+        def look(cuda: bool = cuda, done: threading.Event = done) -> None:
+            seen[cuda] = int(host[0])
+            done.set()
+
+        after.run(look)
+        assert done.wait(30)
+        torch.cuda.synchronize()
+        after.close()
+    assert seen == {True: 7, False: 0}, seen
