@@ -28,6 +28,9 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert 0 < out[key] < 100, (key, out[key])
     last = out["rounds"][-1]
     assert last["tcp_cpu_vs_socket"] == last["tcp_cpu_s_per_gb"] / last["socket_cpu_s_per_gb"]
+    # The kernel's own pace for kvd TCP's scattered pieces, beside kvd's 16 KiB / 1 MiB ratio (reported, no limit).
+    assert last["socket_scattered_16k_gbps"] > 0 and last["socket_scattered_1m_gbps"] > 0
+    assert last["socket_scattered_16k_vs_1m"] == last["socket_scattered_16k_gbps"] / last["socket_scattered_1m_gbps"]
     assert 0 < out["small_request_p50_ms"] <= out["small_request_p99_ms"]
     assert 0 < out["small_request_floor_ms"] == out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
     # Where a small request's time goes, from the daemons' /metrics: D's phases, P's serving, no resolve (params were published).
@@ -47,6 +50,8 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert row["rounds"] == each and out[key] == row["worst"]
         assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu", "control", "stream")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
+    floor = verdict["socket_scattered_16k_vs_1m"]
+    assert floor["limit"] == "-" and floor["met"] is None and floor["rounds"] == [r["socket_scattered_16k_vs_1m"] for r in out["rounds"]]
     # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
     last = out["rounds"][-1]
     assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())

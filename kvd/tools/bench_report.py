@@ -40,6 +40,7 @@ TARGETS = (
     Target("relayout_vs_memcpy_min", "relayout / memcpy, worst pairing", True, 0.7),
     Target("samehost_vs_memcpy", "same-host 1 MiB units / memcpy", True, 0.85),
     Target("tcp_16k_vs_1m", "TCP 16 KiB units / 1 MiB units", True, 0.95),
+    Target("socket_scattered_16k_vs_1m", "the same, plain sendmsg/recvmsg of the same pieces", True, None),
     Target("tcp_vs_socket_1m", "TCP 1 MiB units / plain socket", True, 1.0),
     Target("tcp_cpu_vs_socket", "CPU s per GB, both daemons / both socket ends", False, 1.2),
     Target("small_request_p50_vs_floor", "small request p50 / its floor", False, 1.25),
