@@ -274,8 +274,10 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
                 base_name, base_key, baseline = "memcpy (1 thread)", "memcpy_gbps", _memcpy_try(nbytes)
             else:
                 base_name, base_key, baseline = "plain socket, 1 MiB sendall", "socket_gbps" if mode == "tcp" else f"{mode}_socket_gbps", _socket_try(nbytes)
-            # The kernel's own pace for the pieces of 16 KiB and 1 MiB units (half a unit: K or V).
-            floors = {label: ScatteredSocket(nbytes, UNIT_SIZES[label] // 2) for label in ("16k", "1m")} if mode == "tcp" else {}
+            # The kernel's own pace for the pieces of 16 KiB and 1 MiB units (half a unit: K or V),
+            # over as many connections as kvd stripes these reads across.
+            stripes = DaemonConfig("bench").stripes_per_read
+            floors = {label: ScatteredSocket(nbytes, UNIT_SIZES[label] // 2, stripes) for label in ("16k", "1m")} if mode == "tcp" else {}
             for floor in floors.values():
                 stack.callback(floor.close)
             base, kvd, floor_gbps = _interleaved(pairs, baseline, args.repeat, floors)
@@ -284,7 +286,7 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
             say(f"  {base_name:<34} {out[base_key]:6.2f} GB/s")
             for label, gbps in floor_gbps.items():
                 out[f"socket_scattered_{label}_gbps"] = gbps
-                say(f"  {f'plain sendmsg, {label} units scattered':<34} {gbps:6.2f} GB/s  (kvd TCP's pieces, with nothing around them)")
+                say(f"  {f'plain sendmsg, {label} units scattered':<34} {gbps:6.2f} GB/s  (kvd TCP's pieces and connections, nothing else)")
             if mode == "tcp":
                 out["socket_cpu_s_per_gb"] = min(c for _, c in base)
                 out["tcp_cpu_s_per_gb"] = min(c for _, c in kvd["1m"])

@@ -6,7 +6,9 @@ memory and receives it straight into place: one ``sendmsg`` and one
 ``recvmsg`` per up to 1024 pieces, a piece per layer, K or V, and block.
 This baseline does only that, in two processes, between two shared-memory
 regions, each side's pieces in its own random order (as the bench's block
-ids are): how fast the kernel moves pieces of that size on this machine.
+ids are), over as many connections as kvd stripes a big read across (each
+moving its share of the pieces on its own thread): how fast the kernel
+moves pieces of that size on this machine.
 Its 16 KiB / 1 MiB ratio says how much of ``tcp_16k_vs_1m`` is kvd's and how
 much is the kernel's own cost per piece (each iovec entry is a separate
 user copy on both sides, however the pieces lie).
@@ -18,7 +20,9 @@ import mmap
 import random
 import socket
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,26 +46,48 @@ def _scattered(base: int, nbytes: int, piece: int, seed: int) -> np.ndarray:
     return make(base + order * np.uint64(piece), piece)
 
 
-def _receiver(port_q: Any, nbytes: int, piece: int, seed: int, out_q: Any) -> None:
+def _share(iov: np.ndarray, i: int, streams: int) -> np.ndarray:
+    per = -(-len(iov) // streams)
+    return iov[i * per : (i + 1) * per]
+
+
+def _both_ways(socks: list[socket.socket], iov: np.ndarray, move: Callable[[socket.socket, np.ndarray], int]) -> int:
+    """``move`` each connection's share of ``iov`` on its own thread; total bytes."""
+    moved = [0] * len(socks)
+
+    def one(i: int) -> None:
+        moved[i] = move(socks[i], _share(iov, i, len(socks)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(socks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(moved)
+
+
+def _receiver(port_q: Any, nbytes: int, piece: int, streams: int, seed: int, out_q: Any) -> None:
     region, base = _region(nbytes)
     iov = _scattered(base, nbytes, piece, seed)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
+    srv.listen(streams)
     port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
+    conns = [srv.accept()[0] for _ in range(streams)]
     t0 = time.perf_counter()
-    got = recv_all(conn, iov)
+    got = _both_ways(conns, iov, recv_all)
     out_q.put((got, time.perf_counter() - t0))
-    conn.close()
+    for c in conns:
+        c.close()
     region.close()
 
 
 class ScatteredSocket:
-    """One try moves ``nbytes`` in pieces of ``piece`` bytes; returns GB/s."""
+    """One try moves ``nbytes`` in pieces of ``piece`` bytes over ``streams``
+    connections; returns GB/s."""
 
-    def __init__(self, nbytes: int, piece: int) -> None:
-        self.nbytes, self.piece = nbytes - nbytes % piece, piece
+    def __init__(self, nbytes: int, piece: int, streams: int) -> None:
+        self.nbytes, self.piece, self.streams = nbytes - nbytes % piece, piece, streams
         self._region, self._base = _region(self.nbytes)
         self._rng = random.Random(piece)
 
@@ -70,13 +96,17 @@ class ScatteredSocket:
 
         ctx = mp.get_context("spawn")
         port_q, out_q = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=_receiver, args=(port_q, self.nbytes, self.piece, self._rng.randrange(1 << 30), out_q))
+        proc = ctx.Process(target=_receiver, args=(port_q, self.nbytes, self.piece, self.streams, self._rng.randrange(1 << 30), out_q))
         proc.start()
         try:
-            sock = socket.create_connection(("127.0.0.1", port_q.get(timeout=60)))
-            with sock:
-                send_all(sock, _scattered(self._base, self.nbytes, self.piece, self._rng.randrange(1 << 30)))
+            port = port_q.get(timeout=60)
+            socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(self.streams)]
+            try:
+                _both_ways(socks, _scattered(self._base, self.nbytes, self.piece, self._rng.randrange(1 << 30)), send_all)
                 got, seconds = out_q.get(timeout=120)
+            finally:
+                for sock in socks:
+                    sock.close()
         finally:
             proc.join(timeout=30)
         if got != self.nbytes:
