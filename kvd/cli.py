@@ -8,6 +8,11 @@ import sys
 from typing import Any
 
 
+def _command_named(argv: list[str]) -> str | None:
+    """The subcommand on a command line: its first word that is not a flag."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon for disaggregated prefill/decode serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -21,20 +26,27 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_ in SERVE_FLAGS.items():
         s.add_argument(f"--{name}", default=None, help=help_)
 
+    # The tools' own flags are defined in their modules, which import torch
+    # (seconds): only the command being run loads its module, so `kvd status`
+    # and `kvd --help` answer at once.
+    wanted = _command_named(sys.argv[1:] if argv is None else argv)
     d = sub.add_parser("demo", help="a real P/D transfer on loopback, verified byte for byte")
-    from kvd.tools.demo import add_arguments
+    if wanted == "demo":
+        from kvd.tools.demo import add_arguments
 
-    add_arguments(d)
+        add_arguments(d)
 
     b = sub.add_parser("bench", help="measure kvd against baselines in the same run, as ratios")
-    from kvd.tools.bench import add_arguments as bench_arguments
+    if wanted == "bench":
+        from kvd.tools.bench import add_arguments as bench_arguments
 
-    bench_arguments(b)
+        bench_arguments(b)
 
     px = sub.add_parser("proxy", help="route OpenAI completions to a prefill server, then a decode server (P/D)")
-    from kvd.integrations.pd_proxy import add_arguments as proxy_arguments
+    if wanted == "proxy":
+        from kvd.integrations.pd_proxy import add_arguments as proxy_arguments
 
-    proxy_arguments(px)
+        proxy_arguments(px)
 
     st = sub.add_parser("status", help="show a daemon's workers, peers and work")
     st.add_argument("address")

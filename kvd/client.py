@@ -23,17 +23,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvd.auth import WORKER_TOKEN_HEADER, AuthConfig
-from kvd.caches import KVCacheTensors, describe
 from kvd.convert import worker_to_pb
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable, from_code
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.spec import GroupKind, KVCacheSpec, ModelInfo, WorkerId, infer_spec
+
+if TYPE_CHECKING:
+    from kvd.caches import KVCacheTensors
 
 VLLM_NHD_DIMS = ("kv", "block", "token", "head", "dim")
 
@@ -143,6 +145,10 @@ class KvdClient:
             groups = [(spec, kv_caches)]
         else:
             groups = list(kv_caches)
+        # Imported here: kvd.caches imports torch, which a worker has loaded
+        # already and `kvd status` need not load (2 s).
+        from kvd.caches import describe
+
         described = describe(groups, dims=dims, kinds=kinds)  # type: ignore[arg-type]
         resp = self._call(self._worker.Register, pb.RegisterRequest(
             worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),
