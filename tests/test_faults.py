@@ -132,6 +132,33 @@ def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
     assert_no_leaks(d.grpc)
 
 
+def test_a_pull_past_its_whole_timeout_fails_with_exactly_the_unlanded_blocks_invalid(daemons):
+    """pull_timeout_seconds bounds the whole pull, whatever the data plane
+    waits for: here its stall bound (30 s) is far off, and the pull still
+    fails at its own bound, with only the blocks that did not land invalid."""
+    p, proxy = prefill_behind_proxy(daemons)
+    d = daemons.start("decode", "--pull-timeout-seconds", "1.5", "--in-place-segment-bytes", str(4 << 20))
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.stall_after = 12 << 20
+    ids = list(range(1, 200))
+    pw.fill(5, ids)
+    dw.fill(6, ids)
+    params = pw.client.publish("r", [ids], len(ids) * 16)
+    t0 = time.monotonic()
+    dw.client.pull("r", params, [ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    elapsed = time.monotonic() - t0
+    proxy.close()
+    detail = f.details[("recving", "r")]
+    assert detail.outcome == "failed" and detail.reason == "pull timed out", detail.reason
+    assert 1.4 < elapsed < 6, elapsed
+    assert f.invalid_block_ids < set(ids) and f.invalid_block_ids
+    dw.fill(5, [b if b in f.invalid_block_ids else 0 for b in ids])
+    assert dw.mismatch(5, ids, len(ids) * 16) is None
+    assert scrape(d.metrics_url, "kvd_pull_failures_total", reason="timeout") == 1
+    assert_no_leaks(d.grpc)
+
+
 def test_reset_connection_mid_stream_is_retried_and_lands_exactly(daemons):
     p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode")

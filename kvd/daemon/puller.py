@@ -159,7 +159,10 @@ class Puller:
             async with self._slots:
                 t0 = time.perf_counter()
                 phase.labels("queued").observe(t0 - active.accepted)
-                total = await asyncio.wait_for(self._with_retries(reg, req, rank, local_ids, progress), d.config.pull_timeout_seconds)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for runs the pull as a task
+                # of its own, a turn of the loop before its first step.
+                async with asyncio.timeout(d.config.pull_timeout_seconds):
+                    total = await self._with_retries(reg, req, rank, local_ids, progress)
             landed_at = time.perf_counter()
             landed = self._replica_future(req.params, rank)
             if not landed.done():
