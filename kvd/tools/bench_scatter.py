@@ -51,7 +51,7 @@ def _share(iov: np.ndarray, i: int, streams: int) -> np.ndarray:
     return iov[i * per : (i + 1) * per]
 
 
-def _both_ways(socks: list[socket.socket], iov: np.ndarray, move: Callable[[socket.socket, np.ndarray], int]) -> int:
+def _each_on_its_thread(socks: list[socket.socket], iov: np.ndarray, move: Callable[[socket.socket, np.ndarray], int]) -> int:
     """``move`` each connection's share of ``iov`` on its own thread; total bytes."""
     moved = [0] * len(socks)
 
@@ -75,7 +75,7 @@ def _receiver(port_q: Any, nbytes: int, piece: int, streams: int, seed: int, out
     port_q.put(srv.getsockname()[1])
     conns = [srv.accept()[0] for _ in range(streams)]
     t0 = time.perf_counter()
-    got = _both_ways(conns, iov, recv_all)
+    got = _each_on_its_thread(conns, iov, recv_all)
     out_q.put((got, time.perf_counter() - t0))
     for c in conns:
         c.close()
@@ -102,7 +102,7 @@ class ScatteredSocket:
             port = port_q.get(timeout=60)
             socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(self.streams)]
             try:
-                _both_ways(socks, _scattered(self._base, self.nbytes, self.piece, self._rng.randrange(1 << 30)), send_all)
+                _each_on_its_thread(socks, _scattered(self._base, self.nbytes, self.piece, self._rng.randrange(1 << 30)), send_all)
                 got, seconds = out_q.get(timeout=120)
             finally:
                 for sock in socks:
