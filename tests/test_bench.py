@@ -22,6 +22,8 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
+    # The JSON is stdout's alone; the run's progress and tables go to stderr, as without --json.
+    assert "== round 2 of 2" in r.stderr and "verdict:" in r.stderr, r.stderr[-2000:]
     for key in KEYS:
         assert key in out, key
     for key in ("tcp_vs_socket_1m", "tcp_16k_vs_1m", "samehost_vs_memcpy", "relayout_vs_memcpy_min", "tcp_cpu_vs_socket"):

@@ -33,6 +33,7 @@ import contextlib
 import itertools
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -397,8 +398,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvd bench: --load-seconds={args.load_seconds:g} must be positive")
 
     def say(line: str) -> None:
-        if not args.json:
-            print(line, flush=True)
+        # With --json the figures are stdout's; the progress of a 20-minute run goes to stderr.
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     rounds = []
     for k in range(args.repeat):
