@@ -100,11 +100,14 @@ time.sleep(600)
             os.unlink(f"/dev/shm/{name}")
 
 
-def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
+def _pull_that_stalls(daemons, *decode_flags: str):
+    """A 199-block pull whose bytes stop after 12 MiB (P behind a proxy that
+    stalls): D's frames are 4 MiB (D holds P's layout, so they would be
+    in_place_segment_bytes), so a few land before the stall (landing is
+    counted per frame). D's blocks held other bytes before. Returns D's
+    daemon and worker, the ids, the finished set and the seconds to it."""
     p, proxy = prefill_behind_proxy(daemons)
-    # D holds P's layout, so its frames would be in_place_segment_bytes: 4 MiB
-    # ones let a few land before the stall (landing is counted per frame).
-    d = daemons.start("decode", "--stall-timeout-seconds", "1.5", "--in-place-segment-bytes", str(4 << 20))
+    d = daemons.start("decode", *decode_flags, "--in-place-segment-bytes", str(4 << 20))
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 12 << 20  # a few 4 MiB segments land, then nothing
     ids = list(range(1, 200))
@@ -117,11 +120,11 @@ def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
     elapsed = time.monotonic() - t0
     proxy.close()
     assert proxy.stalled.is_set()
-    detail = f.details[("recving", "r")]
-    # Found at the stall (not the whole pull's timeout), naming the peer.
-    assert detail.outcome == "failed" and "stalled" in detail.reason and "'prefill'" in detail.reason, detail.reason
-    assert elapsed < 6
-    # Exactly the blocks that did not land are invalid: some did, and they hold the request's bytes.
+    return d, dw, ids, f, elapsed
+
+
+def _assert_exactly_the_unlanded_invalid(dw, ids: list[int], f) -> None:
+    """Some blocks landed and hold the request's bytes; the invalid ones did not."""
     assert f.invalid_block_ids < set(ids) and f.invalid_block_ids
     assert dw.mismatch(5, ids, len(ids) * 16) is not None  # not everything landed
     # Write the request's bytes into just the invalid blocks (block 0 takes the
@@ -129,6 +132,15 @@ def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
     # invalid really landed.
     dw.fill(5, [b if b in f.invalid_block_ids else 0 for b in ids])
     assert dw.mismatch(5, ids, len(ids) * 16) is None
+
+
+def test_stalled_peer_fails_the_pull_within_the_stall_timeout(daemons):
+    d, dw, ids, f, elapsed = _pull_that_stalls(daemons, "--stall-timeout-seconds", "1.5")
+    detail = f.details[("recving", "r")]
+    # Found at the stall (not the whole pull's timeout), naming the peer.
+    assert detail.outcome == "failed" and "stalled" in detail.reason and "'prefill'" in detail.reason, detail.reason
+    assert elapsed < 6
+    _assert_exactly_the_unlanded_invalid(dw, ids, f)
     assert_no_leaks(d.grpc)
 
 
@@ -136,25 +148,11 @@ def test_a_pull_past_its_whole_timeout_fails_with_exactly_the_unlanded_blocks_in
     """pull_timeout_seconds bounds the whole pull, whatever the data plane
     waits for: here its stall bound (30 s) is far off, and the pull still
     fails at its own bound, with only the blocks that did not land invalid."""
-    p, proxy = prefill_behind_proxy(daemons)
-    d = daemons.start("decode", "--pull-timeout-seconds", "1.5", "--in-place-segment-bytes", str(4 << 20))
-    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
-    proxy.stall_after = 12 << 20
-    ids = list(range(1, 200))
-    pw.fill(5, ids)
-    dw.fill(6, ids)
-    params = pw.client.publish("r", [ids], len(ids) * 16)
-    t0 = time.monotonic()
-    dw.client.pull("r", params, [ids])
-    f = dw.client.wait_finished(recving={"r"}, timeout=30)
-    elapsed = time.monotonic() - t0
-    proxy.close()
+    d, dw, ids, f, elapsed = _pull_that_stalls(daemons, "--pull-timeout-seconds", "1.5")
     detail = f.details[("recving", "r")]
     assert detail.outcome == "failed" and detail.reason == "pull timed out", detail.reason
     assert 1.4 < elapsed < 6, elapsed
-    assert f.invalid_block_ids < set(ids) and f.invalid_block_ids
-    dw.fill(5, [b if b in f.invalid_block_ids else 0 for b in ids])
-    assert dw.mismatch(5, ids, len(ids) * 16) is None
+    _assert_exactly_the_unlanded_invalid(dw, ids, f)
     assert scrape(d.metrics_url, "kvd_pull_failures_total", reason="timeout") == 1
     assert_no_leaks(d.grpc)
 
