@@ -417,10 +417,13 @@ def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path, seed: in
     return json.loads(out.read_text())
 
 
+WARM_PROMPT = [(5 * j) % 991 + 3 for j in range(256)]  # the one request a server gets before the figures
+
+
 def _warm(url: str, model: Path) -> int:
     """One request through a fresh P/D pair first: its handshakes are not the
     figures'. Returns how many timings the proxy then holds, to skip."""
-    _complete(url, model, [(5 * j) % 991 + 3 for j in range(256)], stream=True)
+    _complete(url, model, WARM_PROMPT, stream=True)
     return len(json.loads(urllib.request.urlopen(f"{url}/timings", timeout=10).read()))
 
 
@@ -619,7 +622,7 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
             engines[name] = _serve(vllm_python, model_dir, tmp_path / f"{name[:3]}-server.log", *extra)
         for server in engines.values():
             _wait_http(f"{server.url}/health", server.proc, 300, server.log)
-            _complete(server.url, model_dir, [(5 * j) % 991 + 3 for j in range(256)])  # warm
+            _complete(server.url, model_dir, WARM_PROMPT)  # warm
         for r in range(IDLE_ROUNDS):
             got = {}
             # Each round its own prompts (a seed), the same for both engines.
