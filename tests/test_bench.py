@@ -35,6 +35,10 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert last["socket_scattered_16k_vs_1m"] == last["socket_scattered_16k_gbps"] / last["socket_scattered_1m_gbps"]
     assert 0 < out["small_request_p50_ms"] <= out["small_request_p99_ms"]
     assert 0 < out["small_request_floor_ms"] == out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
+    # The same request through kvd's process chain with no kvd logic: measured, beside the floor (reported, no limit).
+    assert 0 < last["skeleton_p50_ms"] <= last["skeleton_p99_ms"]
+    assert last["skeleton_p50_vs_floor"] == last["skeleton_p50_ms"] / last["small_request_floor_ms"]
+    assert last["skeleton_p99_vs_floor"] == last["skeleton_p99_ms"] / last["small_request_floor_ms"]
     # Where a small request's time goes, from the daemons' /metrics: D's phases, P's serving, no resolve (params were published).
     phases = out["rounds"][-1]["small_request_phases_ms"]
     assert {"queued", "handshake", "plan", "transfer", "report", "serve"} <= set(phases) and "resolve" not in phases, phases
@@ -52,8 +56,9 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert row["rounds"] == each and out[key] == row["worst"]
         assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu", "control", "stream")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
-    floor = verdict["socket_scattered_16k_vs_1m"]
-    assert floor["limit"] == "-" and floor["met"] is None and floor["rounds"] == [r["socket_scattered_16k_vs_1m"] for r in out["rounds"]]
+    for key in ("socket_scattered_16k_vs_1m", "skeleton_p50_vs_floor", "skeleton_p99_vs_floor"):
+        floor = verdict[key]
+        assert floor["limit"] == "-" and floor["met"] is None and floor["rounds"] == [r[key] for r in out["rounds"]]
     # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
     last = out["rounds"][-1]
     assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())

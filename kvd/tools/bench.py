@@ -56,6 +56,7 @@ from kvd.tools.bench_pair import BenchPair
 from kvd.tools.bench_peers import socket_baseline, socket_round_trip
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_scatter import ScatteredSocket
+from kvd.tools.bench_skeleton import SkeletonPull
 from kvd.tools.bench_state import state_work
 from kvd.tools.bench_stream import TOKENS, bench_stream
 from kvd.transport.base import Staging
@@ -178,6 +179,10 @@ def _p50(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def _p99(samples: list[float]) -> float:
+    return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
 Try = Callable[[], tuple[float, float]]  # one timed try: GB/s, CPU seconds per GB
 
 
@@ -217,8 +222,9 @@ def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -
     floor: what the same request costs with nothing around it, one gRPC
     round trip to the daemon on the worker socket (the pull call and the
     finished-set push are one each way) and one plain socket round trip
-    carrying the request's bytes. All three are measured in four parts that
-    alternate."""
+    carrying the request's bytes. Beside them, the same request through
+    kvd's process chain with no kvd logic (``bench_skeleton``): what the
+    shape itself costs. All four are measured in four parts that alternate."""
     spec = KVCacheSpec(16, 8, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
     layers = 4
     pair.register(spec, layers)
@@ -226,26 +232,35 @@ def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -
     lat: list[float] = []
     rpc: list[float] = []
     sock: list[float] = []
+    skel: list[float] = []
     before = pair.timings()
-    for part in range(4):
-        count = max(1, requests // 4)
-        lat += [pair.transfer(f"small-{part}-{i}", list(range(1, 17)), list(range(17, 33)), 256) for i in range(count)]
-        for _ in range(count):
-            t0 = time.perf_counter()
-            pair.d_client.get_finished()
-            rpc.append(time.perf_counter() - t0)
-        sock += socket_round_trip(small_bytes, count)
+    skeleton = SkeletonPull(spec.bytes_per_block_per_layer, 16 * layers)
+    try:
+        for part in range(4):
+            count = max(1, requests // 4)
+            lat += [pair.transfer(f"small-{part}-{i}", list(range(1, 17)), list(range(17, 33)), 256) for i in range(count)]
+            for _ in range(count):
+                t0 = time.perf_counter()
+                pair.d_client.get_finished()
+                rpc.append(time.perf_counter() - t0)
+            sock += socket_round_trip(small_bytes, count)
+            skel += [skeleton.one() for _ in range(count)]
+    finally:
+        skeleton.close()
     after = pair.timings()
     lat.sort()
+    skel.sort()
     # Where the time goes: D's pull phases and P serving its read, mean ms a request.
     phases = {k: (after[k][0] - before.get(k, (0.0, 0.0))[0]) / (after[k][1] - before.get(k, (0.0, 0.0))[1]) * 1e3
               for k in after if after[k][1] > before.get(k, (0.0, 0.0))[1]}
-    out: dict[str, Any] = {"small_request_phases_ms": phases, "small_request_p50_ms": _p50(lat) * 1e3, "small_request_p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
-           "grpc_round_trip_ms": _p50(rpc) * 1e3, "socket_round_trip_ms": _p50(sock) * 1e3}
+    out: dict[str, Any] = {"small_request_phases_ms": phases, "small_request_p50_ms": _p50(lat) * 1e3, "small_request_p99_ms": _p99(lat) * 1e3,
+           "grpc_round_trip_ms": _p50(rpc) * 1e3, "socket_round_trip_ms": _p50(sock) * 1e3,
+           "skeleton_p50_ms": _p50(skel) * 1e3, "skeleton_p99_ms": _p99(skel) * 1e3}
     out["small_request_floor_ms"] = out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
     say(f"  {f'small request (16 blocks, {small_bytes / (1 << 20):.0f} MiB) p50/p99':<34} {out['small_request_p50_ms']:6.2f} / {out['small_request_p99_ms']:.2f} ms")
     say(f"  {'  floor: gRPC + socket round trips':<34} {out['small_request_floor_ms']:6.2f} ms "
         f"({out['grpc_round_trip_ms']:.2f} + {out['socket_round_trip_ms']:.2f}; p50s)")
+    say(f"  {'  its process chain alone p50/p99':<34} {out['skeleton_p50_ms']:6.2f} / {out['skeleton_p99_ms']:.2f} ms")
     d_part = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "serve")
     say(f"  {'  where it goes (mean ms)':<34} D: {d_part}; P serves its read in {phases.get('serve', 0.0):.2f}")
     return out
@@ -442,7 +457,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
         say(f"    tcp_cpu_vs_socket   {t['tcp_cpu_vs_socket']:.2f}  (CPU s per GB: {t['tcp_cpu_s_per_gb']:.2f} both daemons and the workers, "
             f"{t['socket_cpu_s_per_gb']:.2f} both socket ends)")
         say(f"    samehost_vs_memcpy  {t['samehost_vs_memcpy']:.2f}")
-        say(f"    small_request       p50 {t['small_request_p50_vs_floor']:.2f} x its floor, p99 {t['small_request_p99_vs_floor']:.2f} x")
+        say(f"    small_request       p50 {t['small_request_p50_vs_floor']:.2f} x its floor, p99 {t['small_request_p99_vs_floor']:.2f} x  "
+            f"(its process chain alone: {t['skeleton_p50_vs_floor']:.2f} x, {t['skeleton_p99_vs_floor']:.2f} x)")
         if t["vs_nixl"] is None:
             say("    vs_nixl             not measured: NIXL is not installed (pip install 'kvd[nixl]')")
         else:

@@ -45,6 +45,8 @@ TARGETS = (
     Target("tcp_cpu_vs_socket", "CPU s per GB, both daemons / both socket ends", False, 1.2),
     Target("small_request_p50_vs_floor", "small request p50 / its floor", False, 1.25),
     Target("small_request_p99_vs_floor", "small request p99 / its floor", False, 2.0),
+    Target("skeleton_p50_vs_floor", "the same through kvd's process chain with no kvd logic, p50 / floor", False, None),
+    Target("skeleton_p99_vs_floor", "the same, p99 / floor", False, None),
     Target("vs_nixl", "kvd / NIXL, worst unit size", True, 1.5),
     Target("vs_mooncake", "kvd TCP / Mooncake TE tcp, worst unit size", True, 1.5),
     Target("control_growth", "control plane per block, 100k blocks / 1k blocks", False, 1.5),
@@ -63,6 +65,8 @@ def add_derived(out: dict[str, Any]) -> None:
     if floor:
         out["small_request_p50_vs_floor"] = out["small_request_p50_ms"] / floor
         out["small_request_p99_vs_floor"] = out["small_request_p99_ms"] / floor
+        out["skeleton_p50_vs_floor"] = out["skeleton_p50_ms"] / floor
+        out["skeleton_p99_vs_floor"] = out["skeleton_p99_ms"] / floor
 
 
 def verdict(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from kvd.core.iov import make
 from kvd.transport.iovec import recv_all, send_all
 
 
-def _region(nbytes: int) -> tuple[mmap.mmap, int]:
+def region(nbytes: int) -> tuple[mmap.mmap, int]:
     """Shared memory as a worker registers it, every page touched."""
     with tempfile.TemporaryFile(dir="/dev/shm") as f:
         f.truncate(nbytes)
@@ -40,7 +40,7 @@ def _region(nbytes: int) -> tuple[mmap.mmap, int]:
     return m, np.frombuffer(m, np.uint8).ctypes.data
 
 
-def _scattered(base: int, nbytes: int, piece: int, seed: int) -> np.ndarray:
+def scattered(base: int, nbytes: int, piece: int, seed: int) -> np.ndarray:
     order = np.arange(nbytes // piece, dtype=np.uint64)
     np.random.default_rng(seed).shuffle(order)
     return make(base + order * np.uint64(piece), piece)
@@ -67,8 +67,8 @@ def _each_on_its_thread(socks: list[socket.socket], iov: np.ndarray, move: Calla
 
 
 def _receiver(port_q: Any, nbytes: int, piece: int, streams: int, seed: int, out_q: Any) -> None:
-    region, base = _region(nbytes)
-    iov = _scattered(base, nbytes, piece, seed)
+    mem, base = region(nbytes)
+    iov = scattered(base, nbytes, piece, seed)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(streams)
@@ -79,7 +79,7 @@ def _receiver(port_q: Any, nbytes: int, piece: int, streams: int, seed: int, out
     out_q.put((got, time.perf_counter() - t0))
     for c in conns:
         c.close()
-    region.close()
+    mem.close()
 
 
 class ScatteredSocket:
@@ -88,7 +88,7 @@ class ScatteredSocket:
 
     def __init__(self, nbytes: int, piece: int, streams: int) -> None:
         self.nbytes, self.piece, self.streams = nbytes - nbytes % piece, piece, streams
-        self._region, self._base = _region(self.nbytes)
+        self._region, self._base = region(self.nbytes)
         self._rng = random.Random(piece)
 
     def one_try(self) -> float:
@@ -102,7 +102,7 @@ class ScatteredSocket:
             port = port_q.get(timeout=60)
             socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(self.streams)]
             try:
-                _each_on_its_thread(socks, _scattered(self._base, self.nbytes, self.piece, self._rng.randrange(1 << 30)), send_all)
+                _each_on_its_thread(socks, scattered(self._base, self.nbytes, self.piece, self._rng.randrange(1 << 30)), send_all)
                 got, seconds = out_q.get(timeout=120)
             finally:
                 for sock in socks:
