@@ -9,7 +9,8 @@ owner's daemon, the bytes land on a daemon thread, and the finished set
 travels back on a stream that a thread of the worker reads.
 
 This skeleton keeps that shape and nothing else. The worker's Pull reaches
-its daemon over gRPC (grpc.aio on uvloop, as ``kvd serve``), and the
+its daemon over gRPC on a Unix socket (grpc.aio on uvloop, as ``kvd serve``
+and the bench's workers), and the
 daemon's loop sends a one-byte READ to the owner's process. The owner
 sends the request's pieces straight from shared memory (one ``sendmsg``,
 kvd's iovec call), and a daemon thread receives them straight into shared
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import socket
+import tempfile
 import threading
 import time
 from typing import Any
@@ -50,7 +53,7 @@ def _owner(port_q: Any, piece: int, pieces: int) -> None:
     mem.close()
 
 
-def _reader(port_q: Any, owner_port: int, piece: int, pieces: int) -> None:
+def _reader(ready_q: Any, owner_port: int, worker_socket: str, piece: int, pieces: int) -> None:
     """The reading daemon: Pull in, READ out, pieces in on a thread, id pushed."""
     import grpc
     import uvloop
@@ -83,8 +86,9 @@ def _reader(port_q: Any, owner_port: int, piece: int, pieces: int) -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("skeleton", {
             "Pull": grpc.unary_unary_rpc_method_handler(pull), "Watch": grpc.unary_stream_rpc_method_handler(watch)}),))
-        port_q.put(server.add_insecure_port("127.0.0.1:0"))
+        server.add_insecure_port(f"unix:{worker_socket}")
         await server.start()
+        ready_q.put(True)
         await server.wait_for_termination()
 
     try:
@@ -105,9 +109,12 @@ class SkeletonPull:
         self._procs = [ctx.Process(target=_owner, args=(port_q, piece, pieces), daemon=True)]
         self._procs[0].start()
         owner_port = port_q.get(timeout=60)
-        self._procs.append(ctx.Process(target=_reader, args=(port_q, owner_port, piece, pieces), daemon=True))
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvd-skeleton-")
+        worker_socket = os.path.join(self._tmp.name, "d.sock")
+        self._procs.append(ctx.Process(target=_reader, args=(port_q, owner_port, worker_socket, piece, pieces), daemon=True))
         self._procs[1].start()
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port_q.get(timeout=60)}")
+        port_q.get(timeout=60)
+        self._channel = grpc.insecure_channel(f"unix:{worker_socket}")
         self._pull = self._channel.unary_unary("/skeleton/Pull")
         self._stream = self._channel.unary_stream("/skeleton/Watch")(b"")
         self._done: dict[bytes, float] = {}
@@ -143,3 +150,4 @@ class SkeletonPull:
         for p in self._procs:
             p.terminate()
             p.join(timeout=10)
+        self._tmp.cleanup()
