@@ -63,6 +63,7 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     last = out["rounds"][-1]
     assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())
     assert last["control_vs_transfer_128k"] == last["control_128k_ms"] / last["control_128k_transfer_ms"]
+    assert last["control_128k_staged_ms"] > 0  # the same request in a staged read's smaller segments, beside it
     # Streaming: what the transfer adds to TTFT, pulled and streamed, at each prompt length, every byte checked.
     rows = last["stream"]
     assert [r["tokens"] for r in rows] == [256, 2048] and all(r["pull_ms"] > 0 and r["stream_ms"] > 0 for r in rows)

@@ -177,3 +177,45 @@ def test_a_repeated_block_id_is_named_whether_ids_are_dense_or_sparse():
             check_unique("ids", ids)
     check_unique("ids", np.array([1 << 40, 7, 3]))
     check_unique("ids", np.array([4]))
+
+
+
+def _owner_with_a_publication():
+    """An owner holding a publication of blocks 1-8 of a one-rank engine's
+    one group, and a reader that handshook."""
+    import random
+
+    from kvd.core.owner import Owner
+    from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+    from kvd.testing.sim import make_engine
+
+    def spec(_rank: int) -> KVCacheSpec:
+        return KVCacheSpec(16, 2, 8, "bfloat16", NAMED_LAYOUTS["NHD"], 64)
+
+    p = make_engine("P", 1, 1, ModelInfo(2, 2), spec, random.Random(0), fill=False)
+    d = make_engine("D", 1, 1, ModelInfo(2, 2), spec, random.Random(1), fill=False)
+    owner = Owner("P", "host", PublicationTable(60.0, "e"), same_host=False, max_segments_per_read=1024)
+    tensors = [p.ranks[(0, 0)].tensors]
+    pub, _ = owner.publish((0, 0), "r", [list(range(1, 9))], tensors, 8 * 16, 0.0, capability=b"c" * 32)
+    return owner, owner.reader_joined(d.meta), tensors, pub
+
+
+def _batched_read(pub, segment_ids):
+    """A read of one batched segment (both layers) per tuple of ``segment_ids``."""
+    from kvd.core.reads import DataRead, DataSegment
+
+    segments = tuple(DataSegment(group_id=0, layers=(0, 1), block_count=len(ids), token_count=16, block_ids=ids) for ids in segment_ids)
+    return DataRead(owner_engine_id="P", request_id="r", generation=pub.generation, capability=pub.capability, tp_rank=0, pp_rank=0,
+                    head_start=0, head_count=2, segments=segments)
+
+
+def test_owner_checks_every_block_of_a_reads_batched_segments():
+    owner, reader, tensors, pub = _owner_with_a_publication()
+    read = _batched_read(pub, [(3, 1, 8), (2,), (7, 5)])
+    assert owner.authorize(read, reader, tensors, 1.0).read is read
+    # One unpublished block in any segment refuses the whole read, and is named.
+    for bad, named in (([(3, 1, 8), (2, 9), (7, 5)], 9), ([(12,), (2,), (7, 5)], 12), ([(3, 1, 8), (2,), (7, 0)], 0)):
+        with pytest.raises(PermissionDenied, match=rf"blocks \[{named}\] of group 0 are not published"):
+            owner.authorize(_batched_read(pub, bad), reader, tensors, 1.0)
+    with pytest.raises(InvalidArgument, match="segment.block_ids"):
+        owner.authorize(_batched_read(pub, [(3,), (64,)]), reader, tensors, 1.0)

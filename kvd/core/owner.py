@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import itertools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,14 +123,20 @@ class Owner:
         if tensors is None:
             raise NotFound(f"rank tp{rank[0]}/pp{rank[1]} is not registered here")
         pub = self.publications.authorize(read.request_id, read.generation, read.capability, reader.meta.engine_id, rank, now)
+        listed: dict[int, list[tuple[int, ...]]] = {}
         for seg in read.segments:
             if seg.group_id >= len(tensors):
                 raise InvalidArgument("segment.group_id", seg.group_id, f"is not one of {len(tensors)} groups")
             validate_segment(tensors[seg.group_id], seg, *read.heads_of(seg))
             if seg.block_ids:
-                self.publications.check_block_list(pub, rank, seg.group_id, np.asarray(seg.block_ids, dtype=np.int64))
+                listed.setdefault(seg.group_id, []).append(seg.block_ids)
             else:
                 self.publications.check_blocks(pub, rank, seg.group_id, seg.block_start, seg.block_count)
+        # A group's batched ids are checked at once: a read of a 128k-token
+        # request has a thousand segments, and numpy's cost per call was
+        # half of its authorisation.
+        for group, lists in listed.items():
+            self.publications.check_block_list(pub, rank, group, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64))
         pin = self.publications.pin(pub, rank) if local or reader_copies else None
         return Grant(read, reader.meta.engine_id, pub, pin)
 

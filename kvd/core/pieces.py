@@ -254,7 +254,7 @@ def validate_segment(group: GroupTensors, seg: DataSegment, head_start: int, hea
     """Bounds of one requested segment against the owner's registration."""
     spec = group.spec
     n_layers = len(group.layer_indices)
-    if not seg.layers or any(p >= n_layers for p in seg.layers):
+    if not seg.layers or max(seg.layers) >= n_layers:
         raise InvalidArgument("segment.layers", list(seg.layers)[:8], f"must be non-empty positions in [0, {n_layers})")
     tokens = 1 if spec.opaque else spec.block_size
     if seg.token_count <= 0 or seg.token_start + seg.token_count > tokens:
