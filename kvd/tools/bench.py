@@ -248,8 +248,6 @@ def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -
     finally:
         skeleton.close()
     after = pair.timings()
-    lat.sort()
-    skel.sort()
     # Where the time goes: D's pull phases and P serving its read, mean ms a request.
     phases = {k: (after[k][0] - before.get(k, (0.0, 0.0))[0]) / (after[k][1] - before.get(k, (0.0, 0.0))[1]) * 1e3
               for k in after if after[k][1] > before.get(k, (0.0, 0.0))[1]}
