@@ -217,5 +217,5 @@ def test_owner_checks_every_block_of_a_reads_batched_segments():
     for bad, named in (([(3, 1, 8), (2, 9), (7, 5)], 9), ([(12,), (2,), (7, 5)], 12), ([(3, 1, 8), (2,), (7, 0)], 0)):
         with pytest.raises(PermissionDenied, match=rf"blocks \[{named}\] of group 0 are not published"):
             owner.authorize(_batched_read(pub, bad), reader, tensors, 1.0)
-    with pytest.raises(InvalidArgument, match="segment.block_ids"):
+    with pytest.raises(InvalidArgument, match=r"segment\.block_ids"):
         owner.authorize(_batched_read(pub, [(3,), (64,)]), reader, tensors, 1.0)
