@@ -25,6 +25,7 @@ machine, and kvd's latency over the skeleton is what kvd's own work costs.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import multiprocessing as mp
 import os
 import socket
@@ -33,15 +34,23 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from kvd.tools.bench_scatter import region, scattered
 from kvd.transport.framing import tune
 from kvd.transport.iovec import recv_all, send_all
 
 
+def _pieces(piece: int, pieces: int, seed: int) -> tuple[mmap.mmap, np.ndarray]:
+    """A shared-memory region and ``pieces`` of its slots, scattered over
+    twice their size in random order (as a request's blocks lie)."""
+    mem, base = region(2 * piece * pieces)
+    return mem, scattered(base, 2 * piece * pieces, piece, seed)[:pieces]
+
+
 def _owner(port_q: Any, piece: int, pieces: int) -> None:
     """Answers each one-byte READ with every piece (the owner's daemon)."""
-    mem, base = region(2 * piece * pieces)
-    iov = scattered(base, 2 * piece * pieces, piece, 1)[:pieces]
+    mem, iov = _pieces(piece, pieces, 1)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -58,8 +67,7 @@ def _reader(ready_q: Any, owner_port: int, worker_socket: str, piece: int, piece
     import grpc
     import uvloop
 
-    mem, base = region(2 * piece * pieces)
-    iov = scattered(base, 2 * piece * pieces, piece, 2)[:pieces]
+    mem, iov = _pieces(piece, pieces, 2)
     data = socket.create_connection(("127.0.0.1", owner_port))
     tune(data)
 
