@@ -137,3 +137,32 @@ def test_after_device_runs_each_call_once_the_stream_has_got_there() -> None:
         torch.cuda.synchronize()
         after.close()
     assert seen == {True: 7, False: 0}, seen
+
+
+@pytest.mark.parametrize(("piece", "misalign"), [(8 << 10, 0), (512 << 10, 0), (1000, 3)])
+def test_device_piece_kernel_copies_exactly_the_pairs_it_is_given(piece: int, misalign: int) -> None:
+    """The same-host GPU path's one kernel (``device_pieces``): every piece
+    lands where its pair says, byte for byte, aligned (wide loads) or not;
+    and nothing else is written (the pieces left out stay zero)."""
+    import numpy as np
+
+    from kvd.transport import device_pieces
+
+    device = torch.device("cuda")
+    assert device_pieces.available(device), "Triton comes with CUDA builds of torch"
+    n = 64
+    src = torch.randint(1, 256, ((n + 1) * piece,), dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    rng = np.random.default_rng(piece)
+    s_at, d_at = rng.permutation(n)[: n - 8], rng.permutation(n)[: n - 8]  # 8 pieces left out
+    base = np.uint64(misalign)
+    device_pieces.copy_pairs(dst.data_ptr() + base + d_at.astype(np.uint64) * np.uint64(piece),
+                             src.data_ptr() + base + s_at.astype(np.uint64) * np.uint64(piece), piece, device)
+    torch.cuda.synchronize()
+    want = torch.zeros_like(dst)
+    for s, d in zip(s_at.tolist(), d_at.tolist(), strict=True):
+        lo, hi = misalign + d * piece, misalign + (d + 1) * piece
+        want[lo:hi] = src[misalign + s * piece : misalign + (s + 1) * piece]
+    assert torch.equal(dst, want)
+    assert int((dst != 0).sum()) == (n - 8) * piece  # the left-out pieces were not touched
+

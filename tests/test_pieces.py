@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,3 +90,19 @@ def test_staging_is_reused_grows_and_lets_go_of_big_buffers():
     staging(10)
     staging.shrink(500)  # small buffers stay
     assert staging.nbytes == 10
+
+
+def test_a_contiguous_run_pairs_with_the_other_sides_pieces_for_the_device_copy() -> None:
+    """The same-host GPU copy pairs pieces one for one: a contiguous run on
+    one side is cut into the other side's pieces; byte counts that differ,
+    or pieces that don't divide, pair with nothing."""
+    from kvd.transport import device_pieces
+
+    src_addrs = np.array([0, 8192, 4096, 12288], dtype=np.uint64) + np.uint64(2 << 20)
+    found = device_pieces.pair((np.array([1 << 20], dtype=np.uint64), 4 * 4096), (src_addrs, 4096))
+    assert found is not None
+    dst, src, piece = found
+    assert piece == 4096 and dst.tolist() == [(1 << 20) + i * 4096 for i in range(4)] and src.tolist() == src_addrs.tolist()
+    assert device_pieces.pair((np.array([0], dtype=np.uint64), 3000), (np.array([0, 4096], dtype=np.uint64), 2048)) is None
+    assert device_pieces.pair((np.array([0, 6144], dtype=np.uint64), 6144), (np.array([0, 4096, 8192], dtype=np.uint64), 4096)) is None
+    assert not device_pieces.available(torch.device("cpu"))

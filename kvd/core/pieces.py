@@ -81,6 +81,16 @@ def owner_iov(group: GroupTensors, seg: DataSegment, head_start: int, head_count
     return None if found is None else pieces_iov(*found)
 
 
+def owner_pieces(group: GroupTensors, seg: DataSegment, head_start: int, head_count: int) -> tuple[np.ndarray, int] | None:
+    """The owner's memory behind a segment, on any device, in wire order, as
+    equal pieces (addresses, piece bytes): one piece for a contiguous run,
+    one per block piece for batched blocks; None when it must be gathered."""
+    view = segment_view(group, seg, head_start, head_count)
+    if view is not None:
+        return np.asarray([view.data_ptr()], dtype=np.uint64), view.numel()
+    return batched_pieces(group, seg, head_start, head_count)
+
+
 def tensor_iov(t: torch.Tensor) -> np.ndarray | None:
     if t.device.type != "cpu" or not t.is_contiguous():
         return None

@@ -86,20 +86,21 @@ class SegmentSink:
             return None
         return dst
 
-    def batched_pieces(self) -> tuple[np.ndarray, int] | None:
+    def batched_pieces(self, on_device: bool = False) -> tuple[np.ndarray, int] | None:
         """Where a batched segment's wire pieces land, when local memory has the
         owner's layout and block size: equal dense pieces in wire order (layer,
-        part, outer dims, block), so they are written in place."""
+        part, outer dims, block), so they are written in place. Host memory
+        only, unless ``on_device`` (the device piece copier's addresses)."""
         rs, ls = self.remote_spec, self.local.spec
         if self.local_index is None or rs.layout != ls.layout or rs.parts_per_layer != ls.parts_per_layer or self.u != 1:
+            return None
+        if self.device.type != "cpu" and not on_device:
             return None
         block_dim = 1 + ls.layout.index("block")  # in (layer, *physical)
 
         def build() -> PieceTemplate | None:
             runs = []
             for dst, layers, kv in self._targets():
-                if dst.device.type != "cpu":
-                    return None
                 runs.append((layers.start or 0, layers.stop - (layers.start or 0), (kv.start or 0) if ls.parts_per_layer == 2 else 0, physical(dst, ls)))
             return template_of(runs, block_dim, self.wire_dims[0], self.kv[1] if ls.parts_per_layer == 2 else 1)
 
@@ -109,6 +110,15 @@ class SegmentSink:
         if template is None:
             return None
         return template.addresses(self.local_index.cpu().numpy()), template.piece
+
+    def pieces(self) -> tuple[np.ndarray, int] | None:
+        """Where this segment's wire bytes land, on any device, as equal
+        pieces (addresses, piece bytes): one where they land as-is, one per
+        block piece for batched blocks; None when they need a relayout."""
+        d = self.direct()
+        if d is not None:
+            return np.asarray([d.data_ptr()], dtype=np.uint64), self.nbytes
+        return self.batched_pieces(on_device=True)
 
     def iov(self) -> np.ndarray | None:
         """Where this segment's wire bytes land, as an iovec array of host

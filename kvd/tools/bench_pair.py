@@ -8,11 +8,22 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+
+
+def best_seconds(fn: Callable[[], object], repeat: int) -> float:
+    """The fastest of ``repeat`` timed calls of ``fn``, in seconds."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class BenchPair:
@@ -30,9 +41,6 @@ class BenchPair:
         self.p = self.daemons.start("bench-p", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
         self.d = self.daemons.start("bench-d", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
         self.done: dict[str, float] = {}
-        # CPU seconds per GB of the last throughput run's cheapest request:
-        # both daemons and this process (the workers), from pull to landed.
-        self.cpu_s_per_gb = 0.0
         self._block_size = self._blocks = self._bytes = self._tries = 0
         self._name, self._rng = "", random.Random(0)
         self.cv = threading.Condition()
@@ -110,16 +118,6 @@ class BenchPair:
         seconds = self.transfer(f"{self._name}-{self._tries}", p_ids, d_ids, self._blocks * self._block_size)
         self._tries += 1
         return self._bytes / seconds / 1e9, (self.cpu_seconds() - cpu) / (self._bytes / 1e9)
-
-    def throughput(self, name: str, unit: int, nbytes: int, layers: int, repeat: int, rng: random.Random, device: str = "cpu") -> float:
-        """Best GB/s over ``repeat`` tries (``prepare``, ``one_try``); the least
-        CPU per GB of them in ``cpu_s_per_gb``."""
-        self.prepare(name, unit, nbytes, layers, rng, device)
-        best, self.cpu_s_per_gb = 0.0, float("inf")
-        for _ in range(repeat):
-            gbps, per_gb = self.one_try()
-            best, self.cpu_s_per_gb = max(best, gbps), min(self.cpu_s_per_gb, per_gb)
-        return best
 
     def cpu_seconds(self) -> float:
         """CPU seconds so far of both daemons and of this process."""

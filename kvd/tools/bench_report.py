@@ -54,8 +54,10 @@ TARGETS = (
     Target("stream_vs_pull_long", "TTFT added by the transfer, streamed / pulled, longest prompt", False, 0.10),
     Target("stream_vs_pull_short", "TTFT added by the transfer, streamed / pulled, shortest prompt", False, 1.1),
     Target("load_rss_growth", "daemon RssAnon growth over the load, after warm-up (worst daemon)", False, 0.10),
-    Target("gpu_tcp_vs_socket_1m", "GPU to GPU over TCP / slower of socket and PCIe", True, None),
-    Target("gpu_samehost_vs_d2d_1m", "GPU same-host / device memcpy", True, None),
+    Target("gpu_tcp_vs_socket_16k", "GPU to GPU over TCP, 16 KiB units / slower of socket and PCIe", True, 1.0),
+    Target("gpu_tcp_vs_socket_1m", "GPU to GPU over TCP, 1 MiB units / slower of socket and PCIe", True, None),
+    Target("gpu_samehost_vs_d2d_1m", "GPU same-host, pull to landed / device memcpy", True, 0.5),
+    Target("gpu_pieces_vs_d2d", "GPU same-host piece kernel alone / device memcpy", True, None),
 )
 
 

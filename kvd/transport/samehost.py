@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvd.core.pieces import owner_iov, serve_segment
+from kvd.core.pieces import owner_iov, owner_pieces, serve_segment
 from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, GroupTensors, run_copies
 from kvd.core.sinks import SegmentSink
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES
-from kvd.transport import iovec
+from kvd.transport import device_pieces, iovec
 from kvd.transport.base import Staging
-from kvd.transport.device import device_copies
+from kvd.transport.device import device_copies, thread_stream
 
 
 class LocalSource:
@@ -51,10 +51,11 @@ class LocalSource:
 
 def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool], source: LocalSource,
                cancel: threading.Event | None = None, copier: iovec.Copier | None = None, run: CopyRunner = run_copies) -> int:
-    """Same-host segments. Where both sides are host memory in wire order
-    (the owner's layout and block size here), every such segment goes in one
-    ``copier`` pass, piece to piece, with no staging; the rest are gathered
-    from the owner's memory and landed as usual."""
+    """Same-host segments. Where both sides are in wire order (the owner's
+    layout and block size here), every such segment goes in one pass, piece
+    to piece, with no staging: on host memory by ``copier``, on a GPU by one
+    kernel (``device_pieces``); the rest are gathered from the owner's memory
+    and landed as usual."""
     source.check()
     moved = 0
     dsts: list[np.ndarray] = []
@@ -62,6 +63,8 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
     in_place: list[int] = []
     device_landed: list[int] = []
     opened: set[torch.device] = set()
+    # GPU pieces for device_pieces, by (device, piece bytes): one launch each.
+    by_kernel: dict[tuple[torch.device, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
     with contextlib.ExitStack() as streams:
         for i, (seg, sink) in enumerate(zip(read.segments, sinks, strict=True)):
             if cancel is not None and cancel.is_set():
@@ -76,6 +79,18 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                     in_place.append(i)
                     continue
             gpus = {dev for dev in (sink.device, group.device) if dev.type == "cuda"}
+            if gpus and device_pieces.available(sink.device, group.device):
+                # GPU to GPU in wire order: pieces paired one for one, copied by
+                # one kernel for the whole read (below), with no staging.
+                found = sink.pieces()
+                src_pieces = owner_pieces(group, seg, *read.heads_of(seg)) if found is not None else None
+                pairs = device_pieces.pair(found, src_pieces) if found is not None and src_pieces is not None else None
+                if pairs is not None:
+                    dst_list, src_list = by_kernel.setdefault((sink.device, pairs[2]), ([], []))
+                    dst_list.append(pairs[0])
+                    src_list.append(pairs[1])
+                    device_landed.append(i)
+                    continue
             if gpus:
                 # GPU to GPU (CUDA IPC): gathered on the owner's device, then
                 # one device copy or a relayout on ours. Every device segment
@@ -91,6 +106,12 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
             sink.put(serve_segment(group, seg, *read.heads_of(seg), source.staging), run)
             landed[i] = True
             moved += sink.nbytes
+        for (device, piece), (dst_list, src_list) in by_kernel.items():
+            if device not in opened:
+                opened.add(device)
+                streams.enter_context(device_copies(device))
+            with torch.cuda.stream(thread_stream(device)):
+                device_pieces.copy_pairs(np.concatenate(dst_list), np.concatenate(src_list), piece, device)
     for i in device_landed:  # the stack waited for their copies
         landed[i] = True
         moved += sinks[i].nbytes
