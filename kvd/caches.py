@@ -22,6 +22,12 @@ from kvd.proto import kvd_pb2 as pb
 from kvd.regions.shm import ShmRegion
 from kvd.spec import FULL_ATTENTION, STATE_PART, GroupKind, KVCacheSpec
 
+# The public API (tests/test_public_api.py pins it).
+__all__ = [
+    "Described", "KVCacheTensors", "ShmRegion", "adopt_into_shm", "allocate_cpu_attention_caches", "allocate_kv_caches",
+    "allocate_state_pages", "cpu_attention_parts", "describe", "layer_index_of", "local_group_tensors", "release_all", "torch_dtype",
+]
+
 KVCacheTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 # Regions this process owns, by base address, so any tensor can be described.

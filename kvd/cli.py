@@ -164,7 +164,7 @@ def _status(address: str, as_json: bool, auth: Any) -> int:
     try:
         r = daemon_status(address, auth, timeout=5, wait_ready=False)
     except KvdError as e:
-        print(f"kvd: {address}: {e.code.name}: {e.message}", file=sys.stderr)
+        print(f"kvd: {address}: {e.status.name}: {e.message}", file=sys.stderr)
         return 1
     if as_json:
         print(json.dumps(MessageToDict(r), indent=2))

@@ -37,6 +37,14 @@ from kvd.spec import GroupKind, KVCacheSpec, ModelInfo, WorkerId, infer_spec
 if TYPE_CHECKING:
     from kvd.caches import KVCacheTensors
 
+# The public API (tests/test_public_api.py pins it): the client and what it
+# takes and raises, re-exported from where they live.
+__all__ = [
+    "VLLM_NHD_DIMS", "WORKER_TOKEN_HEADER", "AfterDevice", "DeadlineExceeded", "Finished", "FinishedFeed", "FinishedStream",
+    "GroupKind", "KVCacheSpec", "KvdClient", "KvdError", "ModelInfo", "Unavailable", "WorkerId", "daemon_status", "from_code",
+    "infer_spec", "infer_spec_from_tensors",
+]
+
 VLLM_NHD_DIMS = ("kv", "block", "token", "head", "dim")
 
 
@@ -368,6 +376,16 @@ class FinishedFeed:
                 if left <= 0:
                     raise DeadlineExceeded(f"not pushed after {timeout}s: recving={sorted(recving - seen.finished_recving)[:5]} sending={sorted(sending - seen.finished_sending)[:5]}")
                 self._cond.wait(left)
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds until something is pending to take
+        (or the feed failed); whether it is."""
+        with self._cond:
+            def ready() -> bool:
+                p = self._pending
+                return bool(p.finished_sending or p.finished_recving or p.invalid_block_ids) or self._error is not None
+
+            return self._cond.wait_for(ready, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Cancel the stream and join the thread; what was gathered stays takeable."""

@@ -43,6 +43,7 @@ def spec_from_pb(s: pb.KVCacheSpec, field: str, *, state: bool = False) -> KVCac
             span_size=s.span_size,
             span_format=s.span_format,
             state=state,
+            total_heads=s.total_heads,
         )
     except InvalidArgument as e:
         raise e.within("spec", field) from None
@@ -52,6 +53,7 @@ def spec_to_pb(s: KVCacheSpec) -> pb.KVCacheSpec:
     return pb.KVCacheSpec(
         block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size, dtype=s.dtype,
         layout=list(s.layout), use_mla=s.use_mla, num_blocks=s.num_blocks, span_size=s.span_size, span_format=s.span_format,
+        total_heads=s.total_heads,
     )
 
 

@@ -32,8 +32,15 @@ SD, DS = "SD", "DS"  # vLLM's conv state layouts: (state_len, conv_dim) or (conv
 @dataclass(frozen=True)
 class ConvPart:
     name: str
-    total_heads: int  # over all TP ranks: the unit TP splits
+    total_heads: int  # distinct heads over all TP ranks: the unit TP splits
     width: int  # elements per head in one row
+
+
+def heads_on_rank(total: int, tp_size: int) -> int:
+    """Heads of a part one rank holds: an equal share, or one head replicated
+    where the part has fewer heads than ranks (vLLM replicates Mamba2's B and
+    C when ``n_groups`` is 1 and TP is wider). ``check_tp`` refuses the rest."""
+    return total // tp_size if total >= tp_size else 1
 
 
 @dataclass(frozen=True)
@@ -50,16 +57,16 @@ class StateShape:
 
     def check_tp(self, tp_size: int) -> None:
         for name, total in [*((f"conv.{p.name}", p.total_heads) for p in self.conv), ("ssm", self.ssm_heads)]:
-            if total % tp_size:
-                raise InvalidArgument(f"state.{name}.heads", total, f"must split evenly over tp_size={tp_size} (replicated state groups are not supported)")
+            if total % tp_size and tp_size % total:
+                raise InvalidArgument(f"state.{name}.heads", total, f"must split evenly over tp_size={tp_size}, or be replicated on an equal number of its ranks")
 
     def conv_dim(self, tp_size: int) -> int:
-        return sum(p.total_heads // tp_size * p.width for p in self.conv)
+        return sum(heads_on_rank(p.total_heads, tp_size) * p.width for p in self.conv)
 
     def page_bytes(self, tp_size: int) -> int:
         """The state's bytes on one rank (before any padding)."""
         conv = self.conv_rows * self.conv_dim(tp_size) * DTYPE_SIZES[self.conv_dtype]
-        return conv + self.ssm_heads // tp_size * self.ssm_width * DTYPE_SIZES[self.ssm_dtype]
+        return conv + heads_on_rank(self.ssm_heads, tp_size) * self.ssm_width * DTYPE_SIZES[self.ssm_dtype]
 
     def part_names(self) -> list[str]:
         return [f"conv.{p.name}" for p in self.conv] + ["ssm"]
@@ -68,10 +75,12 @@ class StateShape:
         """One spec per part, on a rank of ``tp_size``: conv parts first, then the SSM state."""
         self.check_tp(tp_size)
         conv_order = ("block", "token", "head", "dim") if self.conv_layout == SD else ("block", "head", "dim", "token")
-        out = [KVCacheSpec(block_size=self.conv_rows, num_kv_heads=p.total_heads // tp_size, head_size=p.width, dtype=self.conv_dtype,
-                           layout=conv_order, num_blocks=num_blocks, state=True) for p in self.conv]
-        out.append(KVCacheSpec(block_size=1, num_kv_heads=self.ssm_heads // tp_size, head_size=self.ssm_width, dtype=self.ssm_dtype,
-                               layout=("block", "token", "head", "dim"), num_blocks=num_blocks, state=True))
+        out = [KVCacheSpec(block_size=self.conv_rows, num_kv_heads=heads_on_rank(p.total_heads, tp_size), head_size=p.width,
+                           dtype=self.conv_dtype, layout=conv_order, num_blocks=num_blocks, state=True,
+                           total_heads=_replicated(p.total_heads, tp_size)) for p in self.conv]
+        out.append(KVCacheSpec(block_size=1, num_kv_heads=heads_on_rank(self.ssm_heads, tp_size), head_size=self.ssm_width, dtype=self.ssm_dtype,
+                               layout=("block", "token", "head", "dim"), num_blocks=num_blocks, state=True,
+                               total_heads=_replicated(self.ssm_heads, tp_size)))
         return out
 
     def views(self, page: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
@@ -89,7 +98,7 @@ class StateShape:
         csize = DTYPE_SIZES[self.conv_dtype]
         col = 0
         for p in self.conv:
-            heads = p.total_heads // tp_size
+            heads = heads_on_rank(p.total_heads, tp_size)
             if self.conv_layout == SD:  # rows of conv_dim: this part is columns [col, col + heads * width) of each
                 offset, strides = col, (stride_bytes // csize, conv_dim, p.width, 1)
             else:  # conv_dim rows of state_len: this part is rows [col, ...)
@@ -98,7 +107,7 @@ class StateShape:
             out.append(view if self.conv_layout == SD else view.permute(0, 2, 3, 1))  # shaped in its spec's layout order
             col += heads * p.width
         ssize = DTYPE_SIZES[self.ssm_dtype]
-        heads = self.ssm_heads // tp_size
+        heads = heads_on_rank(self.ssm_heads, tp_size)
         out.append(_typed(flat, self.ssm_dtype, rows * conv_dim * csize, (nb, 1, heads, self.ssm_width),
                           (stride_bytes // ssize, heads * self.ssm_width, self.ssm_width, 1)))
         return out
@@ -110,6 +119,11 @@ class StateShape:
         views = {name: self.views(page, tp_size) for name, page in pages.items()}
         blocks = next(iter(pages.values())).shape[0]
         return [(spec, {name: v[i] for name, v in views.items()}) for i, spec in enumerate(self.specs(tp_size, blocks))]
+
+
+def _replicated(total: int, tp_size: int) -> int:
+    """A spec's ``total_heads``: the distinct heads where ranks replicate them, else 0."""
+    return total if total < tp_size else 0
 
 
 def _typed(flat: torch.Tensor, dtype: str, offset_bytes: int, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:

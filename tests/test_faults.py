@@ -150,7 +150,11 @@ def test_a_pull_past_its_whole_timeout_fails_with_exactly_the_unlanded_blocks_in
     fails at its own bound, with only the blocks that did not land invalid."""
     d, dw, ids, f, elapsed = _pull_that_stalls(daemons, "--pull-timeout-seconds", "1.5")
     detail = f.details[("recving", "r")]
-    assert detail.outcome == "failed" and detail.reason == "pull timed out", detail.reason
+    # The reason says why, with whom, where it stopped and how much had landed (not just "pull timed out").
+    assert detail.outcome == "failed" and detail.reason.startswith("pull timed out after 1."), detail.reason
+    assert "(pull_timeout_seconds=1.5) [engine 'prefill' at " in detail.reason and ", in phase data, " in detail.reason, detail.reason
+    landed, planned = (int(x) for x in detail.reason.split(", in phase data, ")[1].split(" bytes landed")[0].split(" of "))
+    assert 0 < landed < planned, detail.reason
     assert 1.4 < elapsed < 6, elapsed
     _assert_exactly_the_unlanded_invalid(dw, ids, f)
     assert scrape(d.metrics_url, "kvd_pull_failures_total", reason="timeout") == 1

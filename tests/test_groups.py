@@ -217,7 +217,7 @@ def test_a_malformed_group_or_first_token_is_refused_with_its_field(daemons):
     client.register([(spec, caches)], ModelInfo(1, HEADS), kinds=[GroupKind(CHUNKED_LOCAL, 256)])
     with pytest.raises(KvdError) as ke:
         client.publish("r", [[1, 2]], 40, first_tokens=[8])
-    assert ke.value.code == Status.INVALID_ARGUMENT and "block_ids[0].first_token=8" in ke.value.message
+    assert ke.value.status == Status.INVALID_ARGUMENT and "block_ids[0].first_token=8" in ke.value.message
     # The daemon still serves: a good publication goes through.
     assert client.publish("r", [[1, 2]], 40, first_tokens=[16]).block_ids[0].first_token == 16
 
@@ -231,3 +231,42 @@ def test_pattern_sees_a_shifted_window(daemons):
     assert pattern.mismatch(t, 1, [1, 2], pattern.RankCoords(0), 64, first_token=32) is None
     assert pattern.mismatch(t, 1, [1, 2], pattern.RankCoords(0), 64, first_token=16) is not None
     assert torch.count_nonzero(caches["model.layers.0.self_attn.attn"][:, 0]) == 0
+
+
+def test_one_block_given_to_two_groups_on_the_same_memory_is_refused_naming_both(daemons):
+    """Groups overlaid on one buffer (vLLM's hybrid allocator) never share a
+    block id: a Publish or a Pull giving block 22 to both would write one
+    group's tokens over the other's. Refused with INVALID_ARGUMENT naming both
+    groups and the id; groups that do not share memory may reuse ids."""
+    from kvd.errors import InvalidArgument
+
+    window = GroupKind(SLIDING_WINDOW, WINDOW)
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pc, p_full, _ = _hybrid_worker(p.grpc, "prefill", 16, window)
+    dc, d_full, _ = _hybrid_worker(d.grpc, "decode", 16, window)
+    first = window.first_needed_block_token(N, 16)
+    with pytest.raises(InvalidArgument, match=r"block_ids\[1\]=22 is also given to group 0, which shares its memory"):
+        pc.publish("r", [_blocks(0, 16, 5), _blocks(first, 16, 22)], N, first_tokens=[0, first])  # 5..23 and 22..
+    params = pc.publish("r", [_blocks(0, 16, 5), _blocks(first, 16, 30)], N, first_tokens=[0, first])
+    d_full_ids = _blocks(0, 16, 5)  # blocks 5..23, so 22 and 23 among them
+    with pytest.raises(InvalidArgument, match=r"local_block_ids\[1\]=22 is also given to group 0, which shares its memory"):
+        dc.pull("r", params, [d_full_ids, _blocks(first, 16, 22)], first_tokens=[0, first])
+    assert scrape(d.metrics_url, "kvd_received_bytes_total") == 0
+    # Negative control: disjoint ids are taken.
+    pattern.fill(p_full, 5, _blocks(0, 16, 5), pattern.RankCoords(0))
+    dc.pull("r", params, [d_full_ids, _blocks(first, 16, 40)], first_tokens=[0, first])
+    assert dc.wait_finished(recving={"r"}, timeout=60).details[("recving", "r")].outcome == "done"
+    assert pattern.mismatch(d_full, 5, d_full_ids, pattern.RankCoords(0), N) is None
+
+
+def test_groups_on_separate_memory_may_reuse_block_ids(daemons):
+    window = GroupKind(SLIDING_WINDOW, WINDOW)
+    p = daemons.start("prefill")
+    spec = KVCacheSpec(16, HEADS, 16, "bfloat16", parse_layout("NHD"), 64)
+    full = allocate_kv_caches(spec, ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"])
+    other = allocate_kv_caches(spec, ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"])  # memory of its own
+    client = KvdClient(p.grpc, WorkerId("prefill"))
+    client.wait_ready()
+    client.register([(spec, full), (spec, other)], ModelInfo(LAYERS, HEADS), kinds=[GroupKind(), window])
+    first = window.first_needed_block_token(N, 16)
+    assert client.publish("r", [_blocks(0, 16, 1), _blocks(first, 16, 1)], N, first_tokens=[0, first]).generation > 0

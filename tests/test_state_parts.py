@@ -31,8 +31,10 @@ def _engine(name: str, shape: StateShape, tp: int):
     return meta, [(r.buffer, r.groups, r.tensors) for r in ranks]
 
 
-def _coords(groups, tp_rank):
-    return [pattern.RankCoords(tp_rank * g.spec.num_kv_heads) for g in groups]
+def _coords(groups, tp_rank, tp_size):
+    """Where each part's heads start in the model: an equal share a rank, or
+    the one head a replicated part's rank holds (``total_heads``)."""
+    return [pattern.RankCoords.of(tp_rank, tp_size, g.spec.total_heads or g.spec.num_kv_heads * tp_size, False) for g in groups]
 
 
 def _move(p_meta, p_ranks, d_meta, d_ranks, p_block: int, d_block: int) -> int:
@@ -52,28 +54,34 @@ def _move(p_meta, p_ranks, d_meta, d_ranks, p_block: int, d_block: int) -> int:
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "p_layout", "d_layout"), [(2, 1, SD, SD), (1, 2, SD, DS), (2, 4, DS, SD), (4, 2, DS, DS)])
-@pytest.mark.parametrize("family", ["mamba2", "gated_delta_net"])
+@pytest.mark.parametrize("family", ["mamba2", "mamba2_one_group", "gated_delta_net"])
 def test_state_moves_exactly_across_tp_and_conv_layouts(family, p_tp, d_tp, p_layout, d_layout):
+    """``mamba2_one_group``: Granite 4.0-H's and Falcon-H1's ``n_groups=1``,
+    whose B and C every rank of a wider TP holds a replica of."""
     def shape(layout):
-        if family == "mamba2":
-            return mamba2(num_heads=8, head_dim=4, n_groups=4, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32", conv_layout=layout)
+        if family.startswith("mamba2"):
+            groups = 1 if family == "mamba2_one_group" else 4
+            return mamba2(num_heads=8, head_dim=4, n_groups=groups, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32", conv_layout=layout)
         return gated_delta_net(k_heads=4, v_heads=8, k_dim=8, v_dim=4, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32", conv_layout=layout)
 
     p_meta, p_ranks = _engine("p", shape(p_layout), p_tp)
     d_meta, d_ranks = _engine("d", shape(d_layout), d_tp)
     for tp, (_b, groups, tensors) in enumerate(p_ranks):
-        for t, c in zip(tensors, _coords(groups, tp), strict=True):
+        for t, c in zip(tensors, _coords(groups, tp, p_tp), strict=True):
             pattern.fill(t, 7, [3], c)  # the running state
             pattern.fill(t, 99, [0], c)  # another request's
     def wrong(tp):
         _b, groups, tensors = d_ranks[tp]
-        return [pattern.mismatch(t, 7, [5], c, g.spec.block_size) for g, t, c in zip(groups, tensors, _coords(groups, tp), strict=True)]
+        return [pattern.mismatch(t, 7, [5], c, g.spec.block_size) for g, t, c in zip(groups, tensors, _coords(groups, tp, d_tp), strict=True)]
 
     assert all(m is not None for tp in range(d_tp) for m in wrong(tp))  # negative control: not there before
     moved = _move(p_meta, p_ranks, d_meta, d_ranks, 3, 5)
     assert [m for tp in range(d_tp) for m in wrong(tp)] == [None] * (d_tp * len(d_ranks[0][1]))
-    # Exactly the state: every part of every layer once, no padding, no other block.
-    assert moved == shape(SD).page_bytes(1) * len(LAYERS)
+    # Exactly the state: every part of every layer once, no padding, no other
+    # block; a replicated part (B and C of one group) once per decode rank
+    # holding a replica: each reads its own (a few hundred bytes a layer).
+    replicated = sum(p.width * 3 * 2 for p in shape(SD).conv if p.total_heads < d_tp) * (d_tp - 1)
+    assert moved == (shape(SD).page_bytes(1) + replicated) * len(LAYERS)
     for _buf, _groups, tensors in d_ranks:
         others = torch.ones(NUM_BLOCKS, dtype=torch.bool)
         others[5] = False
@@ -84,13 +92,16 @@ def test_state_moves_exactly_across_tp_and_conv_layouts(family, p_tp, d_tp, p_la
     _b, groups, tensors = d_ranks[0]
     for _i, _c, view in tensors[1].layer_runs(0, (1,)):
         view[0, 0, 5, -1, -1, -1] += 1
-    assert pattern.mismatch(tensors[1], 7, [5], _coords(groups, 0)[1], groups[1].spec.block_size) is not None
+    assert pattern.mismatch(tensors[1], 7, [5], _coords(groups, 0, d_tp)[1], groups[1].spec.block_size) is not None
 
 
-def test_a_state_shape_that_tp_cannot_split_is_refused_by_name():
+def test_a_state_shape_that_tp_cannot_split_or_replicate_is_refused_by_name():
     with pytest.raises(InvalidArgument) as e:
-        mamba2(num_heads=8, head_dim=4, n_groups=1, d_state=8, conv_kernel=4, dtype="bfloat16").specs(2, NUM_BLOCKS)
+        mamba2(num_heads=12, head_dim=4, n_groups=3, d_state=8, conv_kernel=4, dtype="bfloat16").specs(2, NUM_BLOCKS)
     assert e.value.field == "state.conv.B.heads"
+    # One group at TP2 is replicated (vLLM's extra_groups_for_head_shards): each rank holds it whole.
+    b = mamba2(num_heads=8, head_dim=4, n_groups=1, d_state=8, conv_kernel=4, dtype="bfloat16").specs(2, NUM_BLOCKS)[1]
+    assert (b.num_kv_heads, b.total_heads) == (1, 1)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -166,7 +177,7 @@ def test_a_state_prefill_did_not_offer_is_refused_not_left_as_it_was():
 
 @settings(max_examples=40, deadline=None)
 @given(p_tp=st.sampled_from([1, 2, 4]), d_tp=st.sampled_from([1, 2, 4]), p_layout=st.sampled_from([SD, DS]), d_layout=st.sampled_from([SD, DS]),
-       groups=st.sampled_from([4, 8]), head_dim=st.sampled_from([2, 4, 8]), spare=st.integers(1, NUM_BLOCKS - 1), data=st.data())
+       groups=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([2, 4, 8]), spare=st.integers(1, NUM_BLOCKS - 1), data=st.data())
 def test_any_state_pairing_lands_each_rank_its_own_heads_exactly(p_tp, d_tp, p_layout, d_layout, groups, head_dim, spare, data):
     """Any TP pair, conv layouts and shape: each decode rank's parts hold
     exactly its heads of prefill's state, in its own block, and nothing else."""
@@ -178,11 +189,11 @@ def test_any_state_pairing_lands_each_rank_its_own_heads_exactly(p_tp, d_tp, p_l
     p_meta, p_ranks = _engine("p", shape(p_layout), p_tp)
     d_meta, d_ranks = _engine("d", shape(d_layout), d_tp)
     for tp, (_b, gs, tensors) in enumerate(p_ranks):
-        for t, c in zip(tensors, _coords(gs, tp), strict=True):
+        for t, c in zip(tensors, _coords(gs, tp, p_tp), strict=True):
             pattern.fill(t, 11, [p_block], c)
     _move(p_meta, p_ranks, d_meta, d_ranks, p_block, spare)
     for tp, (_b, gs, tensors) in enumerate(d_ranks):
-        for g, t, c in zip(gs, tensors, _coords(gs, tp), strict=True):
+        for g, t, c in zip(gs, tensors, _coords(gs, tp, d_tp), strict=True):
             assert pattern.mismatch(t, 11, [spare], c, g.spec.block_size) is None
             others = torch.ones(NUM_BLOCKS, dtype=torch.bool)
             others[spare] = False

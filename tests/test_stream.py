@@ -170,3 +170,36 @@ def test_pull_dispatched_before_prefill_published_resolves_its_blocks(daemons):
     t.join()
     assert f.details[("recving", "r")].outcome == "done", f.details
     assert dw.mismatch(7, d_ids, NTOK - 1) is None
+
+
+def test_a_pull_whose_params_predate_the_publication_streams_if_the_publication_does(daemons):
+    """Params made before P published (generation 0, no blocks) that do not
+    say ``stream``: Resolve answers it, and D reads layer by layer as P saves
+    them, instead of a whole-request read that stalls while P still computes."""
+    import secrets
+    import threading
+
+    from kvd.proto import kvd_pb2 as pb
+
+    p, d = daemons.start("prefill"), daemons.start("decode", "--stall-timeout-seconds", "2")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    cap = secrets.token_bytes(32)
+    params = pb.TransferParams(remote_engine_id="prefill", remote_address=p.grpc, request_id="r", capability=cap, num_tokens=NTOK,
+                               block_ids=[pb.BlockIds()])
+    assert not params.stream
+    pw.fill(99, IDS)
+
+    def prefill() -> None:
+        time.sleep(0.3)
+        pw.client.publish("r", [IDS], NTOK, capability=cap, stream=True)
+        for layer in range(8):  # 3.2 s of compute: longer than decode's stall bound
+            time.sleep(0.4)
+            compute(pw, 7, [layer])
+
+    t = threading.Thread(target=prefill)
+    t.start()
+    dw.client.pull("r", params, [IDS])
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    t.join()
+    assert f.details[("recving", "r")].outcome == "done", f.details
+    assert dw.mismatch(7, IDS, NTOK) is None

@@ -116,3 +116,40 @@ def test_a_rank_nobody_reads_that_publishes_after_the_read_ends_at_once(daemons)
     f1 = pw[1].client.wait_finished(sending={"r"}, timeout=10)
     assert f1.details[("sending", "r")].outcome == "done"
     assert time.monotonic() - t0 < 1.0
+
+
+def test_peer_calls_naming_another_engine_are_refused_and_change_nothing(daemons):
+    """A decode that pulls with the wrong ``remote_engine_id`` at P's address
+    fails, and its release (a peer Abort naming that engine) must not end
+    P's real publication: the correct pull that follows lands. Abort, renew
+    and resolve naming another engine are FAILED_PRECONDITION, naming both."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(3, [1, 2])
+    params = pw.client.publish("r", [[1, 2]], 32, lease_seconds=60)
+    wrong = pb.TransferParams()
+    wrong.CopyFrom(params)
+    wrong.remote_engine_id = "no-such-engine"
+    dw.client.pull("r", wrong, [[5, 6]])
+    f = dw.client.wait_finished(recving={"r"}, timeout=20)
+    assert f.details[("recving", "r")].outcome == "failed" and "no-such-engine" in f.details[("recving", "r")].reason
+    stub = pbg.PeerStub(grpc.insecure_channel(p.grpc))
+    lease = pb.LeaseRef(request_id="r", generation=params.generation, capability=params.capability)
+    calls = {
+        "abort": lambda: stub.Abort(pb.PeerAbortRequest(engine_id="no-such-engine", request_id="r", generation=params.generation,
+                                                        capability=params.capability, reason="test"), timeout=10),
+        "renew": lambda: stub.RenewLeases(pb.RenewLeasesRequest(engine_id="no-such-engine", reader_engine_id="decode", leases=[lease]), timeout=10),
+        "resolve": lambda: stub.Resolve(pb.ResolveRequest(engine_id="no-such-engine", request_id="r", capability=params.capability), timeout=10),
+    }
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as rpc:
+            call()
+        assert rpc.value.code() == grpc.StatusCode.FAILED_PRECONDITION, (name, rpc.value.details())
+        assert "'no-such-engine'" in rpc.value.details() and "'prefill'" in rpc.value.details(), (name, rpc.value.details())
+    time.sleep(0.5)  # the failed pull's release has had time to arrive
+    assert "r" not in pw.client.get_finished().finished_sending  # P still holds it
+    # Negative control: the same calls naming P's engine do reach the publication (renew keeps it alive).
+    assert list(stub.RenewLeases(pb.RenewLeasesRequest(engine_id="prefill", reader_engine_id="decode", leases=[lease]), timeout=10).alive) == [True]
+    dw.client.pull("r2", params, [[5, 6]])
+    f = dw.client.wait_finished(recving={"r2"}, timeout=20)
+    assert f.details[("recving", "r2")].outcome == "done" and dw.mismatch(3, [5, 6], 32) is None

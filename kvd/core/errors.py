@@ -11,6 +11,7 @@ still fits in gRPC's metadata.
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Any
 
 
@@ -42,17 +43,27 @@ def quote(value: Any) -> str:
 
 
 class KvdError(Exception):
-    code: Status = Status.INTERNAL
+    status: Status = Status.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
+    @property
+    def code(self) -> Any:
+        """The failure as ``grpc.StatusCode`` (the public API's since the
+        first release: ``e.code == grpc.StatusCode.NOT_FOUND``); ``status`` is
+        the core's own. Where gRPC is not loaded (a caller of the pure core
+        alone), the core's ``Status``. Looked up, not imported: the core
+        does not depend on gRPC."""
+        grpc = sys.modules.get("grpc")
+        return grpc.StatusCode[self.status.name] if grpc is not None else self.status
+
 
 class InvalidArgument(KvdError):
     """A field of a request is malformed."""
 
-    code = Status.INVALID_ARGUMENT
+    status = Status.INVALID_ARGUMENT
 
     def __init__(self, field: str, value: Any, problem: str) -> None:
         super().__init__(f"{field}={quote(value)} {problem}")
@@ -69,7 +80,7 @@ class InvalidArgument(KvdError):
 class Incompatible(KvdError):
     """Two engines cannot exchange KV; names both sides' values."""
 
-    code = Status.FAILED_PRECONDITION
+    status = Status.FAILED_PRECONDITION
 
     def __init__(self, field: str, local: Any, remote: Any, problem: str = "") -> None:
         msg = f"incompatible {field}: local={quote(local)} remote={quote(remote)}"
@@ -78,41 +89,41 @@ class Incompatible(KvdError):
 
 
 class NotFound(KvdError):
-    code = Status.NOT_FOUND
+    status = Status.NOT_FOUND
 
 
 class PermissionDenied(KvdError):
-    code = Status.PERMISSION_DENIED
+    status = Status.PERMISSION_DENIED
 
 
 class Unauthenticated(KvdError):
-    code = Status.UNAUTHENTICATED
+    status = Status.UNAUTHENTICATED
 
 
 class FailedPrecondition(KvdError):
-    code = Status.FAILED_PRECONDITION
+    status = Status.FAILED_PRECONDITION
 
 
 class ResourceExhausted(KvdError):
-    code = Status.RESOURCE_EXHAUSTED
+    status = Status.RESOURCE_EXHAUSTED
 
 
 class Unavailable(KvdError):
     """Transient: the caller may retry."""
 
-    code = Status.UNAVAILABLE
+    status = Status.UNAVAILABLE
 
 
 class Aborted(KvdError):
-    code = Status.ABORTED
+    status = Status.ABORTED
 
 
 class DeadlineExceeded(KvdError):
-    code = Status.DEADLINE_EXCEEDED
+    status = Status.DEADLINE_EXCEEDED
 
 
 _BY_NAME: dict[str, type[KvdError]] = {
-    cls.code.name: cls
+    cls.status.name: cls
     for cls in (InvalidArgument, NotFound, PermissionDenied, Unauthenticated, FailedPrecondition,
                 ResourceExhausted, Unavailable, Aborted, DeadlineExceeded)
 }

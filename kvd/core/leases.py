@@ -351,6 +351,17 @@ def check_block_ids(field: str, ids: np.ndarray, num_blocks: int) -> None:
     check_unique(field, ids)
 
 
+def check_disjoint(field: str, ids: Sequence[np.ndarray], sharing: Sequence[tuple[int, int]]) -> None:
+    """Refuse a block id given to two groups that share memory (``sharing``:
+    pairs of group ids, the positions in ``ids``), naming both groups and the
+    id: one group's bytes would silently overwrite the other's."""
+    for i, j in sharing:
+        both = np.intersect1d(ids[i], ids[j], assume_unique=True)
+        if both.size:
+            raise InvalidArgument(f"{field}[{j}]", int(both[0]),
+                                  f"is also given to group {i}, which shares its memory (one block id, one group)")
+
+
 def check_unique(field: str, ids: np.ndarray) -> None:
     """Refuse a block id listed twice, naming it: it would be read (or land) once, silently."""
     if ids.size < 2:

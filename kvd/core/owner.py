@@ -27,7 +27,7 @@ from kvd.core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvd.core.leases import Ended, PinKey, Publication, PublicationTable, RankKey
+from kvd.core.leases import Ended, PinKey, Publication, PublicationTable, RankKey, check_disjoint
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import validate_segment
 from kvd.core.reads import DataRead
@@ -218,10 +218,14 @@ class Owner:
 
     def publish(self, rank: RankKey, request_id: str, block_ids: Sequence[Sequence[int] | np.ndarray], tensors: Sequence[GroupTensors],
                 num_tokens: int, now: float, *, capability: bytes = b"", reader_engine_id: str = "",
-                lease_s: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False) -> tuple[Publication, list[Ended]]:
+                lease_s: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False,
+                sharing: Sequence[tuple[int, int]] = ()) -> tuple[Publication, list[Ended]]:
         """Offer ``rank``'s blocks; and what ends at once because this
         publication already ended (aborted by its reader before we
-        published, or read and finished before this rank published)."""
+        published, or read and finished before this rank published).
+        ``sharing``: positions of groups on the same memory (``sharing_groups``)."""
+        if sharing:
+            check_disjoint("block_ids", [np.asarray(b, dtype=np.int64) for b in block_ids], sharing)
         pub = self.publications.publish(
             rank, request_id, block_ids, [g.spec.num_blocks for g in tensors], num_tokens, now, capability=capability,
             reader_engine_id=reader_engine_id, lease_s=lease_s,

@@ -34,14 +34,15 @@ def engine_shape(meta: EngineMeta) -> EngineShape:
 def _engine_shape(meta: EngineMeta) -> EngineShape:
     use_mla = any(g.spec.use_mla for r in meta.ranks for g in r.groups)
     stages = layers_by_stage([(r.pp_rank, [idx for g in r.groups for idx in g.layer_indices]) for r in meta.ranks])
-    # A state part splits over TP by its own heads: each rank holds an equal share.
+    # A state part splits over TP by its own heads: each rank holds an equal
+    # share, or one head replicated on several ranks (``total_heads``).
     state: dict[int, StateSplit] = {}
     for r in meta.ranks:
         for g in r.groups:
             if g.spec.state:
                 prev = state.get(g.group_id)
                 layers = frozenset(g.layer_indices) | (prev.layers if prev else frozenset())
-                state[g.group_id] = StateSplit(g.spec.num_kv_heads * meta.tp_size, layers)
+                state[g.group_id] = StateSplit(g.spec.total_heads or g.spec.num_kv_heads * meta.tp_size, layers)
     return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages, state)
 
 

@@ -37,6 +37,9 @@ class PullProgress:
     reads: list[RankRead] = field(default_factory=list)  # the current attempt's plan
     landed: list[list[bool]] = field(default_factory=list)  # per read, per segment
     done: dict[ReadKey, int] = field(default_factory=dict)  # reads that landed whole, with their bytes
+    # Where the pull is (queued, resolve, handshake, plan, data, copy): a pull
+    # that fails says where it stopped, and how much had landed.
+    phase: str = "queued"
 
     def begin(self, reads: Sequence[RankRead], striping: Striping, local_ranks: frozenset[tuple[int, int]] = frozenset()) -> list[int]:
         """Take an attempt's plan; the indices of the reads still to run.
@@ -66,6 +69,16 @@ class PullProgress:
     def moved(self) -> int:
         """Bytes of the current plan that landed, in any attempt."""
         return sum(self.done.get(rr.read.key, 0) for rr in self.reads)
+
+    def landed_bytes(self) -> tuple[int, int]:
+        """(Bytes landed, bytes planned) of the current plan, segment by segment."""
+        landed = sum(sink.nbytes for rr, marks in zip(self.reads, self.landed, strict=True) for sink, ok in zip(rr.sinks, marks, strict=True) if ok)
+        return landed, sum(rr.nbytes for rr in self.reads)
+
+    def where(self) -> str:
+        """Where a failed pull stopped, for its reason: the phase, and what had landed."""
+        landed, planned = self.landed_bytes()
+        return f"in phase {self.phase}, {landed} of {planned} bytes landed" if self.reads else f"in phase {self.phase}, nothing planned yet"
 
     def invalid_blocks(self, all_local: Sequence[int]) -> list[int]:
         """Exactly the local blocks some unlanded segment would have written

@@ -163,6 +163,30 @@ class GroupTensors:
             i = j
 
 
+def byte_spans(group: GroupTensors) -> list[tuple[int, int]]:
+    """The address ranges ``[start, end)`` a group's views reach, one per part
+    and layer run (their storage's device and address)."""
+    out = []
+    for part in group.parts:
+        for v in part if isinstance(part, list) else [part]:
+            if v.numel():
+                reach = sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride(), strict=True))
+                out.append((v.data_ptr(), v.data_ptr() + (reach + 1) * v.element_size()))
+    return out
+
+
+def sharing_groups(groups: Sequence[GroupTensors]) -> tuple[tuple[int, int], ...]:
+    """Pairs of positions (i < j) whose groups reach the same memory: groups
+    overlaid on one buffer, as vLLM's hybrid allocator lays them out. A block
+    id there names the same bytes in both, so a request may give it to one."""
+    spans = [byte_spans(g) for g in groups]
+    pairs = []
+    for i, j in itertools.combinations(range(len(groups)), 2):
+        if groups[i].device == groups[j].device and any(a0 < b1 and b0 < a1 for a0, a1 in spans[i] for b0, b1 in spans[j]):
+            pairs.append((i, j))
+    return tuple(pairs)
+
+
 def index_on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``idx`` (block ids, on the host) on ``device``. To a GPU it goes
     through pinned memory: an upload from pageable memory waits for the

@@ -92,7 +92,7 @@ class Error:
 
     @classmethod
     def of(cls, e: KvdError) -> Error:
-        return cls(e.code.name, e.message)
+        return cls(e.status.name, e.message)
 
 
 @dataclass(frozen=True)

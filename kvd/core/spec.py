@@ -137,6 +137,11 @@ class KVCacheSpec:
     # A state part (a Mamba conv sub-projection or SSM state): one plane, no
     # K/V, split over TP by its own heads; ``block_size`` counts its rows.
     state: bool = False
+    # A state part's distinct heads over all TP ranks, where fewer than the
+    # ranks: each is replicated on tp_size / total_heads ranks, as vLLM
+    # replicates Mamba2's B and C when n_groups=1 at TP2. 0: split evenly
+    # (num_kv_heads x tp_size).
+    total_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_size", "num_blocks"):
@@ -162,6 +167,8 @@ class KVCacheSpec:
             raise InvalidArgument("spec.span_format", self.span_format, "is only for opaque layouts")
         if len(self.span_format) > 64:
             raise InvalidArgument("spec.span_format", self.span_format, "must be at most 64 characters")
+        if self.total_heads and (not self.state or self.num_kv_heads != 1 or self.total_heads < 0):
+            raise InvalidArgument("spec.total_heads", self.total_heads, "is only for a state part replicated over TP ranks (one head a rank)")
 
     @property
     def opaque(self) -> bool:

@@ -30,6 +30,7 @@ from kvd.convert import (
 )
 from kvd.core.aggregate import EngineFinishedHub, Outcome, PushLog, WorkerFinished
 from kvd.core.errors import (
+    FailedPrecondition,
     Incompatible,
     InvalidArgument,
     NotFound,
@@ -37,7 +38,7 @@ from kvd.core.errors import (
     Unavailable,
 )
 from kvd.core.leases import Ended, PublicationTable, RankKey
-from kvd.core.relayout import GroupTensors
+from kvd.core.relayout import GroupTensors, sharing_groups
 from kvd.core.session import Hello
 from kvd.core.spec import (
     LAYER_STREAM,
@@ -54,10 +55,11 @@ from kvd.daemon.metrics import ActiveClock, Metrics
 from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
+from kvd.daemon.reaper import Reaper, remove_orphans
 from kvd.daemon.reports import AggregatorReports
 from kvd.daemon.watchdog import LoopWatchdog
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions import MappedRegion, check_intact, close_later, map_regions
+from kvd.regions import MappedRegion, check_intact, close_later, map_regions, shm
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
@@ -78,6 +80,8 @@ class Registration:
     worker_token: bytes = b""
     nixl_handles: list[object] = field(default_factory=list)
     pushed: PushLog = field(default_factory=PushLog)  # what WatchFinished sent this registration
+    # Positions of groups overlaid on the same memory: no block id may be given to two of them.
+    sharing: tuple[tuple[int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +95,10 @@ class Registration:
         self.tensors.clear()
         for r in self.regions.values():
             r.close()
+
+
+def _shm_names(reg: Registration) -> list[str]:
+    return [r.name for r in reg.regions.values() if isinstance(r, shm.ShmRegion)]
 
 
 def host_id() -> str:
@@ -158,8 +166,10 @@ class Daemon:
 
     async def start(self) -> None:
         self.config.data_port = await self.data_server.start()
+        remove_orphans()
+        reaper = Reaper(self._registered_shm, lambda k, reason: self._end_registration(k, reason, unlink=True))
         self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat()),
-                            asyncio.create_task(self.reports.run())]
+                            asyncio.create_task(self.reports.run()), asyncio.create_task(reaper.run())]
         self._watchdog = LoopWatchdog(asyncio.get_running_loop(), self.metrics.event_loop_lag)
         self._watchdog.start()
 
@@ -303,7 +313,8 @@ class Daemon:
             self._release(old)
         self._generation += 1
         self.registration_version += 1
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32), handles)
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32), handles,
+                           sharing=sharing_groups(tensors))
         self.registrations[key] = reg
         # The box outlives registrations; a stream the old registration opened sees it was replaced and ends.
         self.finished.setdefault(key, WorkerFinished()).wake()
@@ -315,20 +326,30 @@ class Daemon:
 
     def unregister(self, worker: WorkerId, token: bytes | None = None) -> None:
         key = self.registered(worker, token).worker
-        k = (key.tp_rank, key.pp_rank)
+        self._end_registration((key.tp_rank, key.pp_rank), "worker unregistered")
+
+    def _end_registration(self, k: RankKey, reason: str, *, unlink: bool = False) -> None:
+        """The worker left: its pulls and publications end with ``reason``, its
+        memory is unmapped, and with ``unlink`` (its creator is gone) removed."""
         self.puller.cancel_rank(k)
-        self.publisher.abort_rank(k, "worker unregistered")
-        self._release(self.registrations.pop(k))
+        self.publisher.abort_rank(k, reason)
+        self._release(self.registrations.pop(k), unlink=unlink)
         self.finished[k].wake()  # its WatchFinished streams end
         self.registration_version += 1
         self._update_region_metrics()
 
-    def _release(self, reg: Registration) -> None:
+    def _release(self, reg: Registration, *, unlink: bool = False) -> None:
         def unmap() -> None:
             reg.tensors.clear()  # views keep a mapping alive
             self._unmap(reg.regions, reg.nixl_handles)
+            if unlink:
+                for name in _shm_names(reg):
+                    shm.unlink_name(name)
 
         close_later(unmap)
+
+    def _registered_shm(self) -> dict[RankKey, list[str]]:
+        return {k: _shm_names(reg) for k, reg in self.registrations.items()}
 
     def registered(self, worker: WorkerId, token: bytes | None = None) -> Registration:
         """The worker's registration; with ``token``, only for the worker itself."""
@@ -435,6 +456,12 @@ class Daemon:
     def check_engine(self, engine_id: str) -> None:
         if engine_id != self.config.engine_id:
             raise InvalidArgument("engine_id", engine_id, f"is not this daemon's engine {self.config.engine_id!r}")
+
+    def check_peer_engine(self, engine_id: str) -> None:
+        """A peer's call about a publication (abort, renew, resolve) names the
+        engine it means: one that reached the wrong daemon changes nothing here."""
+        if engine_id != self.config.engine_id:
+            raise FailedPrecondition(f"engine_id={engine_id!r} names another engine: this daemon serves engine_id={self.config.engine_id!r}")
 
     def report_sending(self, ended: Ended) -> None:
         self.emit(ended.rank, Outcome(ended.request_id, "sending", ended.outcome, ended.reason))

@@ -112,7 +112,7 @@ class Publisher:
                 pub, now_ended = self.owner.publish(
                     (reg.worker.tp_rank, reg.worker.pp_rank), req.request_id, ids, reg.tensors, req.num_tokens, time.monotonic(),
                     capability=req.capability, reader_engine_id=req.reader_engine_id, lease_s=req.lease_seconds,
-                    first_tokens=[b.first_token for b in req.block_ids], stream=stream,
+                    first_tokens=[b.first_token for b in req.block_ids], stream=stream, sharing=reg.sharing,
                 )
                 ended += now_ended
         self.report(ended)
@@ -145,7 +145,7 @@ class Publisher:
         once every rank registered here has published it (or the wait ends
         with at least one). Refused like a read if nothing matches."""
         d = self.d
-        d.check_engine(req.engine_id)
+        d.check_peer_engine(req.engine_id)
         check_request_id("request_id", req.request_id)
         if self._resolves >= d.config.max_pending_resolves:
             raise ResourceExhausted(f"more than {d.config.max_pending_resolves} resolves pending")
@@ -185,6 +185,7 @@ class Publisher:
                                   num_tokens=pub.num_tokens, stream=pub.stream)
 
     def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
+        self.d.check_peer_engine(req.engine_id)
         check_request_id("request_id", req.request_id)
         with self.lock:
             ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason, time.monotonic())
@@ -193,6 +194,7 @@ class Publisher:
         return ended is not None
 
     def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
+        self.d.check_peer_engine(req.engine_id)
         for i, lease in enumerate(req.leases):
             check_request_id(f"leases[{i}].request_id", lease.request_id)
         with self.lock:
@@ -255,7 +257,7 @@ class Publisher:
                 grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
                                              local=local, reader_copies=reader_copies, registration=reg.generation if reg is not None else 0)
         except KvdError as e:
-            self.d.metrics.refused_reads.labels(e.code.name.lower()).inc()
+            self.d.metrics.refused_reads.labels(e.status.name.lower()).inc()
             raise
         assert reg is not None
         if local:

@@ -27,7 +27,7 @@ from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
-from kvd.core.leases import RankKey, check_block_ids
+from kvd.core.leases import RankKey, check_block_ids, check_disjoint
 from kvd.core.pairing import engine_shape, in_wire_order
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
@@ -110,11 +110,13 @@ class Puller:
             raise InvalidArgument("params.num_tokens", p.num_tokens, "must be positive")
         if len(req.local_block_ids) != len(reg.groups):
             raise InvalidArgument("local_block_ids", f"<{len(req.local_block_ids)} groups>", f"must give one list per KV cache group ({len(reg.groups)})")
-        for g, ids in zip(reg.groups, req.local_block_ids, strict=True):
-            check_block_ids(f"local_block_ids[{g.group_id}]", np.asarray(ids.ids, dtype=np.int64), g.spec.num_blocks)
+        local = [np.asarray(ids.ids, dtype=np.int64) for ids in req.local_block_ids]
+        for g, ids, arr in zip(reg.groups, req.local_block_ids, local, strict=True):
+            check_block_ids(f"local_block_ids[{g.group_id}]", arr, g.spec.num_blocks)
             if ids.first_token % g.spec.block_size or ids.first_token > p.num_tokens:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}].first_token", ids.first_token,
                                       f"must be a multiple of the block size {g.spec.block_size}, at most params.num_tokens={p.num_tokens}")
+        check_disjoint("local_block_ids", local, reg.sharing)
         worker = reg.worker
         key = ((worker.tp_rank, worker.pp_rank), req.request_id)
         if key in self.pulls:
@@ -177,6 +179,11 @@ class Puller:
             if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
                 outcome, message = active.cancel_outcome, active.cancel_reason
                 reason = "aborted" if outcome == "aborted" else "lease_lost"
+            if reason == "timeout":
+                message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={d.config.pull_timeout_seconds:g})"
+            # Which peer, where it stopped and what landed: the one line an operator needs.
+            p = req.params
+            message = f"{message} [engine {p.remote_engine_id!r} at {p.remote_address}, {progress.where()}]"
             invalid = progress.invalid_blocks(sorted({i for ids in local_ids for i in ids}))
             # Replicas copying from us fail now, even those that ask later.
             fut = self._replica_future(req.params, rank)
@@ -231,15 +238,19 @@ class Puller:
         present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
         source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
         if source is not None:
+            progress.phase = "copy"
             return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
         phase = d.metrics.pull_phase_seconds
         if not req.params.generation:
+            progress.phase = "resolve"
             t = time.perf_counter()
             await self._resolve(req.params)  # before the handshake: it fills in the epoch the handshake is cached by
             phase.labels("resolve").observe(time.perf_counter() - t)
+        progress.phase = "handshake"
         t = time.perf_counter()
         peer = await d.handshakes.peer_for(req.params)
         phase.labels("handshake").observe(time.perf_counter() - t)
+        progress.phase = "plan"
         t = time.perf_counter()
         if peer.meta.epoch != req.params.remote_epoch:
             raise FailedPrecondition(
@@ -271,6 +282,7 @@ class Puller:
                 d.handshakes.drop_peer(req.params.remote_engine_id)
                 peer = await d.handshakes.peer_for(req.params)
         phase.labels("plan").observe(time.perf_counter() - t)
+        progress.phase = "data"
         t = time.perf_counter()
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
@@ -338,6 +350,10 @@ class Puller:
             del params.block_ids[:]
             params.block_ids.extend(resp.block_ids)
             params.num_tokens = min(params.num_tokens, resp.num_tokens)  # all decode wants, if prefill holds it
+        if resp.stream:
+            # The publication streams (P saves layer by layer): read it as it is
+            # saved, or a whole-request read stalls while P still computes.
+            params.stream = True
 
     # ------------------------------------------------------------ replicas
 
@@ -390,13 +406,14 @@ class Puller:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            due: dict[str, list[ActivePull]] = {}
+            due: dict[tuple[str, str], list[ActivePull]] = {}
             for p in self.pulls.values():
                 # Unresolved params have no lease yet (P is still to publish).
                 if now >= p.next_renew and p.params.generation:
                     p.next_renew = now + _renew_interval(p.params)
-                    due.setdefault(p.params.remote_address, []).append(p)
-            for address, pulls in due.items():
+                    # One call per owner engine: a daemon refuses leases it is not the engine of.
+                    due.setdefault((p.params.remote_address, p.params.remote_engine_id), []).append(p)
+            for (address, _engine), pulls in due.items():
                 self.d.spawn(self._renew(address, pulls))
 
     async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
@@ -426,7 +443,7 @@ def _failure_reason(e: BaseException) -> tuple[str, str]:
     if isinstance(e, asyncio.TimeoutError):
         return "timeout", "pull timed out"
     if isinstance(e, KvdError):
-        return e.code.name.lower(), e.message
+        return e.status.name.lower(), e.message
     if isinstance(e, (ConnectionError, OSError)):
         return "connection", f"{type(e).__name__}: {e}"
     return "internal", f"{type(e).__name__}: {e}"

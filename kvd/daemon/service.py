@@ -59,7 +59,7 @@ def register_service(server: grpc.aio.Server, servicer: Any, name: str) -> None:
 
 def grpc_code(e: KvdError) -> grpc.StatusCode:
     """The core's status as gRPC's: the names are the same by design."""
-    return grpc.StatusCode[e.code.name]
+    return grpc.StatusCode[e.status.name]
 
 
 def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:

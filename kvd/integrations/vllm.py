@@ -46,11 +46,7 @@ CUDA IPC. Nothing is copied per request by the engine.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,36 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvd.caches import (
-    KVCacheTensors,
-    adopt_into_shm,
-    layer_index_of,
-    release_all,
-)
-from kvd.client import (
-    VLLM_NHD_DIMS,
-    AfterDevice,
-    FinishedFeed,
-    KvdClient,
-    daemon_status,
-    infer_spec_from_tensors,
-)
-from kvd.errors import KvdError, Status
-from kvd.integrations.kv_params import Publication
-from kvd.integrations.vllm_caches import (
-    cpu_cache_registration,
-    layer_groups,
-    rebind_layers,
-    request_amx_permission,
-    state_shape,
-)
 from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, SchedulerSide, Settings
-from kvd.proto import kvd_pb2 as pb
-from kvd.spec import (
-    KVCacheSpec,
-    ModelInfo,
-    WorkerId,
-)
+from kvd.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -124,7 +92,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         settings = Settings.from_vllm(vllm_config)
         self._scheduler = SchedulerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = _WorkerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.WORKER else None
+        self._worker = WorkerSide(vllm_config, settings, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -221,12 +189,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        r = self._worker.poll()
+        r = self._worker.poll(self._idle_step())
         return (r.finished_sending or None), (r.finished_recving or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Unlike the base contract's cheap query, an idle step may wait a few
+        ms here for the daemon's news (``WorkerSide.poll``)."""
         assert self._worker is not None
-        return self._worker.poll()
+        return self._worker.poll(self._idle_step())
+
+    def _idle_step(self) -> bool:
+        meta = getattr(self, "_connector_metadata", None)  # bound for this step by vLLM
+        return isinstance(meta, KvdConnectorMetadata) and meta.idle
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -235,266 +209,3 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-
-
-_DEFINITE_REFUSALS = frozenset(Status) - {Status.INTERNAL, Status.UNAVAILABLE, Status.ABORTED, Status.DEADLINE_EXCEEDED}  # never started
-
-
-class _WorkerSide:
-    def __init__(self, vllm_config: VllmConfig, settings: Settings, kv_cache_config: Any = None) -> None:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-        self.settings = settings
-        self.vllm_config = vllm_config
-        self.kv_cache_config = kv_cache_config
-        self.tp_rank = int(get_tensor_model_parallel_rank())
-        self.pp_rank = int(get_pp_group().rank_in_group)
-        self.client: KvdClient | None = None
-        # The daemon pushes finished sets to it, so an engine step reads them without a round trip.
-        self.feed: FinishedFeed | None = None
-        self._done_sending: set[str] = set()  # failed publishes: free the blocks at once
-        self._done_recving: set[str] = set()  # failed pulls
-        self._lock = threading.Lock()  # guards _refused, which gRPC threads fill
-        self._refused: dict[str, tuple[pb.TransferParams, KvdError]] = {}  # pulls the daemon refused, not yet reported
-        self._reported_failed: set[str] = set()  # refused pulls reported failed, in case the daemon's outcome comes after all
-        self._failed_recving: set[str] = set()
-        self._invalid: set[int] = set()
-        # What the daemon still owes us an outcome for: if it goes away, its
-        # publications and pulls are gone, and vLLM must hear so, not wait.
-        self._sending: set[str] = set()
-        self._loading: dict[str, set[int]] = {}
-        # A publication named other than its request (streamed: the proxy named it) -> the request.
-        self._names: dict[str, str] = {}
-        # Published by the scheduler and already ended when its metadata came (not to be tracked then).
-        self._ended_unseen: set[str] = set()
-        self._streaming: list[str] = []  # names whose layers this step's forward saves
-        self.after_device: AfterDevice | None = None
-
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        request_amx_permission()
-        vc = self.vllm_config
-        engine_id = daemon_status(self.settings.address, self.settings.auth).engine_id
-        worker = WorkerId(engine_id, self.tp_rank, vc.parallel_config.tensor_parallel_size, self.pp_rank, vc.parallel_config.pipeline_parallel_size)
-        by_group = layer_groups(self.kv_cache_config, kv_caches)
-        tp = vc.parallel_config.tensor_parallel_size
-        if any(kind.is_state for kind, _, _ in by_group) and vc.cache_config.mamba_cache_mode != "none":
-            # In align mode a request's states are spread over position-indexed blocks with prefix caching.
-            raise KvdError(f"kvd moves Mamba state with prefix caching off (mamba_cache_mode 'none'); this engine has {vc.cache_config.mamba_cache_mode!r}")
-        model = ModelInfo(vc.model_config.get_total_num_hidden_layers(), vc.model_config.get_total_num_kv_heads())
-        client = KvdClient(self.settings.address, worker, auth=self.settings.auth)
-        client.wait_ready()
-        on_gpu = next(iter(by_group[0][1].values())).is_cuda
-        if not on_gpu:
-            adopt_into_shm({f"{g}:{n}": t for g, (_, caches, _) in enumerate(by_group) for n, t in caches.items()})
-            rebind_layers(vc, kv_caches)
-        # Each vLLM group as kvd groups: a state group becomes one per state part.
-        groups: list[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]] = []
-        kinds, attention_dims = [], []
-        for kind, caches, vllm_spec in by_group:
-            if kind.is_state:
-                # vLLM's pages are [blocks, 1, 1, page_bytes] int8: one group per state part.
-                parts = state_shape(vllm_spec, tp).layer_parts(caches, tp)
-                groups += parts
-                kinds += [kind] * len(parts)
-                continue
-            if on_gpu:
-                # FlashAttention [2, blocks, tokens, heads, dim]; FlashInfer puts blocks first.
-                first = next(iter(caches.values()))
-                dims: Any = VLLM_NHD_DIMS if first.shape[0] == 2 else ("block", "kv", "token", "head", "dim")
-                groups.append((infer_spec_from_tensors(caches, dims=dims), caches))  # type: ignore[arg-type]
-            else:
-                spec, registered, dims = cpu_cache_registration(vc, caches)
-                groups.append((spec, registered))
-            kinds.append(kind)
-            attention_dims.append(dims)
-        # One description of the tensors' dims serves every attention group (they share one attention kernel).
-        if len({str(d) for d in attention_dims}) > 1:
-            raise KvdError(f"KV cache groups need different attention layouts ({[str(d) for d in attention_dims]}); kvd registers one")
-        resp = client.register(groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
-        self.client = client
-        self.feed = FinishedFeed(client).start()
-        self.after_device = AfterDevice(client, model.num_layers, cuda=on_gpu)
-        for kind, (spec, layer_caches) in zip(kinds, groups, strict=True):
-            log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d %s (layer order %s)", worker, self.settings.address,
-                     kind, len(layer_caches), spec.num_blocks, spec.block_size, "state rows" if kind.is_state else "tokens",
-                     [layer_index_of(n, i) for i, n in enumerate(layer_caches)][:4])
-        log.info("kvd: %.1f MiB registered", resp.registered_bytes / 2**20)
-
-    def publish_streams(self, meta: KvdConnectorMetadata) -> None:
-        """Before the forward: end the streams whose requests ended (a
-        preempted request's blocks are this step's to reuse), then publish
-        this step's streams before the forward saves their first layer."""
-        if self.client is None:
-            return
-        for rid, (name, tell_vllm) in meta.to_end.items():
-            if not tell_vllm:
-                self._names[name] = ""  # vLLM freed the blocks itself: its end is not reported
-                self._sending.discard(rid)
-            with contextlib.suppress(KvdError):  # gone already: its end was reported
-                self.client.abort(name)
-            log.info("kvd: request %s ended before its streamed prefill was read: publication %s ended", rid, name)
-        self._streaming = [pub.request_id for rid, pub in meta.to_publish.items() if pub.stream and self._publish(rid, pub)]
-
-    def _publish(self, rid: str, pub: Publication) -> bool:
-        assert self.client is not None
-        try:
-            self.client.publish(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
-                                first_tokens=pub.first_tokens, stream=pub.stream)
-            self._sending.add(rid)
-            if pub.request_id != rid:
-                self._names[pub.request_id] = rid
-            return True
-        except KvdError as e:
-            log.error("kvd: publishing request %s failed, freeing its blocks: %s", rid, e.message)
-            self._done_sending.add(rid)
-            return False
-
-    def layer_saved(self, layer_name: str) -> None:
-        if self._streaming and self.after_device is not None:
-            self.after_device.saved(self._streaming, layer_index_of(layer_name, 0) + 1)
-
-    def step_saved(self) -> None:
-        """The forward is over: every layer of this step's streams is written (state layers too, which save no layer)."""
-        if self._streaming and self.after_device is not None:
-            self.after_device.saved(self._streaming, self.after_device.num_layers)
-        self._streaming = []
-
-    def start(self, meta: KvdConnectorMetadata) -> None:
-        client = self.client
-        if client is None:
-            return
-        for rid, pub in meta.to_publish.items():
-            if pub.published:  # by the scheduler, for every rank: only its outcome is ours to track
-                if rid in self._ended_unseen:
-                    self._ended_unseen.discard(rid)
-                else:
-                    self._sending.add(rid)
-            elif not pub.stream:  # streams were published before the forward
-                self._publish(rid, pub)
-        for rid, release in meta.to_release.items():
-            try:
-                client.abort(rid, release=release)
-            except KvdError as e:
-                log.info("kvd: could not release request %s on %s (its lease will): %s", release.request_id, release.remote_address, e.message)
-        for rid, ids in meta.failed_loads.items():
-            self._done_recving.add(rid)
-            self._failed_recving.add(rid)
-            self._invalid.update(ids)
-        self.start_loads(meta)
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.after_device is not None and self.after_device.cuda
-
-    def start_loads(self, meta: KvdConnectorMetadata) -> None:
-        """Start this step's loads; the next poll reports a refusal. vLLM zeroes
-        new blocks before the forward, on a GPU only enqueued and unordered with
-        the daemon's copies: GPU loads start at ``bind``, from ``AfterDevice``
-        once the stream got past it, waiting for no answer. Host loads start after
-        the forward, as vLLM's, and wait: going on at once let the next CPU forward
-        take the cores from the daemon (real-engine bench: pull 23 ms, not 10)."""
-        client, after = self.client, self.after_device
-        if client is None or after is None:
-            return
-        for rid, load in meta.to_load.items():
-            self._loading[rid] = {i for g in load.local_block_ids for i in g}
-            answered = functools.partial(self._pull_answered, rid, load.params)
-            if after.cuda:
-                after.run(functools.partial(client.pull_nowait, rid, load.params, load.local_block_ids,
-                                            first_tokens=load.local_first_tokens, answered=answered))
-                continue
-            try:
-                client.pull(rid, load.params, load.local_block_ids, first_tokens=load.local_first_tokens)
-            except KvdError as e:
-                answered(e)
-        meta.to_load = {}  # started: once per step, whichever hook got there first
-
-    def _pull_answered(self, rid: str, params: pb.TransferParams, error: KvdError | None) -> None:
-        """Keep a refusal for the engine's next poll (from a gRPC thread for GPU loads)."""
-        if error is not None:
-            with self._lock:
-                self._refused[rid] = (params, error)
-
-    def _report_refused(self, out: KVConnectorTransferResults) -> None:
-        """Pulls the daemon refused: failed loads, every block invalid."""
-        assert self.client is not None
-        with self._lock:
-            refused, self._refused = self._refused, {}
-        for rid, (params, error) in refused.items():
-            ids = self._loading.pop(rid, None)
-            if ids is None:
-                continue  # its outcome came first: the daemon took it, and only its answer was lost
-            log.error("kvd: pull of request %s refused: %s", rid, error.message)
-            with contextlib.suppress(KvdError):  # P need not hold what we will not read
-                self.client.abort(rid, release=params)
-            out.finished_recving.add(rid)
-            out.failed_recving.add(rid)
-            self._invalid |= ids
-            if error.code not in _DEFINITE_REFUSALS:  # a definite refusal has no outcome to come
-                self._reported_failed.add(rid)
-
-    def poll(self) -> KVConnectorTransferResults:
-        out = KVConnectorTransferResults(set(self._done_sending), set(self._done_recving), set(self._failed_recving))
-        self._done_sending.clear()
-        self._done_recving.clear()
-        self._failed_recving.clear()
-        if self._refused:  # (read unlocked: a refusal that comes now waits for the next poll)
-            self._report_refused(out)
-        if self.feed is not None:
-            # The error first: everything the feed received before it failed is then in this take.
-            error = self.feed.error
-            f = self.feed.take()
-            # Streamed publications were named by the proxy: vLLM knows their requests.
-            f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending} - {""}
-            # Only one the scheduler published can end before we hear of it (vLLM holds its blocks all the same).
-            self._ended_unseen |= f.finished_sending - self._sending
-            self._sending -= f.finished_sending
-            if late := self._reported_failed & f.finished_recving:
-                # Reported failed when the answer to its Pull was lost, yet the daemon had taken it: vLLM heard of it once.
-                f.finished_recving -= late
-                self._reported_failed -= late
-            for rid in f.finished_recving:
-                self._loading.pop(rid, None)
-            out.finished_sending |= f.finished_sending
-            out.finished_recving |= f.finished_recving
-            out.failed_recving |= {rid for (direction, rid), d in f.details.items() if direction == "recving" and d.outcome != "done"}
-            self._invalid |= f.invalid_block_ids
-            for (direction, rid), d in f.details.items():
-                if d.outcome != "done":
-                    log.warning("kvd: %s of request %s ended %s: %s", direction, rid, d.outcome, d.reason)
-            if error is not None:
-                # The daemon is gone, and its publications and pulls with it: vLLM must hear so, not wait.
-                if self._sending or self._loading:
-                    log.error("kvd: daemon at %s failed (%s): ending %d sends and failing %d loads", self.settings.address, error.message,
-                              len(self._sending), len(self._loading))
-                out.finished_sending |= self._sending
-                out.finished_recving |= set(self._loading)
-                out.failed_recving |= set(self._loading)
-                for ids in self._loading.values():
-                    self._invalid |= ids
-                self._sending, self._loading = set(), {}
-        return out
-
-    def take_invalid(self) -> set[int]:
-        out, self._invalid = self._invalid, set()
-        if len(getattr(self.kv_cache_config, "kv_cache_groups", None) or ()) > 1:
-            # Block ids repeat across groups, so vLLM takes a failed load with
-            # several groups only as a request in failed_recving (already
-            # there): it then recomputes the whole prompt.
-            return set()
-        return out
-
-    def shutdown(self) -> None:
-        if self.after_device is not None:
-            self.after_device.close()
-        if self.feed is not None:
-            self.feed.close()  # first: unregistering ends the stream, which is no failure here
-            self.feed = None
-        if self.client is not None:
-            try:
-                self.client.unregister()
-            except KvdError as e:
-                log.info("kvd: unregister failed: %s", e.message)
-            self.client.close()
-            self.client = None
-            release_all()  # unlinks the names; the mappings live until the process ends

@@ -156,10 +156,30 @@ def _dtype_name(dt: Any) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def state_shape(spec: Any, tp_size: int) -> StateShape:
+# Where model configs keep Mamba2's group count (Mamba2 and Nemotron-H;
+# Granite 4.0-H and Falcon-H1; Zamba2), as vLLM's models read it.
+_N_GROUPS_FIELDS = ("n_groups", "mamba_n_groups", "mamba_ngroups")
+
+
+def mamba_n_groups(vc: VllmConfig) -> int | None:
+    """The model's Mamba2 group count (B and C heads), or None where its config names none."""
+    hf = vc.model_config.hf_text_config
+    for name in _N_GROUPS_FIELDS:
+        value = getattr(hf, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def state_shape(spec: Any, tp_size: int, n_groups: int | None = None) -> StateShape:
     """A vLLM ``MambaSpec`` (this rank's state shapes) as kvd's state parts:
     the conv state cut into its sub-projections the way each mixer shards
     them over TP (NIXL's ``derive_mamba_conv_split`` reads them alike).
+
+    ``n_groups`` is the model's Mamba2 group count: where it is smaller than
+    TP, vLLM gives every rank one group (``extra_groups_for_head_shards``),
+    a replica of the model's single one, so B and C have ``n_groups``
+    distinct heads, not one a rank.
 
     Refused by name: state kvd cannot slice exactly (other mixers, TP-replicated state)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -174,7 +194,12 @@ def state_shape(spec: Any, tp_size: int) -> StateShape:
     if kind == "MAMBA2":  # conv over x | B | C; SSM (heads, head_dim, d_state)
         heads, head_dim, d_state = ssm
         groups = (conv_dim - heads * head_dim) // 2 // d_state
-        parts = (ConvPart("x", heads * tp_size, head_dim), ConvPart("B", groups * tp_size, d_state), ConvPart("C", groups * tp_size, d_state))
+        total_groups = groups * tp_size
+        if n_groups is not None and n_groups < tp_size:
+            if groups != 1 or tp_size % n_groups:
+                raise KvdError(f"{kind} state: {groups} groups a rank for the model's n_groups={n_groups} at TP{tp_size}: not vLLM's replication")
+            total_groups = n_groups  # each rank holds a replica
+        parts = (ConvPart("x", heads * tp_size, head_dim), ConvPart("B", total_groups, d_state), ConvPart("C", total_groups, d_state))
         ssm_heads, ssm_width = heads, head_dim * d_state
     elif kind == "GDN_ATTN":  # conv over q | k | v; SSM (v_heads, v_dim, k_dim)
         v_heads, v_dim, k_dim = ssm

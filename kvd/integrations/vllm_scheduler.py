@@ -69,6 +69,21 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     # Streamed publications whose request ended before D read them, by request id: their name, and whether
     # vLLM holds the blocks for their finished_sending (aborted) or freed them itself (preempted).
     to_end: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    # The step computes no token: vLLM steps anyway while it holds requests
+    # for transfers, and the workers may wait for the daemon's news instead.
+    idle: bool = False
+
+
+# How long a worker's idle step waits for the daemon to push an outcome
+# (extra config ``kvd_idle_wait_ms``). vLLM keeps stepping while P holds a
+# request for D (``has_finished_requests``), 1 ms apart, and every step wakes
+# the TP workers, whose message queues spin on sched_yield for a second
+# after each read: with a poll that costs 0.1 ms, P stepped 410-560 times a
+# second and its workers took 95-99% of a core, and a decode rank sharing
+# that core got none (hetero TP between OpenAI servers hung). Waiting 10 ms
+# held idle steps to ~76 a second, the workers to 17%; a push ends the wait
+# at once, so no outcome is later for it.
+IDLE_WAIT_MS = 10.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class Settings:
     advertise_address: str
     lease_seconds: float
     auth: AuthConfig
+    idle_wait_seconds: float = IDLE_WAIT_MS / 1e3
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
@@ -86,7 +102,11 @@ class Settings:
         auth = AuthConfig.load(str(extra.get("kvd_auth", "none")), str(extra.get("kvd_token_file", "")),
                                str(extra.get("kvd_tls_cert_file", "")), str(extra.get("kvd_tls_key_file", "")),
                                str(extra.get("kvd_tls_ca_file", "")))
-        return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth)
+        idle_wait_ms = float(extra.get("kvd_idle_wait_ms", IDLE_WAIT_MS))
+        if not 0 <= idle_wait_ms <= 1000:
+            raise KvdError(f"kv_connector_extra_config.kvd_idle_wait_ms={idle_wait_ms:g} must be in [0, 1000]")
+        return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth,
+                   idle_wait_ms / 1e3)
 
 
 def _group_block_sizes(vllm_config: VllmConfig, kv_cache_config: Any) -> list[int]:
@@ -291,7 +311,8 @@ class SchedulerSide:
                     self._to_publish[rid] = pub
                     self._streamed[rid] = (pub.request_id, request)
         self._stream_pending.clear()
-        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end)
+        idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end, idle)
         self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end = {}, {}, {}, {}, {}
         return meta
 

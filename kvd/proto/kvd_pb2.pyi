@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVCacheSpec(_message.Message):
-    __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "layout", "use_mla", "num_blocks", "span_size", "span_format")
+    __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "layout", "use_mla", "num_blocks", "span_size", "span_format", "total_heads")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVCacheSpec(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SPAN_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPAN_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_HEADS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     num_kv_heads: int
     head_size: int
@@ -26,7 +27,8 @@ class KVCacheSpec(_message.Message):
     num_blocks: int
     span_size: int
     span_format: str
-    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[str]] = ..., use_mla: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., span_size: _Optional[int] = ..., span_format: _Optional[str] = ...) -> None: ...
+    total_heads: int
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[str]] = ..., use_mla: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., span_size: _Optional[int] = ..., span_format: _Optional[str] = ..., total_heads: _Optional[int] = ...) -> None: ...
 
 class TensorView(_message.Message):
     __slots__ = ("region_id", "offset_bytes", "shape", "stride", "dims", "kv_index")

@@ -25,6 +25,66 @@ SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
 PAGE = mmap.PAGESIZE
 
 
+# A region kvd.caches creates is named for its creator: its pid and its pid
+# namespace (the inode of /proc/self/ns/pid). A daemon in the same namespace
+# can then tell the creator died without unlinking (SIGKILL, the OOM killer)
+# and remove what it left; in another namespace (a Kubernetes sidecar without
+# shareProcessNamespace) the pid means nothing there, and nothing is touched.
+OWNED_NAME = re.compile(r"^kvd-(\d+)-n([0-9a-f]+)-[0-9a-f]{12}$")
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace, as the hex inode kvd's region names carry ("" where unknown)."""
+    try:
+        return f"{os.stat('/proc/self/ns/pid').st_ino:x}"
+    except OSError:
+        return ""
+
+
+def creator_pid(name: str, namespace: str) -> int | None:
+    """The pid that created region ``name``, where it was made in ``namespace``; else None."""
+    m = OWNED_NAME.match(name)
+    if m is None or not namespace or m.group(2) != namespace:
+        return None
+    return int(m.group(1))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it is dead, only not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # /proc unreadable: say alive, never remove what might be used
+
+
+def unlink_name(name: str) -> bool:
+    """Remove ``/dev/shm/name``; False if it was gone already."""
+    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.unlink(check_name(name), dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dir_fd)
+
+
+def orphans(namespace: str) -> list[str]:
+    """Regions in /dev/shm made in ``namespace`` by a process that is gone."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(n for n in names if (pid := creator_pid(n, namespace)) is not None and not pid_alive(pid))
+
+
 def check_name(name: str, field: str = "shm.name") -> str:
     if not SHM_NAME.match(name) or ".." in name:
         raise InvalidArgument(field, name, "must be a bare name of [A-Za-z0-9_.-] (no '/', no '..')")
@@ -82,7 +142,7 @@ class ShmRegion:
 
     @classmethod
     def create(cls, size: int, name: str | None = None, region_id: str | None = None) -> ShmRegion:
-        name = check_name(name or f"kvd-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        name = check_name(name or f"kvd-{os.getpid()}-n{pid_namespace() or '0'}-{uuid.uuid4().hex[:12]}")
         if size <= 0:
             raise InvalidArgument("size", size, "must be positive")
         fd = _open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
@@ -136,10 +196,4 @@ class ShmRegion:
             self.unlink()
 
     def unlink(self) -> None:
-        dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.unlink(self.name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(dir_fd)
+        unlink_name(self.name)

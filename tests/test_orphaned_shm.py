@@ -1,0 +1,92 @@
+"""Shared memory outlives a killed engine no longer (real daemons, real
+workers in their own processes, /dev/shm itself).
+
+A worker killed with SIGKILL never unregisters; the daemon sees its regions'
+creator gone, ends the registration (its publications end, naming why) and
+unlinks the regions within seconds. A daemon that starts removes regions
+whose creator exited; a live process's regions, and regions made in another
+pid namespace, are left alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from kvd.client import daemon_status
+from kvd.regions import shm
+from tests.conftest import REPO, make_worker
+
+WORKER = """
+import sys, time
+from kvd.caches import allocate_kv_caches
+from kvd.client import KvdClient
+from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 64)
+caches = allocate_kv_caches(spec, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
+if sys.argv[1] != "-":
+    client = KvdClient(sys.argv[1], WorkerId("prefill"))
+    client.wait_ready()
+    client.register(caches, ModelInfo(4, 4), spec)
+    client.publish("r", [[1, 2]], 32, lease_seconds=600)
+from kvd.caches import _REGIONS
+print(" ".join(r.name for r in _REGIONS.values()), flush=True)
+time.sleep(600)
+"""
+
+
+def _worker(address: str) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, address], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert proc.stdout is not None
+    names = proc.stdout.readline().split()
+    assert names, "the worker made no region"
+    return proc, names
+
+
+def _in_shm(names: list[str]) -> list[str]:
+    return [n for n in names if os.path.exists(os.path.join(shm.SHM_DIR, n))]
+
+
+def test_a_killed_workers_regions_are_removed_and_its_registration_ends(daemons):
+    p = daemons.start("prefill")
+    proc, names = _worker(p.grpc)
+    assert _in_shm(names) == names and len(daemon_status(p.grpc).workers) == 1
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _in_shm(names) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_shm(names) == [], "the killed worker's regions are still in /dev/shm"
+    assert daemon_status(p.grpc).workers == []
+    log = p.log()
+    assert f"pid {proc.pid} exited without unregistering" in log
+    # Negative control: a live worker's regions stay, and it still works.
+    live = make_worker(p.grpc, "prefill")
+    time.sleep(2.5)
+    assert len(daemon_status(p.grpc).workers) == 1 and live.client.publish("r2", [[1]], 16).generation > 0
+
+
+def test_a_daemon_that_starts_removes_regions_of_exited_processes_only(daemons, tmp_path):
+    dead, dead_names = _worker("-")  # no daemon yet: made, then killed before any registration
+    dead.send_signal(signal.SIGKILL)
+    dead.wait()
+    alive, alive_names = _worker("-")
+    # A region made in another pid namespace: its pid means nothing here, so it is never touched.
+    foreign = f"kvd-{dead.pid}-n{int(shm.pid_namespace(), 16) + 1:x}-0123456789ab"
+    with open(os.path.join(shm.SHM_DIR, foreign), "wb") as f:
+        f.write(b"x")
+    try:
+        assert _in_shm(dead_names) == dead_names
+        p = daemons.start("prefill")
+        assert p.grpc  # started: its orphans are removed before it serves
+        assert _in_shm(dead_names) == []
+        assert _in_shm(alive_names) == alive_names
+        assert _in_shm([foreign]) == [foreign]
+        assert "removed" in p.log() and dead_names[0] in p.log()
+    finally:
+        alive.kill()
+        alive.wait()
+        for n in [*alive_names, foreign]:
+            shm.unlink_name(n)

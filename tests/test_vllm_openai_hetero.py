@@ -1,0 +1,129 @@
+"""Hetero TP between two OpenAI servers, as users run them (``pytest -m vllm``).
+
+Two ``vllm serve`` processes, each beside its own ``kvd serve``, behind
+``kvd proxy``, bound as the README says: the TP2 engine on
+``VLLM_CPU_OMP_THREADS_BIND="0|1"`` (``--distributed-executor-backend mp``),
+the TP1 engine on core 1, sharing it. P TP2 -> D TP1 and P TP1 -> D TP2, in
+float32 (in bf16 a TP2 engine alone already differs from a TP1 one), four
+prompts of 129-300 tokens, each token-identical to one engine.
+
+This hung before the connector's idle wait: while P holds a request for D,
+vLLM steps about 1 ms apart, each step wakes P's TP workers, and with a
+connector poll costing 0.1 ms P's workers spun at 95-99% of the cores they
+were bound to; a decode rank sharing one never ran its step. The negative
+control zeroes P's cache between prefill and decode (through the same
+servers, the P/D convention by hand): D's tokens then differ.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemons, scrape
+from tests.test_vllm import (  # noqa: F401 - fixtures
+    BLOCK,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    MAX_TOKENS,
+    PROMPTS,
+    OpenAIPD,
+    _blocks,
+    _complete_pd,
+    _kill_group,
+    _serve,
+    _wait_http,
+    baseline_f32,
+    model_dir,
+    vllm_python,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+# P TP, P's binding, D TP, D's binding: the README's binding, and the TP1 engine on the TP2 engine's second core.
+CASES = {"p_tp2_to_d_tp1": (2, "0|1", 1, "1"), "p_tp1_to_d_tp2": (1, "1", 2, "0|1")}
+HETERO_PROMPTS = PROMPTS[:4]  # 300, 200, 129 and 260 tokens
+F32_BYTES_PER_BLOCK_PER_LAYER = KV_HEADS * BLOCK * 2 * HEAD_DIM * 4  # K and V, float32, all heads
+
+
+@dataclass
+class Pair:
+    pd: OpenAIPD
+    url: str  # kvd proxy
+    p_grpc: str
+    d_metrics: str
+    p_tp: int
+    d_tp: int
+
+
+def _start(py: Path, model: Path, tmp: Path, case: str) -> tuple[Pair, Daemons]:
+    p_tp, p_cpus, d_tp, d_cpus = CASES[case]
+    ds = Daemons(tmp)
+    p, d = ds.start("prefill"), ds.start("decode")
+    servers = {}
+    procs = []
+    for name, daemon, role, tp, cpus in (("prefill", p, "kv_producer", p_tp, p_cpus), ("decode", d, "kv_consumer", d_tp, d_cpus)):
+        config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
+                  "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
+        extra = ["--dtype", "float32", "--kv-transfer-config", json.dumps(config)]
+        if tp > 1:
+            extra += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+        servers[name] = _serve(py, model, tmp / f"{name}-server.log", *extra, cpus=cpus)
+        procs.append(servers[name].proc)
+    pd = OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs,
+                  [s.log for s in servers.values()] + [p.log_path, d.log_path])
+    try:
+        for s in servers.values():
+            _wait_http(f"{s.url}/health", s.proc, 600, s.log)
+        url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp / "proxy.log")
+    except BaseException:
+        for proc in procs:
+            _kill_group(proc)
+        ds.kill_all()
+        raise
+    return Pair(pd, url, p.grpc, d.metrics_url, p_tp, d_tp), ds
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _pd_by_hand(pair: Pair, model: Path, prompt: list[int], corrupt: bool) -> list[int]:
+    """vLLM's P/D convention without a proxy: prefill on P, then (optionally
+    zero P's cache, the negative control) decode on D with P's params."""
+    from tests.vllm_driver import corrupt_prefill_cache
+
+    body = {"model": str(model), "prompt": prompt, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    pre = _post(pair.pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    if corrupt:
+        assert corrupt_prefill_cache(pair.p_grpc) > 0
+    dec = _post(pair.pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})
+    return list(dec["choices"][0]["token_ids"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hetero_tp_between_openai_servers_with_users_binding_matches_one_engine(vllm_python, model_dir, baseline_f32, tmp_path, case):  # noqa: F811
+    pair, ds = _start(vllm_python, model_dir, tmp_path, case)
+    try:
+        for prompt, expected in zip(HETERO_PROMPTS, baseline_f32[:4], strict=True):
+            assert _complete_pd(pair.pd, pair.url, model_dir, prompt) == expected
+        # Every prompt's KV crossed through kvd (all but its last token, which D computes),
+        # each D rank reading its heads: the whole cache once over all ranks.
+        moved = scrape(pair.d_metrics, "kvd_received_bytes_total", transport="tcp")
+        assert moved == sum(_blocks(len(p) - 1) for p in HETERO_PROMPTS) * LAYERS * F32_BYTES_PER_BLOCK_PER_LAYER
+        assert scrape(pair.d_metrics, "kvd_pull_failures_total") == 0
+        # Negative control: the same path by hand, P's cache zeroed between prefill and decode, gives other tokens.
+        assert _pd_by_hand(pair, model_dir, PROMPTS[5], corrupt=False) == baseline_f32[5]
+        assert _pd_by_hand(pair, model_dir, PROMPTS[4], corrupt=True) != baseline_f32[4]
+    finally:
+        for proc in pair.pd.procs:
+            _kill_group(proc)
+        ds.kill_all()
