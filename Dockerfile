@@ -1,6 +1,6 @@
 # kvd sidecar image. One file for every base and variant:
-#   docker build -t kvd:0.1.0 .                                         (python:3.11-slim, CPU torch)
-#   docker build -t kvd:0.1.0-cuda --build-arg VARIANT=cuda \
+#   docker build -t kvd:0.2.0 .                                         (python:3.11-slim, CPU torch)
+#   docker build -t kvd:0.2.0-cuda --build-arg VARIANT=cuda \
 #       --build-arg BASE=<a CUDA runtime image with python3 and venv> .  (CUDA torch, for CUDA IPC regions;
 #       nvidia/cuda's own images have no Python: add python3 and python3-venv to one first)
 #   deploy/image-test                     (a locally bootstrapped base and a wheelhouse, no registry)
@@ -38,7 +38,7 @@ RUN set -eu; \
 FROM ${BASE}
 LABEL org.opencontainers.image.title="kvd" \
       org.opencontainers.image.description="KV-cache transfer daemon for disaggregated prefill/decode serving" \
-      org.opencontainers.image.version="0.1.0"
+      org.opencontainers.image.version="0.2.0"
 COPY --from=build /opt/kvd /opt/kvd
 RUN (groupadd --system --gid 10001 kvd && useradd --system --uid 10001 --gid kvd --no-create-home kvd) \
     && find /opt/kvd -name '*.pyc' -delete

@@ -14,7 +14,10 @@ def _command_named(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvd import __version__
+
     parser = argparse.ArgumentParser(prog="kvd", description="KV-cache transfer daemon for disaggregated prefill/decode serving")
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the daemon", description=(

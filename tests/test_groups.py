@@ -270,3 +270,28 @@ def test_groups_on_separate_memory_may_reuse_block_ids(daemons):
     client.register([(spec, full), (spec, other)], ModelInfo(LAYERS, HEADS), kinds=[GroupKind(), window])
     first = window.first_needed_block_token(N, 16)
     assert client.publish("r", [_blocks(0, 16, 1), _blocks(first, 16, 1)], N, first_tokens=[0, first]).generation > 0
+
+
+def test_one_block_in_two_groups_is_refused_on_vllms_cpu_layout_too(daemons):
+    """vLLM's CPU attention cache with the hybrid allocator: one tensor a
+    layer index, ``[blocks, heads, tokens, 2*head_size]``, registered as K and
+    V strided parts (``CPU_ATTENTION_PARTS``), and the window group's layers on
+    the very tensors of the full group's. A block given to both is refused."""
+    from kvd.caches import allocate_cpu_attention_caches, cpu_attention_parts
+    from kvd.errors import InvalidArgument
+    from kvd.spec import CPU_ATTENTION_PARTS, NAMED_LAYOUTS
+
+    window = GroupKind(SLIDING_WINDOW, WINDOW)
+    p = daemons.start("prefill")
+    spec = KVCacheSpec(16, HEADS, 16, "bfloat16", NAMED_LAYOUTS["CPU"], 64)  # as the connector registers it
+    tensors = allocate_cpu_attention_caches(spec, ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"])
+    full = {name: cpu_attention_parts(t) for name, t in tensors.items()}
+    other = {"model.layers.1.self_attn.attn": full["model.layers.0.self_attn.attn"],
+             "model.layers.3.self_attn.attn": full["model.layers.2.self_attn.attn"]}
+    client = KvdClient(p.grpc, WorkerId("prefill"))
+    client.wait_ready()
+    client.register([(spec, full), (spec, other)], ModelInfo(LAYERS, HEADS), kinds=[GroupKind(), window], dims=CPU_ATTENTION_PARTS)
+    first = window.first_needed_block_token(N, 16)
+    with pytest.raises(InvalidArgument, match=r"block_ids\[1\]=22 is also given to group 0, which shares its memory"):
+        client.publish("r", [_blocks(0, 16, 5), _blocks(first, 16, 22)], N, first_tokens=[0, first])
+    assert client.publish("r", [_blocks(0, 16, 5), _blocks(first, 16, 30)], N, first_tokens=[0, first]).generation > 0

@@ -492,7 +492,7 @@ def _median_bound_ms(before: tuple[float, ...], after: tuple[float, ...]) -> str
     return "-"
 
 
-def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
+def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path, *extra: str) -> OpenAIPD:
     """vLLM's own NixlConnector on the same engines, cores and proxy: UCX_TLS=tcp,self,sm (TCP, or shared
     memory between the two processes where UCX picks it), KV staged in CPU memory."""
     servers, procs = {}, []
@@ -500,7 +500,7 @@ def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path) -> OpenAIPD:
         for name, role, cpus in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
             config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
             env = {"PYTHONPATH": f"{REPO}{os.pathsep}{overlay}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TLS": "tcp,self,sm"}
-            servers[name] = _serve(py, model, tmp / f"nixl-{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus, env=env)
+            servers[name] = _serve(py, model, tmp / f"nixl-{name}-server.log", *extra, "--kv-transfer-config", json.dumps(config), cpus=cpus, env=env)
             procs.append(servers[name].proc)
         for server in servers.values():
             _wait_http(f"{server.url}/health", server.proc, 300, server.log)

@@ -1,7 +1,10 @@
-"""Real vLLM engines with Mamba and gated delta-net state, disaggregated
-through kvd (``pytest -m vllm``): a pure Mamba2, a GraniteMoeHybrid (Mamba2
-beside attention) from P TP2 to D TP1, and a Qwen3-Next (gated delta-net
-beside attention), each token-identical to one engine.
+"""Real vLLM engines with Mamba state, disaggregated through kvd (``pytest
+-m vllm``), with the structure of public configs (tests/zoo.py): a pure
+Mamba2 (Mamba-Codestral), and Granite 4.0-H (Mamba2 beside attention, with
+``n_groups=1``, whose B and C vLLM replicates on both ranks of TP2) from P
+TP2 to D TP1 and from TP1 to TP2, each token-identical to one engine in
+float32. (Qwen3-Next, whose gated delta-net runs in bf16 only on CPU, is in
+the zoo, against NixlConnector's P/D.)
 
 vLLM's hybrid allocator stays on (KvdConnector supports HMA). Each state
 group moves as its parts, sliced by their own heads; only the running state
@@ -19,7 +22,8 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO, scrape
-from tests.test_vllm import _drive, _received_bytes, vllm_python  # noqa: F401 - a fixture
+from tests.test_vllm import _drive, _env, _received_bytes, vllm_python  # noqa: F401 - a fixture
+from tests.zoo import ZOO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -28,14 +32,17 @@ _r = random.Random(1)
 PROMPTS = [[_r.randrange(3, 1000) for _ in range(n)] for n in (300, 159, 127, 200)]
 # The first prompt with its token 60 changed: the model must notice (else it is blind to its state).
 ALTERED = [*PROMPTS[0][:60], PROMPTS[0][60] % 997 + 3, *PROMPTS[0][61:]]
-NO_PREFIX_CACHING = ["--llm-kw", '{"enable_prefix_caching": false}']
 
-# family: (dtype, P TP, D TP). The CPU gated delta-net kernel runs bf16 only,
-# and in bf16 a TP2 engine already differs from a TP1 one: Qwen3-Next stays TP1.
+
+def _engine_kw(family: str) -> list[str]:
+    """Prefix caching off (kvd moves state so), and the zoo model's KV cache memory."""
+    return ["--llm-kw", json.dumps({"enable_prefix_caching": False, "kv_cache_memory_bytes": ZOO[family].kv_cache_mib << 20})]
+
+# case: (zoo model, P TP, D TP), in float32.
 CASES = {
-    "mamba2": ("float32", 1, 1),
-    "granitemoehybrid": ("float32", 2, 1),
-    "qwen3_next": ("bfloat16", 1, 1),
+    "mamba2": ("mamba2", 1, 1),
+    "granite4h_tp2_to_tp1": ("granite4h", 2, 1),
+    "granite4h_tp1_to_tp2": ("granite4h", 1, 2),
 }
 
 
@@ -45,19 +52,20 @@ def _state_bytes_per_layer(config: dict) -> int:
     return 4 * ((config["conv_kernel"] - 1) * (inter + 2 * groups) + config["num_heads"] * config["head_dim"] * config["state_size"])
 
 
-@pytest.mark.parametrize("family", list(CASES))
-def test_a_model_with_state_through_kvd_matches_one_engine(vllm_python, daemons, tmp_path, family):  # noqa: F811
-    dtype, p_tp, d_tp = CASES[family]
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_model_with_state_through_kvd_matches_one_engine(vllm_python, daemons, tmp_path, case):  # noqa: F811
+    family, p_tp, d_tp = CASES[case]
+    dtype = "float32"
     model = tmp_path / family
-    r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", family, "--model", str(model)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", f"zoo:{family}", "--model", str(model)],
+                       capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     alone = tmp_path / "alone.json"
     alone.write_text(json.dumps([*PROMPTS, ALTERED]))
     p, d = daemons.start("prefill"), daemons.start("decode")
     # D computes every prompt alone first (one TP1 engine's tokens), then P/D runs.
     result, log = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", dtype,
-                         "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--d-metrics", d.metrics_url, *NO_PREFIX_CACHING,
+                         "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--d-metrics", d.metrics_url, *_engine_kw(family),
                          "--baseline-prompts", str(alone), prompts_list=PROMPTS)
     baseline = result["baseline_tokens"]
     # First: the model's output depends on its early tokens, so a wrong state shows.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 
-def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1, block_size: int | None = None, dtype: str = "auto",
+def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1, pp: int = 1, block_size: int | None = None, dtype: str = "auto",
            failure_policy: str = "fail", llm_kw: dict[str, Any] | None = None, **extra: Any) -> Any:
     """``llm_kw``: more of ``LLM``'s own arguments; ``extra``: the connector's extra config."""
     import os
@@ -41,8 +41,8 @@ def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1
             "kv_load_failure_policy": failure_policy,
             "kv_connector_extra_config": {"kvd_address": kvd_address, **extra},
         }
-    if tp > 1:
-        kw |= {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+    if tp > 1 or pp > 1:
+        kw |= {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "distributed_executor_backend": "mp"}
     if block_size:
         kw["block_size"] = block_size
     # One OpenMP thread bound per rank, or some models diverge; each engine's
@@ -53,9 +53,9 @@ def engine(model: str, kvd_address: str | None, role: str | None, *, tp: int = 1
     # pinned to both cores this kernel starved its own RCU and workqueue threads
     # for up to a minute (dmesg: "workqueue lockup", "rcu_preempt kthread
     # starved"), stalling every socket on the machine, kvd's included.
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("0" for _ in range(tp))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join("0" for _ in range(tp * pp))
     return LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, seed=0, dtype=dtype,
-               kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_seqs=8, **kw, **(llm_kw or {}))
+               **{"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024, "max_num_seqs": 8, **kw, **(llm_kw or {})})
 
 
 def sampling(max_tokens: int, params: dict[str, Any] | None = None) -> Any:
@@ -257,10 +257,10 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
 def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     """P and D engines of other TP sizes and block sizes (float32: a TP2
     engine's bf16 partial sums round apart from a TP1 engine's)."""
-    p = engine(args.model, args.p_kvd, "kv_producer", tp=args.p_tp, block_size=args.p_block_size, dtype=args.dtype, llm_kw=args.llm_kw)
+    p = engine(args.model, args.p_kvd, "kv_producer", tp=args.p_tp, pp=args.p_pp, block_size=args.p_block_size, dtype=args.dtype, llm_kw=args.llm_kw)
     # D recomputes a load that failed: its tokens must then still match.
-    d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, block_size=args.d_block_size, dtype=args.dtype, failure_policy="recompute",
-               llm_kw=args.llm_kw)
+    d = engine(args.model, args.d_kvd, "kv_consumer", tp=args.d_tp, pp=args.d_pp, block_size=args.d_block_size, dtype=args.dtype,
+               failure_policy="recompute", llm_kw=args.llm_kw)
     out: dict[str, Any] = {"tokens": [], "params": [], "received_bytes": []}
     if args.baseline_prompts:
         # D alone first, nothing loaded: one engine's tokens, without starting another engine.
@@ -315,17 +315,23 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=0, help="baseline")
     ap.add_argument("--p-tp", type=int, default=1)
     ap.add_argument("--d-tp", type=int, default=1)
+    ap.add_argument("--p-pp", type=int, default=1)
+    ap.add_argument("--d-pp", type=int, default=1)
     ap.add_argument("--p-block-size", type=int, default=0)
     ap.add_argument("--d-block-size", type=int, default=0)
     ap.add_argument("--d-metrics", default="", help="hetero: D daemon's /metrics URL, read after each request")
     ap.add_argument("--sliding-window", type=int, default=0, help="make-model: a hybrid of a windowed and a full layer")
-    ap.add_argument("--family", default="llama", choices=["llama", *HYBRIDS], help="make-model: the tiny Llama, or a model with state")
+    ap.add_argument("--family", default="llama", help="make-model: the tiny Llama, a model with state (HYBRIDS), or zoo:NAME (tests/zoo.py)")
     ap.add_argument("--baseline-prompts", default="", help="hetero: JSON prompts D computes alone first (its tokens: baseline_tokens)")
     ap.add_argument("--llm-kw", type=json.loads, default={}, help="JSON: more LLM arguments for every engine (enable_prefix_caching, ...)")
     args = ap.parse_args()
     if args.mode == "make-model":
         if args.family == "llama":
             make_model(Path(args.model), args.sliding_window)
+        elif args.family.startswith("zoo:"):
+            from tests.zoo import zoo_model
+
+            zoo_model(Path(args.model), args.family.removeprefix("zoo:"))
         else:
             make_hybrid(Path(args.model), args.family)
         return

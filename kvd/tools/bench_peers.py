@@ -40,20 +40,20 @@ def _offsets(n: int, unit: int, seed: int) -> Any:
     return np.random.default_rng(seed).permutation(n).astype(np.uint64) * np.uint64(unit)
 
 
-def _agent(name: str, ucx_tls: str) -> Any:
+def _agent(name: str, ucx_tls: str, threads: int = 0) -> Any:
     if ucx_tls:
         os.environ["UCX_TLS"] = ucx_tls  # read once, when UCX starts in this process
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvd.transport.nixl import _api
 
     api = _api()
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], num_threads=threads))
 
 
-def _target(conn: Any, nbytes: int, ucx_tls: str) -> None:
+def _target(conn: Any, nbytes: int, ucx_tls: str, threads: int) -> None:
     import torch
 
-    agent = _agent("bench-target", ucx_tls)
+    agent = _agent("bench-target", ucx_tls, threads)
     buf = torch.ones(nbytes, dtype=torch.uint8)
     reg = agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), buf.data_ptr()))
@@ -61,63 +61,104 @@ def _target(conn: Any, nbytes: int, ucx_tls: str) -> None:
     agent.deregister_memory(reg)
 
 
-def _initiator(conn: Any, nbytes: int, units: list[int], repeat: int, ucx_tls: str, out: Any) -> None:
+def _initiator(conn: Any, nbytes: int, ucx_tls: str, threads: int, ctl: Any) -> None:
+    """Serves ``("try", unit)`` on ``ctl`` (seconds of one READ of the whole
+    request in scattered ``unit``-byte blocks), ``("check", unit)`` (every
+    byte arrived) and ``("stop",)``. As vLLM's NixlConnector does, each unit
+    size's descriptor lists (every block, both sides) are prepared once,
+    and a request picks its blocks by index (``make_prepped_xfer``)."""
     import numpy as np
     import torch
 
-    agent = _agent("bench-initiator", ucx_tls)
+    agent = _agent("bench-initiator", ucx_tls, threads)
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     reg = agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], "DRAM")
     metadata, base = conn.recv()
     remote = agent.add_remote_agent(metadata)
     remote = remote.decode() if isinstance(remote, bytes) else remote
-    results = []
-    for unit in units:
+    prepped: dict[int, tuple[Any, Any]] = {}
+    tries = 0
+    while True:
+        cmd = ctl.recv()
+        if cmd[0] == "stop":
+            break
+        unit = cmd[1]
         n = nbytes // unit
-        best = float("inf")
-        buf.zero_()
-        for r in range(repeat + 1):  # the first of each size warms up (the very first also connects)
-            local = np.zeros((n, 3), dtype=np.uint64)
-            far = np.zeros((n, 3), dtype=np.uint64)
-            local[:, 0] = np.uint64(buf.data_ptr()) + _offsets(n, unit, 2 * r)
-            far[:, 0] = np.uint64(base) + _offsets(n, unit, 2 * r + 1)
-            local[:, 1] = far[:, 1] = unit
-            t0 = time.perf_counter()
-            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(far, "DRAM"), remote)
-            state = agent.transfer(h)
-            while state == "PROC":
-                state = agent.check_xfer_state(h)
-            seconds = time.perf_counter() - t0
-            agent.release_xfer_handle(h)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL READ ended {state}")
-            if r:
-                best = min(best, seconds)
-        results.append((nbytes / best / 1e9, bool(buf.eq(1).all())))  # every byte of this unit size's reads arrived
+        if cmd[0] == "check":
+            ctl.send(bool(buf.eq(1).all()))
+            buf.zero_()
+            continue
+        if unit not in prepped:
+            blocks = np.arange(n, dtype=np.uint64) * np.uint64(unit)
+            local = np.stack([np.uint64(buf.data_ptr()) + blocks, np.full(n, unit, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
+            far = np.stack([np.uint64(base) + blocks, np.full(n, unit, dtype=np.uint64), np.zeros(n, dtype=np.uint64)], axis=1)
+            prepped[unit] = (agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, "DRAM"), agent.prep_xfer_dlist(remote, far, "DRAM"))
+        local_h, far_h = prepped[unit]
+        rng = np.random.default_rng(tries)
+        tries += 1
+        t0 = time.perf_counter()
+        h = agent.make_prepped_xfer("READ", local_h, rng.permutation(n), far_h, rng.permutation(n))
+        state = agent.transfer(h)
+        while state == "PROC":
+            state = agent.check_xfer_state(h)
+        seconds = time.perf_counter() - t0
+        agent.release_xfer_handle(h)
+        ctl.send(seconds if state == "DONE" else f"NIXL READ ended {state}")
+    for local_h, far_h in prepped.values():
+        agent.release_dlist_handle(local_h)
+        agent.release_dlist_handle(far_h)
     agent.remove_remote_agent(remote)
     agent.deregister_memory(reg)
     conn.send("done")
-    out.put(results)
 
 
-def nixl_read_gbps(nbytes: int, units: list[int], repeat: int, ucx_tls: str = "") -> list[float]:
-    """Best GB/s of NIXL READs of one scattered request between two processes,
-    for each unit size (one pair of agents measures them all: starting them
-    costs seconds)."""
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    out = ctx.Queue()
-    target = ctx.Process(target=_target, args=(a, nbytes, ucx_tls), daemon=True)
-    initiator = ctx.Process(target=_initiator, args=(b, nbytes, units, repeat, ucx_tls, out), daemon=True)
-    target.start()
-    initiator.start()
-    try:
-        results = _result(out, initiator, "NIXL")
-    finally:
-        _reap(initiator, target)
-    if not all(ok for _, ok in results):
-        raise RuntimeError("NIXL READ moved wrong bytes")
-    return [float(gbps) for gbps, _ in results]
+class NixlPair:
+    """Two NIXL agents in their own processes, up for a whole round, so
+    that their tries alternate with kvd's (starting them costs seconds). The
+    reader prepares its descriptor lists once per unit size, as vLLM's
+    NixlConnector does, and gets as many UCX threads as kvd stripes a read
+    over (``threads``)."""
+
+    prepped = True
+
+    def __init__(self, nbytes: int, ucx_tls: str = "", threads: int = 2) -> None:
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        self._ctl, ctl = ctx.Pipe()
+        self.nbytes = nbytes
+        self._target = ctx.Process(target=_target, args=(a, nbytes, ucx_tls, threads), daemon=True)
+        self._initiator = ctx.Process(target=_initiator, args=(b, nbytes, ucx_tls, threads, ctl), daemon=True)
+        self._target.start()
+        self._initiator.start()
+        self._warm: set[int] = set()
+
+    def _ask(self, *cmd: Any) -> Any:
+        self._ctl.send(cmd)
+        if not self._ctl.poll(120):
+            raise RuntimeError(f"NIXL initiator did not answer {cmd[0]} (exit code {self._initiator.exitcode})")
+        got = self._ctl.recv()
+        if isinstance(got, str):
+            raise RuntimeError(got)
+        return got
+
+    def one_try(self, unit: int) -> float:
+        """GB/s of one READ of the request in scattered ``unit``-byte blocks
+        (the first at each size, which prepares and connects, is not timed)."""
+        if unit not in self._warm:
+            self._ask("try", unit)
+            self._warm.add(unit)
+        return float(self.nbytes / self._ask("try", unit) / 1e9)
+
+    def check(self, unit: int) -> None:
+        if not self._ask("check", unit):
+            raise RuntimeError("NIXL READ moved wrong bytes")
+
+    def close(self) -> None:
+        try:
+            if self._initiator.is_alive():
+                self._ctl.send(("stop",))
+        finally:
+            _reap(self._initiator, self._target)
 
 
 # ------------------------------------------------------------------ Mooncake
@@ -349,12 +390,22 @@ def best_socket(nbytes: int, repeat: int, connections: int, cpu: dict[str, float
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    """CPU seconds a process's threads have run so far, in nanoseconds (each
+    thread's ``/proc/PID/task/TID/schedstat``): ``/proc/PID/stat`` counts
+    10 ms ticks, coarse against a transfer of a tenth of a second. Threads
+    that already exited are not counted; a daemon's data and copy threads
+    live as long as it does."""
     import os
 
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return total / 1e9
 
 
 def _echo_server(port_q: Any, nbytes: int) -> None:

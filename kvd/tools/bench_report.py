@@ -37,11 +37,11 @@ class Target:
 
 
 TARGETS = (
-    Target("relayout_vs_memcpy_min", "relayout / memcpy, worst pairing", True, 0.7),
-    Target("samehost_vs_memcpy", "same-host 1 MiB units / memcpy", True, 0.85),
+    Target("relayout_vs_memcpy_min", "relayout / best memcpy (1..cores threads), worst pairing, state included", True, 0.7),
+    Target("samehost_vs_memcpy", "same-host 1 MiB units / best memcpy (1..cores threads)", True, 0.85),
     Target("tcp_16k_vs_1m", "TCP 16 KiB units / 1 MiB units", True, 0.95),
     Target("socket_scattered_16k_vs_1m", "the same, plain sendmsg/recvmsg of the same pieces", True, None),
-    Target("tcp_vs_socket_1m", "TCP 1 MiB units / plain socket", True, 1.0),
+    Target("tcp_vs_socket_1m", "TCP 1 MiB units / best plain socket (1..stripes connections)", True, 1.0),
     Target("tcp_cpu_vs_socket", "CPU s per GB, both daemons / both socket ends", False, 1.2),
     Target("small_request_p50_vs_floor", "small request p50 / its floor", False, 1.25),
     Target("small_request_p99_vs_floor", "small request p99 / its floor", False, 2.0),

@@ -1,0 +1,136 @@
+"""The model zoo through kvd, as users run it (``pytest -m vllm``).
+
+Each model of ``tests/zoo.py`` (the structure of a public config, the widths
+small) runs as a P/D pair of OpenAI servers, each beside its own
+``kvd serve``, behind ``kvd proxy``, P on core 0 and D on core 1. Its
+prompts' tokens through kvd equal the oracle's: one engine (P itself, asked
+plainly) where P/D and one engine agree exactly, which is float32; for a
+model whose CPU kernels run bf16 only (Qwen3-Next's gated delta-net), where
+P/D (P stops a token short, D runs the last one with the recurrent step)
+rounds differently from one engine's chunked scan, vLLM's own NixlConnector's
+P/D on the same prompts. The negative control zeroes P's cache between
+prefill and decode: D's tokens then differ.
+
+Each run appends its row (model, source, TP pair, oracle, outcome, bytes D
+received) to ``$KVD_ZOO_RESULTS`` if set, for the README's table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests import vllm_env
+from tests.conftest import REPO, Daemons, scrape
+from tests.test_vllm import (  # noqa: F401 - a fixture
+    MAX_TOKENS,
+    OpenAIPD,
+    _complete_pd,
+    _env,
+    _kill_group,
+    _nixl_pd,
+    _serve,
+    _wait_http,
+    vllm_python,
+)
+from tests.zoo import ZOO, ZooModel
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+
+def _make(py: Path, name: str, d: Path) -> Path:
+    r = subprocess.run([str(py), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", f"zoo:{name}", "--model", str(d)],
+                       capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def _prompts(name: str, m: ZooModel) -> list[list[int]]:
+    """The model's prompts, then the negative control's: its own, of the first's length."""
+    r = random.Random(name)
+    return [[r.randrange(3, 1000) for _ in range(n)] for n in (*m.prompts, m.prompts[0])]
+
+
+def _engine_args(m: ZooModel) -> list[str]:
+    extra = ["--dtype", m.dtype, "--kv-cache-memory-bytes", str(m.kv_cache_mib << 20)]
+    return [*extra, "--no-enable-prefix-caching"] if m.state else extra  # kvd moves state with prefix caching off
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _alone(url: str, model: Path, prompt: list[int]) -> list[int]:
+    body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    return list(_post(url, body)["choices"][0]["token_ids"])
+
+
+def _nixl_oracle(py: Path, model: Path, m: ZooModel, tmp: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """NixlConnector's P/D tokens for ``prompts``, on the same engines' settings, cores and a kvd-agnostic proxy."""
+    overlay, why = vllm_env.nixl_overlay()
+    assert overlay is not None, f"NIXL could not be installed for the oracle: {why}"
+    pd = _nixl_pd(py, model, tmp, overlay, *_engine_args(m))
+    try:
+        url = pd.proxy([str(py), str(REPO / "tests" / "generic_pd_proxy.py")], tmp / "nixl-proxy.log")
+        return [_complete_pd(pd, url, model, p) for p in prompts]
+    finally:
+        for proc in pd.procs:
+            _kill_group(proc)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path, name):  # noqa: F811
+    from tests.vllm_driver import corrupt_prefill_cache
+
+    m = ZOO[name]
+    model = _make(vllm_python, name, tmp_path / name)
+    prompts = _prompts(name, m)
+    oracle = "NixlConnector P/D" if m.dtype != "float32" else "one engine"
+    expected = _nixl_oracle(vllm_python, model, m, tmp_path, prompts) if oracle != "one engine" else None
+    ds = Daemons(tmp_path)
+    p, d = ds.start("prefill"), ds.start("decode")
+    servers, procs = {}, []
+    try:
+        for role, daemon, cpus in (("prefill", p, "0"), ("decode", d, "1")):
+            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_load_failure_policy": "recompute",
+                      "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
+            servers[role] = _serve(vllm_python, model, tmp_path / f"{role}-server.log", *_engine_args(m), "--kv-transfer-config", json.dumps(config),
+                                   cpus=cpus)
+            procs.append(servers[role].proc)
+        for s in servers.values():
+            _wait_http(f"{s.url}/health", s.proc, 600, s.log)
+        pd = OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs,
+                      [s.log for s in servers.values()] + [p.log_path, d.log_path])
+        url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
+        if expected is None:  # one engine: P itself, asked plainly (its prefix cache then holds what it computed)
+            expected = [_alone(pd.prefill.url, model, pr) for pr in prompts]
+        got = [_complete_pd(pd, url, model, pr) for pr in prompts[:-1]]
+        moved = scrape(d.metrics_url, "kvd_received_bytes_total", transport="tcp")
+        failures = scrape(d.metrics_url, "kvd_pull_failures_total")
+        # Negative control: vLLM's P/D convention by hand, P's cache zeroed between prefill and decode.
+        body = {"model": str(model), "prompt": prompts[-1], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        pre = _post(pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        zeroed = corrupt_prefill_cache(p.grpc)
+        control = list(_post(pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})["choices"][0]["token_ids"])
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+        ds.kill_all()
+    row = {"model": name, "source": m.source, "tp": "TP1 -> TP1", "dtype": m.dtype, "oracle": oracle, "prompts": [len(x) for x in prompts[:-1]],
+           "match": got == expected[:-1], "bytes": moved, "failures": failures}
+    if os.environ.get("KVD_ZOO_RESULTS"):
+        with open(os.environ["KVD_ZOO_RESULTS"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    assert got == expected[:-1], row
+    assert moved > 0 and failures == 0, row
+    assert zeroed > 0
+    assert control != expected[-1], "zeroing P's cache did not change D's tokens"
