@@ -129,7 +129,7 @@ def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, in
         tp_size=meta.tp_size, pp_size=meta.pp_size,
         model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
         ranks=[_rank_to_pb(r, regions) for r in meta.ranks],
-        fingerprint=fingerprint, features=list(meta.features),
+        fingerprint=fingerprint, features=list(meta.features), kvd_version=meta.kvd_version, wire_version=meta.wire_version,
     )
 
 
@@ -153,7 +153,7 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
     return EngineMeta(
         engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
         tp_size=e.tp_size, pp_size=e.pp_size, model=ModelInfo(e.model.num_layers, e.model.total_num_kv_heads),
-        ranks=tuple(ranks), features=tuple(e.features),
+        ranks=tuple(ranks), features=tuple(e.features), kvd_version=e.kvd_version, wire_version=e.wire_version or 1,
     )
 
 

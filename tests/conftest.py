@@ -74,17 +74,20 @@ class Daemons:
     tmp: Path
     started: list[DaemonProc] = field(default_factory=list)
 
-    def start(self, engine_id: str, *extra: str, grpc_port: int = 0, same_host: str = "off", prefix: Sequence[str] = ()) -> DaemonProc:
+    def start(self, engine_id: str, *extra: str, grpc_port: int = 0, same_host: str = "off", prefix: Sequence[str] = (),
+              source: Path = REPO) -> DaemonProc:
         """A ``kvd serve`` process, started and not waited for (``.info`` waits).
         Tests use TCP unless they ask for the same-host path. ``prefix`` runs
-        it elsewhere, e.g. inside a network namespace."""
+        it elsewhere, e.g. inside a network namespace; ``source`` is the kvd
+        tree it runs (another release's checkout)."""
         n = len(self.started)
         ready = self.tmp / f"{engine_id}-{n}.json"
         log_path = self.tmp / f"{engine_id}-{n}.log"
         proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
              "--metrics-port", "0", "--ready-file", str(ready), "--same-host", same_host, *extra],
-            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
+            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=source,
+            env={**os.environ, "PYTHONPATH": str(source)} if source != REPO else None,
         )
         d = DaemonProc(engine_id, proc, ready, log_path)
         self.started.append(d)

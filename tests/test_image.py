@@ -35,7 +35,8 @@ def test_the_image_builds_and_runs_as_a_prefill_and_decode_sidecar_pair():
     why = _docker_answers()
     if why:
         pytest.skip(f"DOCKER NOT TESTED: {why}")
-    args = os.environ.get("KVD_IMAGE_TEST_ARGS", "--local").split()
+    # A clean docker state (no cached base, image or build cache), as on a machine that never built it.
+    args = os.environ.get("KVD_IMAGE_TEST_ARGS", "--local --fresh").split()
     # Its own session, so a timeout stops the script with SIGTERM (it removes its containers), then the rest.
     proc = subprocess.Popen([str(REPO / "deploy" / "image-test"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -49,4 +50,5 @@ def test_the_image_builds_and_runs_as_a_prefill_and_decode_sidecar_pair():
     # The demo verified every byte on the decode side, through the containers.
     assert "verified       every valid token of every block matches" in out, out[-3000:]
     assert "exit codes: 0 0" in out and "image-test: passed" in out
+    assert "kvd 0." in out.split("the run stage as its own user", 1)[1].split("==", 1)[0], out[-3000:]  # kvd --version, as user 10001
     print(out[-2500:])

@@ -134,3 +134,35 @@ def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path,
     assert moved > 0 and failures == 0, row
     assert zeroed > 0
     assert control != expected[-1], "zeroing P's cache did not change D's tokens"
+
+
+HETERO = [(name, p_tp, d_tp) for name, m in ZOO.items() if m.tp2 and m.dtype == "float32" for p_tp, d_tp in ((2, 1), (1, 2))]
+
+
+@pytest.mark.zoo_hetero
+@pytest.mark.parametrize(("name", "p_tp", "d_tp"), HETERO, ids=[f"{n}-tp{p}-to-tp{d}" for n, p, d in HETERO])
+def test_a_zoo_model_across_tp_sizes_matches_one_engine(vllm_python, daemons, tmp_path, name, p_tp, d_tp):  # noqa: F811
+    """Hetero TP both ways, in float32, in-process engines (``pytest -m
+    zoo_hetero``: about 3 minutes a case, so not in ``make test``, where the
+    zoo's TP1 pairs and Granite 4.0-H's TP2 pairs run; its outcomes are in
+    the README's zoo table)."""
+    from tests.test_vllm import _drive
+
+    m = ZOO[name]
+    model = _make(vllm_python, name, tmp_path / name)
+    *prompts, control = _prompts(name, m)
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps([*prompts, control]))
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    kw = {"kv_cache_memory_bytes": m.kv_cache_mib << 20, **({"enable_prefix_caching": False} if m.state else {})}
+    result, _ = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", m.dtype,
+                       "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--llm-kw", json.dumps(kw), "--baseline-prompts", str(alone),
+                       prompts_list=[*prompts, control])
+    baseline = result["baseline_tokens"]
+    row = {"model": name, "source": m.source, "tp": f"TP{p_tp} -> TP{d_tp}", "dtype": m.dtype, "oracle": "one engine",
+           "match": result["tokens"] == baseline[:-1], "bytes": scrape(d.metrics_url, "kvd_received_bytes_total", transport="tcp")}
+    if os.environ.get("KVD_ZOO_RESULTS"):
+        with open(os.environ["KVD_ZOO_RESULTS"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    assert result["tokens"] == baseline[:-1], row
+    assert result["corrupted_bytes"] > 0 and result["corrupted_tokens"] != baseline[-1]

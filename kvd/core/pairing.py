@@ -80,8 +80,18 @@ def check_group_pairing(local: GroupSpec, remote: GroupSpec) -> int:
     return ratio
 
 
+def check_wire(mine: EngineMeta, theirs: EngineMeta) -> None:
+    """Refuse a peer whose wire protocol is more than one version from ours, naming both."""
+    if abs(mine.wire_version - theirs.wire_version) > 1:
+        raise Incompatible("wire_version", f"{mine.wire_version} (kvd {mine.kvd_version or '0.1.0'})",
+                           f"{theirs.wire_version} (kvd {theirs.kvd_version or '0.1.0'})",
+                           f"engines {mine.engine_id!r} and {theirs.engine_id!r}: a daemon talks to daemons one wire version either side of "
+                           "its own; upgrade one release at a time")
+
+
 def check_compatible(mine: EngineMeta, theirs: EngineMeta) -> None:
     """Refuse a peer whose KV cannot mean the same thing, naming both values."""
+    check_wire(mine, theirs)
     a = compat_fields(mine.model, mine.ranks[0].groups if mine.ranks else ())
     b = compat_fields(theirs.model, theirs.ranks[0].groups if theirs.ranks else ())
     for k in sorted(set(a) | set(b)):

@@ -163,26 +163,49 @@ class GroupTensors:
             i = j
 
 
-def byte_spans(group: GroupTensors) -> list[tuple[int, int]]:
-    """The address ranges ``[start, end)`` a group's views reach, one per part
-    and layer run (their storage's device and address)."""
+def _block_views(group: GroupTensors, block: int) -> list[torch.Tensor]:
+    """Every part and layer view of one block of ``group`` (canonical dim 2)."""
     out = []
     for part in group.parts:
         for v in part if isinstance(part, list) else [part]:
-            if v.numel():
-                reach = sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride(), strict=True))
-                out.append((v.data_ptr(), v.data_ptr() + (reach + 1) * v.element_size()))
+            if v.shape[2] > block:
+                out.append(v.narrow(2, block, 1))
     return out
 
 
+def _span(v: torch.Tensor) -> tuple[int, int]:
+    reach = sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride(), strict=True))
+    return v.data_ptr(), v.data_ptr() + (reach + 1) * v.element_size()
+
+
+def _bytes_of(v: torch.Tensor, scratch: torch.Tensor, base: int) -> torch.Tensor:
+    """The bytes ``v`` covers, as a view of ``scratch`` (which stands for the memory from address ``base``)."""
+    size = v.element_size()
+    return scratch.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), v.data_ptr() - base)
+
+
+def _views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two strided views share a byte (exactly: interleaved views, a
+    state page's x and B columns, are told apart)."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if a.device != b.device or a1 <= b0 or b1 <= a0:
+        return False
+    lo, hi = min(a0, b0), max(a1, b1)
+    scratch = torch.zeros(hi - lo, dtype=torch.uint8)
+    _bytes_of(a, scratch, lo).fill_(1)
+    return bool(_bytes_of(b, scratch, lo).any())
+
+
 def sharing_groups(groups: Sequence[GroupTensors]) -> tuple[tuple[int, int], ...]:
-    """Pairs of positions (i < j) whose groups reach the same memory: groups
-    overlaid on one buffer, as vLLM's hybrid allocator lays them out. A block
-    id there names the same bytes in both, so a request may give it to one."""
-    spans = [byte_spans(g) for g in groups]
+    """Pairs of positions (i < j) whose groups hold one block id in the same
+    bytes: groups overlaid on one buffer, as vLLM's hybrid allocator lays
+    them out. A request may give a block id to only one of them. (A state
+    group's parts each hold their own bytes of a block's page: they are not
+    pairs, and share the state's block id.) Judged on block 1, exactly."""
+    views = [_block_views(g, 1) for g in groups]
     pairs = []
     for i, j in itertools.combinations(range(len(groups)), 2):
-        if groups[i].device == groups[j].device and any(a0 < b1 and b0 < a1 for a0, a1 in spans[i] for b0, b1 in spans[j]):
+        if any(_views_overlap(a, b) for a in views[i] for b in views[j]):
             pairs.append((i, j))
     return tuple(pairs)
 

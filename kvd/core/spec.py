@@ -372,6 +372,13 @@ class EngineLayout:
 # A daemon that serves streaming publications: reads wait for each layer's save.
 LAYER_STREAM = "layer-stream"
 
+# The wire protocol (gRPC API and data plane) this daemon speaks. It goes up
+# by one when a change would break a peer of the previous version; a daemon
+# talks to peers one version either side of its own (rolling upgrades, one
+# node at a time) and refuses the rest at the handshake, naming both.
+# 1: kvd 0.1.0, which did not send it; 2: kvd 0.2.0.
+WIRE_VERSION = 2
+
 
 @dataclass(frozen=True)
 class EngineMeta:
@@ -387,6 +394,8 @@ class EngineMeta:
     ranks: tuple[EngineLayout, ...] = field(default_factory=tuple)
     # What the engine's daemon can serve beyond plain pulls (LAYER_STREAM).
     features: tuple[str, ...] = ()
+    kvd_version: str = ""  # "" from kvd 0.1.0
+    wire_version: int = 1  # kvd 0.1.0 did not say: 1
 
     def rank(self, tp_rank: int, pp_rank: int) -> EngineLayout | None:
         for r in self.ranks:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvd import __version__
 from kvd.auth import AuthConfig
 from kvd.convert import (
     group_from_pb,
@@ -42,6 +43,7 @@ from kvd.core.relayout import GroupTensors, sharing_groups
 from kvd.core.session import Hello
 from kvd.core.spec import (
     LAYER_STREAM,
+    WIRE_VERSION,
     EngineLayout,
     EngineMeta,
     GroupSpec,
@@ -234,10 +236,12 @@ class Daemon:
             mapped, handles = await asyncio.to_thread(self._map, req.regions)
             try:
                 tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
+                # Which groups overlay one another's blocks: exact, so up to a few ms a layer, off the loop.
+                sharing = await asyncio.to_thread(sharing_groups, tensors)
             except BaseException:
                 self._unmap(mapped, handles)
                 raise
-            return self._commit_registration(req, worker, model, groups, mapped, handles, tensors)
+            return self._commit_registration(req, worker, model, groups, mapped, handles, tensors, sharing)
 
     def _map(self, regions: Sequence[pb.Region]) -> tuple[dict[str, MappedRegion], list[object]]:
         """In a thread: map a worker's regions and register their host memory
@@ -302,7 +306,8 @@ class Daemon:
         return worker, model, groups
 
     def _commit_registration(self, req: pb.RegisterRequest, worker: WorkerId, model: ModelInfo, groups: list[GroupSpec],
-                             mapped: dict[str, MappedRegion], handles: list[object], tensors: list[GroupTensors]) -> pb.RegisterResponse:
+                             mapped: dict[str, MappedRegion], handles: list[object], tensors: list[GroupTensors],
+                             sharing: tuple[tuple[int, int], ...]) -> pb.RegisterResponse:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.registrations.pop(key, None)
         if old is not None:
@@ -314,7 +319,7 @@ class Daemon:
         self._generation += 1
         self.registration_version += 1
         reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), secrets.token_bytes(32), handles,
-                           sharing=sharing_groups(tensors))
+                           sharing=sharing)
         self.registrations[key] = reg
         # The box outlives registrations; a stream the old registration opened sees it was replaced and ends.
         self.finished.setdefault(key, WorkerFinished()).wake()
@@ -387,7 +392,7 @@ class Daemon:
             engine_id=self.config.engine_id, epoch=self.epoch, host_id=self.host_id, data_address=self.data_address,
             tp_size=w.tp_size, pp_size=w.pp_size, model=regs[0].model,
             ranks=tuple(EngineLayout(r.worker.tp_rank, r.worker.pp_rank, tuple(r.groups)) for r in sorted(regs, key=lambda r: (r.worker.pp_rank, r.worker.tp_rank))),
-            features=(LAYER_STREAM,),
+            features=(LAYER_STREAM,), kvd_version=__version__, wire_version=WIRE_VERSION,
         )
         self._meta_cache = (self.registration_version, meta)
         return meta
@@ -469,8 +474,6 @@ class Daemon:
             self.metrics.leases_expired.inc()
 
     def status(self) -> pb.StatusResponse:
-        from kvd import __version__
-
         now = time.monotonic()
         return pb.StatusResponse(
             engine_id=self.config.engine_id, epoch=self.epoch, version=__version__, draining=self.draining,

@@ -365,7 +365,7 @@ class RankInfo(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., registration: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint", "features")
+    __slots__ = ("engine_id", "epoch", "host_id", "data_address", "tp_size", "pp_size", "model", "ranks", "fingerprint", "features", "kvd_version", "wire_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,8 @@ class EngineInfo(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    KVD_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
     host_id: str
@@ -386,7 +388,9 @@ class EngineInfo(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     fingerprint: str
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    kvd_version: str
+    wire_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., host_id: _Optional[str] = ..., data_address: _Optional[str] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., fingerprint: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., kvd_version: _Optional[str] = ..., wire_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("caller",)
