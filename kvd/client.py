@@ -331,8 +331,10 @@ class FinishedFeed:
     with it: it restarted), sets ``error`` and stops the thread.
     """
 
-    def __init__(self, client: KvdClient, *, reconnect_attempts: int = 5, backoff_seconds: float = 0.05) -> None:
+    def __init__(self, client: KvdClient, *, reconnect_attempts: int = 5, backoff_seconds: float = 0.05,
+                 on_error: Callable[[KvdError], None] | None = None) -> None:
         self._client = client
+        self._on_error = on_error  # called from the feed's thread once ``error`` is set
         self._reconnect_attempts = reconnect_attempts
         self._backoff_seconds = backoff_seconds
         self._cond = threading.Condition()  # guards _pending, _error, _stream
@@ -426,6 +428,8 @@ class FinishedFeed:
                 with self._cond:
                     self._error = why
                     self._cond.notify_all()
+                if self._on_error is not None:
+                    self._on_error(why)
                 return
             if self._stop.wait(self._backoff_seconds * 2 ** (failures - 1)):
                 return

@@ -124,3 +124,21 @@ def test_a_read_is_in_wire_order_only_where_nothing_is_relaid_out(local, in_orde
 
     assert in_wire_order([local], _meta(_group())) is in_order
     assert not in_wire_order([], _meta(_group()))
+
+
+def test_a_layer_holding_attention_and_state_reads_both():
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer: each
+    layer index is in the attention groups and in the state groups, and D
+    reads both (before, the attention of a layer that held state was
+    skipped, and D decoded on KV it never received)."""
+    from kvd.core.topology import StateSplit
+
+    layers = frozenset(range(4))
+    parallel = EngineShape(1, 1, 2, False, {0: layers}, {1: StateSplit(24, layers), 2: StateSplit(1, layers)}, attention_layers=layers)
+    targets = read_targets(parallel, parallel, 0, 0)
+    attention = [t for t in targets if t.groups is None]
+    assert len(attention) == 1 and attention[0].layers == (0, 1, 2, 3)
+    assert sorted(t.groups for t in targets if t.groups is not None) == [(1,), (2,)]
+    # Without saying which layers attend (the old shape), a layer holding state is taken for state only.
+    serial = EngineShape(1, 1, 2, False, {0: layers}, {1: StateSplit(24, frozenset({0, 2}))})
+    assert [t.layers for t in read_targets(serial, serial, 0, 0) if t.groups is None] == [(1, 3)]

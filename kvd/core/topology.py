@@ -58,10 +58,18 @@ class EngineShape:
     use_mla: bool
     layers_by_pp_rank: Mapping[int, frozenset[int]]  # global layer indices per PP stage
     state_groups: Mapping[int, StateSplit] = field(default_factory=dict)  # by group id
+    # The layers attention groups hold. A layer may hold both (Falcon-H1 runs
+    # attention and Mamba2 side by side in every layer). None: every layer
+    # that no state group holds.
+    attention_layers: frozenset[int] | None = None
 
     @property
     def state_layers(self) -> frozenset[int]:
         return frozenset().union(*(s.layers for s in self.state_groups.values()))
+
+    def attention_layers_of(self, layers: frozenset[int]) -> frozenset[int]:
+        """Those of ``layers`` that attention groups hold."""
+        return layers & self.attention_layers if self.attention_layers is not None else layers - self.state_layers
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,7 @@ def read_targets(
     wanted = local.layers_by_pp_rank.get(local_pp_rank, frozenset())
     targets: list[ReadTarget] = []
     if local.total_num_kv_heads:
-        targets += _targets(local, remote, local_tp_rank, local.total_num_kv_heads, local.use_mla, wanted - local.state_layers, None)
+        targets += _targets(local, remote, local_tp_rank, local.total_num_kv_heads, local.use_mla, local.attention_layers_of(wanted), None)
     for g, split in sorted(local.state_groups.items()):
         targets += _targets(local, remote, local_tp_rank, split.total_heads, False, wanted & split.layers, (g,))
     return targets

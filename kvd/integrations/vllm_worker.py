@@ -12,9 +12,11 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -88,6 +90,11 @@ class WorkerSide:
         self._ended_unseen: set[str] = set()
         self._streaming: list[str] = []  # names whose layers this step's forward saves
         self.after_device: AfterDevice | None = None
+        # Registers this worker's caches again (a daemon that restarted, e.g. upgraded, knows nothing of it),
+        # in a thread started when the feed fails; its new feed waits in _next_feed for the next poll.
+        self._register_again: Callable[[], Any] | None = None
+        self._rejoin: threading.Thread | None = None
+        self._next_feed: FinishedFeed | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         request_amx_permission()
@@ -129,9 +136,10 @@ class WorkerSide:
         # One description of the tensors' dims serves every attention group (they share one attention kernel).
         if len({str(d) for d in attention_dims}) > 1:
             raise KvdError(f"KV cache groups need different attention layouts ({[str(d) for d in attention_dims]}); kvd registers one")
-        resp = client.register(groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
+        self._register_again = functools.partial(client.register, groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
+        resp = self._register_again()
         self.client = client
-        self.feed = FinishedFeed(client).start()
+        self.feed = FinishedFeed(client, on_error=self._start_rejoin).start()
         self.after_device = AfterDevice(client, model.num_layers, cuda=on_gpu)
         for kind, (spec, layer_caches) in zip(kinds, groups, strict=True):
             log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d %s (layer order %s)", worker, self.settings.address,
@@ -302,7 +310,40 @@ class WorkerSide:
                 for ids in self._loading.values():
                     self._invalid |= ids
                 self._sending, self._loading = set(), {}
+                self.feed = None  # its daemon is gone: the rejoin brings the next one's
+                self._start_rejoin()
+        if self.feed is None and self._next_feed is not None:
+            self.feed, self._next_feed = self._next_feed, None
         return out
+
+    def _start_rejoin(self, _why: KvdError | None = None) -> None:
+        """The daemon went away (a restart: a crash, or an upgrade of the
+        sidecar): register the same caches again once one answers, in the
+        background (an idle engine does not step), and take its pushed
+        outcomes from the next poll on. Until then loads fail (vLLM
+        recomputes) and publishes fail (P frees the blocks)."""
+        with self._lock:
+            if self._rejoin is not None or self._register_again is None:
+                return
+            self._rejoin = threading.Thread(target=self._rejoin_loop, name="kvd-rejoin", daemon=True)
+        self._rejoin.start()
+
+    def _rejoin_loop(self) -> None:
+        assert self.client is not None and self._register_again is not None
+        delay = 0.1
+        while True:
+            try:
+                self.client.wait_ready(timeout=5.0)
+                self._register_again()
+                self._next_feed = FinishedFeed(self.client, on_error=self._start_rejoin).start()
+                log.warning("kvd: registered again with the daemon at %s (it restarted)", self.settings.address)
+                break
+            except (KvdError, grpc.FutureTimeoutError) as e:
+                log.info("kvd: the daemon at %s is not back yet: %s", self.settings.address, getattr(e, "message", type(e).__name__))
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+        with self._lock:
+            self._rejoin = None
 
     def take_invalid(self) -> set[int]:
         out, self._invalid = self._invalid, set()
