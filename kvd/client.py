@@ -332,9 +332,9 @@ class FinishedFeed:
     """
 
     def __init__(self, client: KvdClient, *, reconnect_attempts: int = 5, backoff_seconds: float = 0.05,
-                 on_error: Callable[[KvdError], None] | None = None) -> None:
+                 on_error: Callable[[FinishedFeed, KvdError], None] | None = None) -> None:
         self._client = client
-        self._on_error = on_error  # called from the feed's thread once ``error`` is set
+        self._on_error = on_error  # called from the feed's thread, with this feed, once ``error`` is set
         self._reconnect_attempts = reconnect_attempts
         self._backoff_seconds = backoff_seconds
         self._cond = threading.Condition()  # guards _pending, _error, _stream
@@ -429,7 +429,7 @@ class FinishedFeed:
                     self._error = why
                     self._cond.notify_all()
                 if self._on_error is not None:
-                    self._on_error(why)
+                    self._on_error(self, why)
                 return
             if self._stop.wait(self._backoff_seconds * 2 ** (failures - 1)):
                 return

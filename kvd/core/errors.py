@@ -49,6 +49,15 @@ class KvdError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A user's subclass that sets ``code`` (the public name since the
+        # first release) means its status: keep the two one.
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code")
+        if code is not None and not isinstance(code, property):
+            cls.status = Status[code.name]
+            del cls.code  # type: ignore[misc]
+
     @property
     def code(self) -> Any:
         """The failure as ``grpc.StatusCode`` (the public API's since the

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvd.core.errors import InvalidArgument
@@ -164,18 +165,25 @@ class GroupTensors:
 
 
 def _block_views(group: GroupTensors, block: int) -> list[torch.Tensor]:
-    """Every part and layer view of one block of ``group`` (canonical dim 2)."""
+    """One block of ``group``, as a view per part, layer and K/V plane
+    (canonical dims 0, 1 and 2): each covers one block's bytes of one plane,
+    not a span across a whole stacked buffer."""
     out = []
     for part in group.parts:
         for v in part if isinstance(part, list) else [part]:
             if v.shape[2] > block:
-                out.append(v.narrow(2, block, 1))
+                one = v.narrow(2, block, 1)
+                out += [one[layer, kv] for layer in range(one.shape[0]) for kv in range(one.shape[1])]
     return out
 
 
-def _span(v: torch.Tensor) -> tuple[int, int]:
-    reach = sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride(), strict=True))
-    return v.data_ptr(), v.data_ptr() + (reach + 1) * v.element_size()
+def _spans(views: Sequence[torch.Tensor]) -> np.ndarray:
+    """Each view's address range ``[start, end)``, as an (n, 2) array."""
+    out = np.empty((len(views), 2), dtype=np.int64)
+    for i, v in enumerate(views):
+        reach = sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride(), strict=True))
+        out[i] = v.data_ptr(), v.data_ptr() + (reach + 1) * v.element_size()
+    return out
 
 
 def _bytes_of(v: torch.Tensor, scratch: torch.Tensor, base: int) -> torch.Tensor:
@@ -184,14 +192,15 @@ def _bytes_of(v: torch.Tensor, scratch: torch.Tensor, base: int) -> torch.Tensor
     return scratch.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), v.data_ptr() - base)
 
 
-def _views_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two strided views share a byte (exactly: interleaved views, a
-    state page's x and B columns, are told apart)."""
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    if a.device != b.device or a1 <= b0 or b1 <= a0:
-        return False
-    lo, hi = min(a0, b0), max(a1, b1)
-    scratch = torch.zeros(hi - lo, dtype=torch.uint8)
+def _views_overlap(a: torch.Tensor, b: torch.Tensor, span: tuple[int, int]) -> bool:
+    """Whether two strided views (of one block and plane each), whose ranges
+    meet on ``span``, share a byte: exactly, so interleaved views (a state
+    page's x and B columns) are told apart. The same start with the same
+    shape is the same bytes (vLLM's overlaid layers) at once."""
+    if a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride():
+        return True
+    lo, hi = span
+    scratch = torch.zeros(hi - lo, dtype=torch.uint8)  # one block of one plane: small
     _bytes_of(a, scratch, lo).fill_(1)
     return bool(_bytes_of(b, scratch, lo).any())
 
@@ -201,12 +210,21 @@ def sharing_groups(groups: Sequence[GroupTensors]) -> tuple[tuple[int, int], ...
     bytes: groups overlaid on one buffer, as vLLM's hybrid allocator lays
     them out. A request may give a block id to only one of them. (A state
     group's parts each hold their own bytes of a block's page: they are not
-    pairs, and share the state's block id.) Judged on block 1, exactly."""
+    pairs, and share the state's block id.) Judged on block 1, exactly; the
+    address ranges are compared all at once first (numpy)."""
     views = [_block_views(g, 1) for g in groups]
+    spans = [_spans(v) for v in views]
     pairs = []
     for i, j in itertools.combinations(range(len(groups)), 2):
-        if any(_views_overlap(a, b) for a in views[i] for b in views[j]):
-            pairs.append((i, j))
+        if not len(views[i]) or not len(views[j]) or groups[i].device != groups[j].device:
+            continue
+        a, b = spans[i], spans[j]
+        meet = (a[:, None, 0] < b[None, :, 1]) & (b[None, :, 0] < a[:, None, 1])
+        for x, y in zip(*np.nonzero(meet), strict=True):
+            span = (int(min(a[x, 0], b[y, 0])), int(max(a[x, 1], b[y, 1])))
+            if _views_overlap(views[i][x], views[j][y], span):
+                pairs.append((i, j))
+                break
     return tuple(pairs)
 
 

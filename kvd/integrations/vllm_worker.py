@@ -13,10 +13,10 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
@@ -29,7 +29,7 @@ from kvd.caches import (
 from kvd.client import (
     VLLM_NHD_DIMS,
     AfterDevice,
-    FinishedFeed,
+    Finished,
     KvdClient,
     daemon_status,
     infer_spec_from_tensors,
@@ -44,6 +44,7 @@ from kvd.integrations.vllm_caches import (
     request_amx_permission,
     state_shape,
 )
+from kvd.integrations.vllm_link import DaemonLink
 from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, Settings
 from kvd.proto import kvd_pb2 as pb
 from kvd.spec import (
@@ -56,6 +57,22 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger, so it prints with the engine's logs
+
+
+# A lost registration's transfers are reported to vLLM at the latest this long
+# after the loss, even if no daemon answered since: by then none serves them.
+LOST_SETTLE_SECONDS = 30.0
+
+
+@dataclass
+class _LostTransfers:
+    """A lost registration's outstanding transfers, until they are reported."""
+
+    sending: set[str]
+    loading: dict[str, set[int]]
+    at: float
+    unreachable: bool  # the daemon was gone, and its work with it
+    rejoined: threading.Event  # set once the worker registered again
 
 
 _DEFINITE_REFUSALS = frozenset(Status) - {Status.INTERNAL, Status.UNAVAILABLE, Status.ABORTED, Status.DEADLINE_EXCEEDED}  # never started
@@ -71,8 +88,6 @@ class WorkerSide:
         self.tp_rank = int(get_tensor_model_parallel_rank())
         self.pp_rank = int(get_pp_group().rank_in_group)
         self.client: KvdClient | None = None
-        # The daemon pushes finished sets to it, so an engine step reads them without a round trip.
-        self.feed: FinishedFeed | None = None
         self._done_sending: set[str] = set()  # failed publishes: free the blocks at once
         self._done_recving: set[str] = set()  # failed pulls
         self._lock = threading.Lock()  # guards _refused, which gRPC threads fill
@@ -90,11 +105,11 @@ class WorkerSide:
         self._ended_unseen: set[str] = set()
         self._streaming: list[str] = []  # names whose layers this step's forward saves
         self.after_device: AfterDevice | None = None
-        # Registers this worker's caches again (a daemon that restarted, e.g. upgraded, knows nothing of it),
-        # in a thread started when the feed fails; its new feed waits in _next_feed for the next poll.
-        self._register_again: Callable[[], Any] | None = None
-        self._rejoin: threading.Thread | None = None
-        self._next_feed: FinishedFeed | None = None
+        # The link to the daemon, across its restarts (vllm_link.DaemonLink), and the transfers of a
+        # registration it lost: reported to vLLM once their daemon can no longer touch their blocks.
+        self.link: DaemonLink | None = None
+        self._lost: list[_LostTransfers] = []
+        self._reported_lost: set[str] = set()  # reported on a loss: a late outcome of theirs is not reported again
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         request_amx_permission()
@@ -136,10 +151,11 @@ class WorkerSide:
         # One description of the tensors' dims serves every attention group (they share one attention kernel).
         if len({str(d) for d in attention_dims}) > 1:
             raise KvdError(f"KV cache groups need different attention layouts ({[str(d) for d in attention_dims]}); kvd registers one")
-        self._register_again = functools.partial(client.register, groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
-        resp = self._register_again()
+        register = functools.partial(client.register, groups, model, dims=attention_dims[0] if attention_dims else None, kinds=kinds)
+        resp = register()
         self.client = client
-        self.feed = FinishedFeed(client, on_error=self._start_rejoin).start()
+        # The daemon pushes finished sets to the link's feed, so an engine step reads them without a round trip.
+        self.link = DaemonLink(client, register, self.settings.address)
         self.after_device = AfterDevice(client, model.num_layers, cuda=on_gpu)
         for kind, (spec, layer_caches) in zip(kinds, groups, strict=True):
             log.info("kvd: registered %s with %s: group %s, %d layers, %d blocks of %d %s (layer order %s)", worker, self.settings.address,
@@ -153,6 +169,7 @@ class WorkerSide:
         this step's streams before the forward saves their first layer."""
         if self.client is None:
             return
+        self.settle_link()  # a lost registration's transfers set aside before this step's start on the next
         for rid, (name, tell_vllm) in meta.to_end.items():
             if not tell_vllm:
                 self._names[name] = ""  # vLLM freed the blocks itself: its end is not reported
@@ -190,6 +207,7 @@ class WorkerSide:
         client = self.client
         if client is None:
             return
+        self.settle_link()
         for rid, pub in meta.to_publish.items():
             if pub.published:  # by the scheduler, for every rank: only its outcome is ours to track
                 if rid in self._ended_unseen:
@@ -223,6 +241,7 @@ class WorkerSide:
         client, after = self.client, self.after_device
         if client is None or after is None:
             return
+        self.settle_link()
         for rid, load in meta.to_load.items():
             self._loading[rid] = {i for g in load.local_block_ids for i in g}
             answered = functools.partial(self._pull_answered, rid, load.params)
@@ -266,84 +285,82 @@ class WorkerSide:
         up to ``idle_wait_seconds`` for the daemon to push an outcome first:
         vLLM steps in a tight loop while it holds requests for transfers, and
         its spinning workers starved every process sharing their cores."""
-        if (idle and self.feed is not None and (self._sending or self._loading) and not self._refused
+        self.settle_link()
+        feed = self.link.feed if self.link is not None else None
+        if (idle and feed is not None and (self._sending or self._loading) and not self._refused
                 and not (self._done_sending or self._done_recving or self._failed_recving)):
-            self.feed.wait(self.settings.idle_wait_seconds)
+            feed.wait(self.settings.idle_wait_seconds)
+        if feed is not None:
+            self._absorb(feed.take())
         out = KVConnectorTransferResults(set(self._done_sending), set(self._done_recving), set(self._failed_recving))
         self._done_sending.clear()
         self._done_recving.clear()
         self._failed_recving.clear()
         if self._refused:  # (read unlocked: a refusal that comes now waits for the next poll)
             self._report_refused(out)
-        if self.feed is not None:
-            # The error first: everything the feed received before it failed is then in this take.
-            error = self.feed.error
-            f = self.feed.take()
-            # Streamed publications were named by the proxy: vLLM knows their requests.
-            f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending} - {""}
-            # Only one the scheduler published can end before we hear of it (vLLM holds its blocks all the same).
-            self._ended_unseen |= f.finished_sending - self._sending
-            self._sending -= f.finished_sending
-            if late := self._reported_failed & f.finished_recving:
-                # Reported failed when the answer to its Pull was lost, yet the daemon had taken it: vLLM heard of it once.
-                f.finished_recving -= late
-                self._reported_failed -= late
-            for rid in f.finished_recving:
-                self._loading.pop(rid, None)
-            out.finished_sending |= f.finished_sending
-            out.finished_recving |= f.finished_recving
-            out.failed_recving |= {rid for (direction, rid), d in f.details.items() if direction == "recving" and d.outcome != "done"}
-            self._invalid |= f.invalid_block_ids
-            for (direction, rid), d in f.details.items():
-                if d.outcome != "done":
-                    # One line an operator can act on: the daemon's reason names the peer, the phase and what landed.
-                    what = "load" if direction == "recving" else "send"
-                    log.warning("kvd: %s of request %s %s: %s", what, rid, d.outcome, d.reason)
-            if error is not None:
-                # The daemon is gone, and its publications and pulls with it: vLLM must hear so, not wait.
-                if self._sending or self._loading:
-                    log.error("kvd: daemon at %s failed (%s): ending %d sends and failing %d loads", self.settings.address, error.message,
-                              len(self._sending), len(self._loading))
-                out.finished_sending |= self._sending
-                out.finished_recving |= set(self._loading)
-                out.failed_recving |= set(self._loading)
-                for ids in self._loading.values():
-                    self._invalid |= ids
-                self._sending, self._loading = set(), {}
-                self.feed = None  # its daemon is gone: the rejoin brings the next one's
-                self._start_rejoin()
-        if self.feed is None and self._next_feed is not None:
-            self.feed, self._next_feed = self._next_feed, None
         return out
 
-    def _start_rejoin(self, _why: KvdError | None = None) -> None:
-        """The daemon went away (a restart: a crash, or an upgrade of the
-        sidecar): register the same caches again once one answers, in the
-        background (an idle engine does not step), and take its pushed
-        outcomes from the next poll on. Until then loads fail (vLLM
-        recomputes) and publishes fail (P frees the blocks)."""
-        with self._lock:
-            if self._rejoin is not None or self._register_again is None:
-                return
-            self._rejoin = threading.Thread(target=self._rejoin_loop, name="kvd-rejoin", daemon=True)
-        self._rejoin.start()
+    def _absorb(self, f: Finished) -> None:
+        """A feed's outcomes into what the next poll reports, each once."""
+        # Streamed publications were named by the proxy: vLLM knows their requests.
+        f.finished_sending = {self._names.pop(n, n) for n in f.finished_sending} - {""}
+        # Reported when their registration was lost: vLLM heard of them already.
+        f.finished_sending -= self._reported_lost
+        f.finished_recving -= self._reported_lost
+        for lost in self._lost:  # the daemon's own outcome settles a lost transfer
+            lost.sending -= f.finished_sending
+            for rid in f.finished_recving:
+                lost.loading.pop(rid, None)
+        # Only one the scheduler published can end before we hear of it (vLLM holds its blocks all the same).
+        self._ended_unseen |= f.finished_sending - self._sending
+        self._sending -= f.finished_sending
+        if late := self._reported_failed & f.finished_recving:
+            # Reported failed when the answer to its Pull was lost, yet the daemon had taken it: vLLM heard of it once.
+            f.finished_recving -= late
+            self._reported_failed -= late
+        for rid in f.finished_recving:
+            self._loading.pop(rid, None)
+        self._done_sending |= f.finished_sending
+        self._done_recving |= f.finished_recving
+        self._failed_recving |= {rid for (direction, rid), d in f.details.items()
+                                 if direction == "recving" and d.outcome != "done" and rid in f.finished_recving}
+        self._invalid |= f.invalid_block_ids
+        for (direction, rid), d in f.details.items():
+            if d.outcome != "done":
+                # One line an operator can act on: the daemon's reason names the peer, the phase and what landed.
+                what = "load" if direction == "recving" else "send"
+                log.warning("kvd: %s of request %s %s: %s", what, rid, d.outcome, d.reason)
 
-    def _rejoin_loop(self) -> None:
-        assert self.client is not None and self._register_again is not None
-        delay = 0.1
-        while True:
-            try:
-                self.client.wait_ready(timeout=5.0)
-                self._register_again()
-                self._next_feed = FinishedFeed(self.client, on_error=self._start_rejoin).start()
-                log.warning("kvd: registered again with the daemon at %s (it restarted)", self.settings.address)
-                break
-            except (KvdError, grpc.FutureTimeoutError) as e:
-                log.info("kvd: the daemon at %s is not back yet: %s", self.settings.address, getattr(e, "message", type(e).__name__))
-                time.sleep(delay)
-                delay = min(2.0, delay * 2)
-        with self._lock:
-            self._rejoin = None
+    def settle_link(self) -> None:
+        """On the engine thread, before it starts or reports anything: a lost
+        registration's outstanding transfers are set aside, the new one's
+        feed taken up, and the set-aside ones reported (sends finished, loads
+        failed, their blocks invalid) once no daemon can touch their blocks:
+        the daemon was unreachable, or the worker registered again (which ends
+        the old registration's work), or ``LOST_SETTLE_SECONDS`` passed."""
+        link = self.link
+        if link is None:
+            return
+        loss = link.take_loss()
+        now = time.monotonic()
+        if loss is not None:
+            feed, unreachable, rejoined = loss
+            self._absorb(feed.take())  # what it received before it failed
+            if self._sending or self._loading:
+                log.error("kvd: %d sends and %d loads of the lost registration end (%s)", len(self._sending), len(self._loading),
+                          "the daemon is unreachable" if unreachable else "once the worker registered again")
+            self._lost.append(_LostTransfers(self._sending, self._loading, now, unreachable, rejoined))
+            self._sending, self._loading = set(), {}
+        link.swap()
+        for lost in list(self._lost):
+            if lost.unreachable or lost.rejoined.is_set() or now - lost.at > LOST_SETTLE_SECONDS:
+                self._lost.remove(lost)
+                self._done_sending |= lost.sending
+                self._done_recving |= set(lost.loading)
+                self._failed_recving |= set(lost.loading)
+                for ids in lost.loading.values():
+                    self._invalid |= ids
+                self._reported_lost |= lost.sending | set(lost.loading)
 
     def take_invalid(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -357,9 +374,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self.after_device is not None:
             self.after_device.close()
-        if self.feed is not None:
-            self.feed.close()  # first: unregistering ends the stream, which is no failure here
-            self.feed = None
+        if self.link is not None:
+            self.link.close()  # first: unregistering ends the stream, which is no failure here; and no rejoin after it
+            self.link = None
         if self.client is not None:
             try:
                 self.client.unregister()

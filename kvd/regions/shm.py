@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import re
@@ -65,12 +66,21 @@ def pid_alive(pid: int) -> bool:
 
 
 def unlink_name(name: str) -> bool:
-    """Remove ``/dev/shm/name``; False if it was gone already."""
-    dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    """Remove ``/dev/shm/name``; False if it was gone already, or cannot be
+    removed (another user's in the sticky /dev/shm, a read-only mount:
+    logged, never raised, so no cleanup takes a daemon down)."""
+    try:
+        dir_fd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        logging.getLogger("kvd.regions").warning("cannot open %s to remove %s: %s", SHM_DIR, name, e)
+        return False
     try:
         os.unlink(check_name(name), dir_fd=dir_fd)
         return True
     except FileNotFoundError:
+        return False
+    except OSError as e:
+        logging.getLogger("kvd.regions").warning("cannot remove %s/%s: %s", SHM_DIR, name, e)
         return False
     finally:
         os.close(dir_fd)

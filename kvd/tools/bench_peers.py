@@ -96,8 +96,9 @@ def _initiator(conn: Any, nbytes: int, ucx_tls: str, threads: int, ctl: Any) -> 
         local_h, far_h = prepped[unit]
         rng = np.random.default_rng(tries)
         tries += 1
+        mine, theirs = rng.permutation(n).astype(np.int32), rng.permutation(n).astype(np.int32)  # chosen before the clock starts
         t0 = time.perf_counter()
-        h = agent.make_prepped_xfer("READ", local_h, rng.permutation(n), far_h, rng.permutation(n))
+        h = agent.make_prepped_xfer("READ", local_h, mine, far_h, theirs)
         state = agent.transfer(h)
         while state == "PROC":
             state = agent.check_xfer_state(h)
@@ -397,14 +398,17 @@ def process_cpu_seconds(pid: int) -> float:
     live as long as it does."""
     import os
 
-    total = 0
+    total, read = 0, 0
     base = f"/proc/{pid}/task"
     for tid in os.listdir(base):
         try:
             with open(f"{base}/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
+            read += 1
         except (OSError, ValueError, IndexError):
             continue  # the thread ended meanwhile
+    if not read:
+        raise RuntimeError(f"no thread of process {pid} has a readable schedstat: its CPU time cannot be measured")
     return total / 1e9
 
 

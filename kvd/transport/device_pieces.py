@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,7 @@ def _kernel() -> Any:
         import triton.language as tl
     except ImportError:
         return None
+    _cache_dir()
 
     @triton.jit  # type: ignore[untyped-decorator]
     def copy_pieces(dst, src, dst_off, src_off, piece, ROUNDS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -60,8 +63,38 @@ def _kernel() -> Any:
 
 
 def available(*devices: torch.device) -> bool:
-    """Whether pieces on ``devices`` can be copied here: all on one CUDA device, and Triton present."""
-    return len({(d.type, d.index) for d in devices}) == 1 and devices[0].type == "cuda" and _kernel() is not None
+    """Whether pieces on ``devices`` can be copied here: all on one CUDA
+    device, where the kernel compiled and copied a trial piece (Triton
+    compiles at first launch, with a C compiler and a writable cache: where
+    it cannot, same-host reads gather and scatter instead of failing)."""
+    if len({(d.type, d.index) for d in devices}) != 1 or devices[0].type != "cuda" or _kernel() is None:
+        return False
+    return _works_on(devices[0].index if devices[0].index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _works_on(index: int) -> bool:
+    device = torch.device("cuda", index)
+    try:
+        src = torch.arange(64, dtype=torch.uint8, device=device)
+        dst = torch.zeros_like(src)
+        copy_pairs(np.asarray([dst.data_ptr()], dtype=np.uint64), np.asarray([src.data_ptr()], dtype=np.uint64), 64, device)
+        torch.cuda.synchronize(device)
+        if not torch.equal(src, dst):
+            raise RuntimeError("the trial copy moved wrong bytes")
+        return True
+    except Exception as e:
+        log.warning("the GPU piece kernel is not usable on %s (same-host reads gather and scatter instead): %s", device, e)
+        return False
+
+
+def _cache_dir() -> None:
+    """Triton caches compiled kernels under $HOME; a daemon's user may have
+    none it can write (the image's user 10001): a private folder in /tmp."""
+    if "TRITON_CACHE_DIR" not in os.environ:
+        home = os.path.expanduser("~")
+        if not os.access(home, os.W_OK):
+            os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"kvd-triton-{os.getuid()}")
 
 
 def pair(dst: tuple[np.ndarray, int], src: tuple[np.ndarray, int]) -> tuple[np.ndarray, np.ndarray, int] | None:

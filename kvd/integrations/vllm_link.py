@@ -1,0 +1,123 @@
+"""A vLLM worker's link to its daemon, across daemon restarts.
+
+The daemon pushes the worker's outcomes into a ``FinishedFeed``. When the
+feed fails (the daemon restarted: a crash, or a sidecar upgrade; or it
+refused the stream), ``DaemonLink`` registers the worker's caches again in a
+background thread, once a daemon answers (an idle engine does not step), and
+hands the engine thread the failed feed (``take_loss``: what it received
+before failing, and the event the rejoin sets once the old registration's
+work has ended) and then the new one (``swap``). Transfers the engine starts
+after the swap belong to the new registration; those of the lost one are
+the worker's to settle (``vllm_worker.WorkerSide``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvd.client import FinishedFeed, KvdClient
+from kvd.errors import DeadlineExceeded, KvdError, Unavailable
+
+log = logging.getLogger("vllm.kvd")
+
+# After a refusal that retrying will not cure (the daemon runs another
+# engine, the worker's caches no longer match it), try again this seldom.
+REFUSED_RETRY_SECONDS = 60.0
+
+
+class DaemonLink:
+    def __init__(self, client: KvdClient, register_again: Callable[[], Any], address: str) -> None:
+        self.client = client
+        self._register_again = register_again
+        self.address = address
+        self._lock = threading.Lock()
+        self.feed: FinishedFeed | None = self._new_feed()
+        self._lost: FinishedFeed | None = None  # failed, for the engine thread to settle
+        self._next: FinishedFeed | None = None  # the rejoined registration's, for the engine thread to take up
+        self._rejoined = threading.Event()  # the rejoin under way registered again
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _new_feed(self) -> FinishedFeed:
+        return FinishedFeed(self.client, on_error=self._failed).start()
+
+    def _failed(self, feed: FinishedFeed, error: KvdError) -> None:
+        """From a feed's thread: its stream is gone for good."""
+        with self._lock:
+            if feed is self.feed and self._lost is None:
+                self._lost = feed
+            elif feed is self._next:
+                self._next = None  # failed before the engine took it up: no transfer of the engine's is on it
+            else:
+                return
+            if self._thread is None and not self._stop.is_set():
+                self._rejoined = threading.Event()
+                self._thread = threading.Thread(target=self._rejoin, name="kvd-rejoin", daemon=True)
+                self._thread.start()
+        log.error("kvd: lost the daemon at %s (%s): registering again once it answers", self.address, error.message)
+
+    def take_loss(self) -> tuple[FinishedFeed, bool, threading.Event] | None:
+        """From the engine thread: the failed feed (to take what it received),
+        whether the daemon was unreachable (its work ended with it) rather
+        than refusing, and the event set once the worker registered again
+        (which ends the old registration's work on a daemon still alive)."""
+        with self._lock:
+            lost, self._lost = self._lost, None
+            if lost is None:
+                return None
+            if self.feed is lost:
+                self.feed = None
+            return lost, isinstance(lost.error, Unavailable | DeadlineExceeded), self._rejoined
+
+    def swap(self) -> None:
+        """From the engine thread: take up the new registration's feed."""
+        with self._lock:
+            if self.feed is None and self._next is not None and self._lost is None:
+                self.feed, self._next = self._next, None
+
+    def _rejoin(self) -> None:
+        delay = 0.1
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.client.wait_ready(timeout=5.0)
+                    self._register_again()
+                except grpc.FutureTimeoutError:
+                    log.info("kvd: the daemon at %s is not back yet", self.address)
+                except KvdError as e:
+                    if isinstance(e, Unavailable | DeadlineExceeded):
+                        log.info("kvd: the daemon at %s is not back yet: %s", self.address, e.message)
+                    else:
+                        log.error("kvd: the daemon at %s refuses this worker's registration (retrying in %gs): %s",
+                                  self.address, REFUSED_RETRY_SECONDS, e.message)
+                        delay = REFUSED_RETRY_SECONDS
+                else:
+                    with self._lock:
+                        if self._stop.is_set():
+                            return
+                        self._next = self._new_feed()
+                        self._rejoined.set()
+                    log.warning("kvd: registered again with the daemon at %s (it restarted)", self.address)
+                    return
+                self._stop.wait(delay)
+                delay = min(2.0, delay * 2) if delay < REFUSED_RETRY_SECONDS else delay
+        finally:
+            with self._lock:
+                self._thread = None
+
+    def close(self) -> None:
+        """Stop any rejoin (so nothing registers after an unregister) and every feed."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=10)
+        with self._lock:
+            feeds = [f for f in (self.feed, self._next, self._lost) if f is not None]
+            self.feed = self._next = self._lost = None
+        for f in feeds:
+            f.close()
