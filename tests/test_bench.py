@@ -13,6 +13,7 @@ from tests.conftest import REPO
 KEYS = ("tcp_vs_socket_1m", "tcp_cpu_vs_socket", "tcp_cpu_s_per_gb", "socket_cpu_s_per_gb", "tcp_16k_vs_1m", "samehost_vs_memcpy", "vs_nixl", "vs_mooncake", "small_request_p50_ms", "small_request_p99_ms")
 
 
+@pytest.mark.timeout(900)  # two rounds of every section, each figure the best of three tries
 def test_bench_json_prints_every_ratio_from_one_real_run():
     r = subprocess.run(
         [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "2", "--latency-requests", "20",
@@ -45,6 +46,11 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert 0 < phases["serve"] < phases["transfer"] < out["small_request_p99_ms"], phases
     for peer in ("vs_nixl", "vs_mooncake"):
         assert out[peer] is None or out[peer] > 0
+    # Every baseline gets kvd's resources, and says what it got: memcpy on the best of 1..cores threads, the
+    # socket on the best of 1..stripes connections, NIXL with descriptor lists prepared once (where installed).
+    assert last["memcpy_threads"] >= 1 and 1 <= last["socket_connections"] <= 2
+    assert out["nixl_prepped"] is (True if out["vs_nixl"] is not None else None)
+    assert any(r["pairing"].startswith("Mamba2 state") for r in last["relayout"])  # the state row is in the worst pairing
     # The verdict: each target's worst round beside its limit, computed from the rounds.
     assert len(out["rounds"]) == 2
     verdict = {row["figure"]: row for row in out["verdict"]}

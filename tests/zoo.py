@@ -62,8 +62,8 @@ ZOO: dict[str, ZooModel] = {
          "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
          "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000, "max_position_embeddings": 32768,
          "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": True},
-        tp2=False, prompts=(700, 300), notes="MQA (1 KV head): TP2 would replicate it; 26 layers keep the 7 KV cache groups; "
-                                             "the 700-token prompt crosses the 512-token window",
+        prompts=(700, 300), notes="MQA (1 KV head: TP2 replicates it); 26 layers keep the 7 KV cache groups; "
+                                  "the 700-token prompt crosses the 512-token window",
     ),
     "gpt_oss": ZooModel(
         "GptOssForCausalLM", "openai/gpt-oss-20b",
