@@ -62,8 +62,10 @@ ZOO: dict[str, ZooModel] = {
          "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
          "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000, "max_position_embeddings": 32768,
          "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "attention_bias": False, "tie_word_embeddings": True},
-        prompts=(700, 300), notes="MQA (1 KV head: TP2 replicates it); 26 layers keep the 7 KV cache groups; "
-                                  "the 700-token prompt crosses the 512-token window",
+        tp2=False, prompts=(700, 300),
+        notes="MQA (1 KV head); 26 layers keep the 7 KV cache groups; the 700-token prompt crosses the 512-token window. "
+              "Not in the TP2 pairs: a TP2 and a TP1 engine alone differ on that prompt in float32 (token 4), so one "
+              "engine is no oracle; measured, P/D across TP gives P alone's tokens exactly, both ways",
     ),
     "gpt_oss": ZooModel(
         "GptOssForCausalLM", "openai/gpt-oss-20b",
