@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 _r = random.Random(1)
 # Three transfers of different lengths, then the negative control's prompt.
 PROMPTS = [[_r.randrange(3, 1000) for _ in range(n)] for n in (300, 159, 127, 200)]
-# The first prompt with its token 250 changed, 50 back from the end (far past the conv window, so only the SSM
-# state carries it): the model must notice (else it is blind to its state).
-ALTERED = [*PROMPTS[0][:250], PROMPTS[0][250] % 997 + 3, *PROMPTS[0][251:]]
+# The first prompt with its tokens 250-289 changed, ending 10 back from the end (past the conv window, so only
+# the SSM state carries them): the model must notice (else it is blind to its state).
+ALTERED = [*PROMPTS[0][:250], *(t % 997 + 3 for t in PROMPTS[0][250:290]), *PROMPTS[0][290:]]
 
 
 def _engine_kw(family: str) -> list[str]:

@@ -72,16 +72,16 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
         pd = OpenAIPD(servers["prefill"], servers["decode"], daemons["decode"].metrics_url, daemons["prefill"].grpc, "", procs,
                       [s.log for s in servers.values()])
         url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
-        prompts = [[(11 * i + 5 * j) % 997 + 3 for j in range(140 + 7 * (i % 20))] for i in range(80)]
-        expected = [_alone(pd.prefill.url, model_dir, p) for p in prompts]  # one engine: P asked plainly
         phase = ["both current"]
         rows: dict[str, dict[str, int]] = {}
         stop = threading.Event()
 
         def load() -> None:
-            for prompt, want in zip(prompts, expected, strict=True):
-                if stop.is_set():
-                    return
+            i = 0
+            while not stop.is_set():  # a new prompt each time: D never holds it, so it must load it
+                prompt = [(11 * i + 5 * j) % 997 + 3 for j in range(140 + 7 * (i % 20))]
+                i += 1
+                want = _alone(pd.prefill.url, model_dir, prompt)  # one engine: P asked plainly
                 row = rows.setdefault(phase[0], {"requests": 0, "failed": 0, "wrong": 0})
                 row["requests"] += 1
                 try:
