@@ -462,7 +462,7 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
             say(f"    vs_mooncake         {t['vs_mooncake']:.2f}  (kvd TCP / Mooncake TE tcp, worst unit size)")
     if "control" in args.sections:
         results.update(bench_control(layers=args.layers, heads=args.kv_heads, head_size=args.head_size, repeat=args.repeat,
-                                     wire_gbps=results.get("tcp_1m_gbps"), say=say))
+                                     wire_gbps=results.get("socket_gbps"), say=say))
     if "stream" in args.sections:
         results.update(bench_stream(layers=args.stream_layers, heads=args.stream_kv_heads, head_size=args.head_size,
                                     us_per_token=args.stream_us_per_token, repeat=args.repeat, tokens=tuple(args.stream_tokens), say=say))

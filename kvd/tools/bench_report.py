@@ -51,6 +51,7 @@ TARGETS = (
     Target("vs_mooncake", "kvd TCP / Mooncake TE tcp, worst unit size", True, 1.5),
     Target("control_growth", "control plane per block, 100k blocks / 1k blocks", False, 1.5),
     Target("control_vs_transfer_128k", "control plane / transfer time, 128k tokens of 16-token blocks", False, 0.05),
+    Target("control_vs_transfer_128k_staged", "the same in a staged read's segments (relayout, TLS, hetero reads)", False, 0.05),
     Target("stream_vs_pull_long", "TTFT added by the transfer, streamed / pulled, longest prompt", False, 0.10),
     Target("stream_vs_pull_short", "TTFT added by the transfer, streamed / pulled, shortest prompt", False, 1.1),
     Target("load_rss_growth", "daemon RssAnon growth over the load, after warm-up (worst daemon)", False, 0.10),

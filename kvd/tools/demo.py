@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvd.core.spec import WorkerId
-from kvd.tools.demo_worker import EngineConfig, ModelConfig, worker_main
+from kvd.tools.demo_worker import EngineConfig, ModelConfig, Prefill, worker_main
 
 # ---------------------------------------------------------------- driver
 
@@ -179,7 +179,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 raise SystemExit("the block pools are too small for one request; raise --num-blocks")
             reqs = [(rid, seed, p, n, cap) for rid, seed, n, p, _d, cap in batch]
             if args.stream or args.layer_ms:
-                results, computed = prefill_and_pull(sides, reqs, [b[4] for b in batch], args.layer_ms / 1000, args.stream)
+                results, _started, computed = prefill_and_pull(sides, reqs, [b[4] for b in batch], args.layer_ms / 1000, Prefill(stream=args.stream))
                 after_prefill_s.append(max(r[4] for r in results) - computed)
             else:
                 params = call_workers(sides["prefill"], "publish", [reqs] * len(sides["prefill"]))[0]
@@ -256,10 +256,11 @@ def stop_workers(pipes: Sequence[Connection], procs: Sequence[Any]) -> None:
 
 
 def prefill_and_pull(sides: dict[str, list[Connection]], reqs: Sequence[Any], decode_ids: Sequence[list[int]], layer_s: float,
-                     stream: bool) -> tuple[list[Any], float]:
-    """Prefill computes ``reqs`` layer by layer while (``stream``) or
-    before (pull mode) decode pulls them. Returns decode's results and when
-    prefill's last layer was done."""
+                     how: Prefill) -> tuple[list[Any], float, float]:
+    """Prefill computes ``reqs`` layer by layer while (streamed) or before
+    (pull mode) decode pulls them; with nothing published, prefill computes
+    alone and decode does nothing. Returns decode's results, when prefill
+    started and when its last layer was done."""
     prefill, decode = sides["prefill"], sides["decode"]
 
     def answer(c: Connection) -> Any:
@@ -269,13 +270,15 @@ def prefill_and_pull(sides: dict[str, list[Connection]], reqs: Sequence[Any], de
         return value
 
     for c in prefill:
-        c.send(("prefill", (reqs, layer_s, stream)))
+        c.send(("prefill", (reqs, layer_s, how)))
     published = [answer(c) for c in prefill]  # every rank's (the same request params)
     params = published[0]
-    for c in decode:
-        c.send(("pull", [(r[0], params[i], ids) for i, (r, ids) in enumerate(zip(reqs, decode_ids, strict=True))]))
-    computed = max(answer(c) for c in prefill)
-    return [answer(c) for c in decode], computed
+    if how.publish:
+        for c in decode:
+            c.send(("pull", [(r[0], params[i], ids) for i, (r, ids) in enumerate(zip(reqs, decode_ids, strict=True))]))
+    times = [answer(c) for c in prefill]
+    started, computed = min(t[0] for t in times), max(t[1] for t in times)
+    return ([answer(c) for c in decode] if how.publish else []), started, computed
 
 
 def _progress(done: int, total: int, nbytes: int, seconds: float) -> None:

@@ -112,7 +112,7 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
     import torch
 
     from kvd.caches import allocate_state_pages, local_group_tensors, release_all
-    from kvd.client import KvdClient
+    from kvd.client import FinishedFeed, KvdClient
     from kvd.testing import pattern
 
     torch.set_num_threads(1)
@@ -156,6 +156,7 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
             conn.send(("error", f"{worker}: {type(e).__name__}: {getattr(e, 'message', e)}"))
             return
         conn.send(("ready", None))
+        feed: FinishedFeed | None = None
         while True:
             cmd, arg = conn.recv()
             if cmd == "stop":
@@ -170,19 +171,22 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                         out.append(client.publish(rid, [g for _, g in mine], ntok, capability=cap,
                                                   first_tokens=[f for f, _ in mine]).SerializeToString())
                     conn.send(("ok", out))
-                elif cmd == "prefill":  # ([(rid, seed, block_ids, num_tokens, capability)], seconds per layer, stream)
-                    reqs, layer_s, stream = arg
+                elif cmd == "prefill":  # ([(rid, seed, block_ids, num_tokens, capability)], seconds per layer, Prefill)
+                    reqs, layer_s, how = arg
                     prefill(client, conn, reqs, [[own(ids, ntok, kind) for kind in kinds] for _, _, ids, ntok, _ in reqs],
-                            tensors, coords, stage_layers(model, worker.pp_size, worker.pp_rank), layer_s, stream)
+                            tensors, coords, stage_layers(model, worker.pp_size, worker.pp_rank), layer_s, how)
                 elif cmd == "pull":  # [(rid, params bytes, local ids)]
                     from kvd.proto import kvd_pb2 as pb
 
+                    if feed is None:  # pushed outcomes: the time a pull landed is not a poll's
+                        feed = FinishedFeed(client).start()
+                        feed.subscribed.wait(30)
                     t0 = time.perf_counter()
                     for rid, raw, ids in arg:
                         params = pb.TransferParams.FromString(raw)
                         mine = [own(ids, params.num_tokens, kind) for kind in kinds]
                         client.pull(rid, params, [g for _, g in mine], first_tokens=[f for f, _ in mine])
-                    done = client.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
+                    done = feed.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
                     elapsed = time.perf_counter() - t0
                     nbytes = sum(d.bytes for (direction, _), d in done.details.items() if direction == "recving")
                     failed = {r: d.reason for (direction, r), d in done.details.items() if direction == "recving" and d.outcome != "done"}
@@ -219,13 +223,40 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
 STALE = 0x5A5A5
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """How a bench or demo prefill runs: ``stream`` publishes first and says
+    each layer saved (else it publishes once all are written: pull mode);
+    ``busy`` computes on every core (torch's threads) instead of sleeping,
+    as a real prefill's forward does, so a transfer shares the cores with
+    it; ``publish`` False computes alone (the compute-only baseline)."""
+
+    stream: bool = False
+    busy: bool = False
+    publish: bool = True
+
+
+def burn(seconds: float, a: Any) -> None:
+    """Keep every core busy for ``seconds`` with matrix products (the GIL
+    released, as in a forward), in slices short enough to end on time."""
+    import torch
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        torch.mm(a, a)
+
+
 def prefill(client: Any, conn: Connection, reqs: Sequence[Any], mine: Sequence[Sequence[tuple[int, list[int]]]], tensors: Sequence[Any],
-            coords: Sequence[Any], layers: Sequence[int], layer_s: float, stream: bool) -> None:
-    """Prefill "computes" the requests one layer at a time (``layer_s`` a
-    layer), writing each layer's KV as it goes. Streaming publishes first
-    and says each layer saved; otherwise it publishes once all are written
-    (pull mode). Answers the params, then the time the last layer was done
-    (``time.monotonic``: one clock for every process on the host)."""
+            coords: Sequence[Any], layers: Sequence[int], layer_s: float, how: Prefill) -> None:
+    """Prefill computes the requests one layer at a time (``layer_s`` a
+    layer), writing each layer's KV as it goes, and publishes as ``how``
+    says. Answers the params (nothing when it does not publish), then when
+    it started and when its last layer was done (``time.monotonic``: one
+    clock for every process on the host)."""
+    import os
+
+    import torch
+
     from kvd.testing import pattern
 
     for (_rid, seed, *_), groups in zip(reqs, mine, strict=True):
@@ -234,22 +265,31 @@ def prefill(client: Any, conn: Connection, reqs: Sequence[Any], mine: Sequence[S
 
     def publish() -> list[bytes]:
         return [client.publish(rid, [g for _, g in groups], ntok, capability=cap, first_tokens=[f for f, _ in groups],
-                               stream=stream).SerializeToString() for (rid, _s, _i, ntok, cap), groups in zip(reqs, mine, strict=True)]
+                               stream=how.stream).SerializeToString() for (rid, _s, _i, ntok, cap), groups in zip(reqs, mine, strict=True)]
 
-    if stream:
+    streaming = how.stream and how.publish
+    if how.busy:
+        torch.set_num_threads(os.cpu_count() or 1)
+        work = torch.ones(128, 128)
+    started = time.monotonic()
+    if streaming:
         conn.send(("ok", publish()))
     for layer in layers:
-        time.sleep(layer_s)
+        if how.busy:
+            burn(layer_s, work)
+        else:
+            time.sleep(layer_s)
         for (_rid, seed, *_), groups in zip(reqs, mine, strict=True):
             for t, c, (first, ids) in zip(tensors, coords, groups, strict=True):
                 if layer in t.layer_indices:
                     pattern.fill(t, seed, ids, c, first_token=first, positions=[t.layer_indices.index(layer)])
-        if stream:
+        if streaming:
             client.layers_saved([r[0] for r in reqs], layer + 1)
     computed = time.monotonic()
-    if stream:
+    if how.busy:
+        torch.set_num_threads(1)
+    if streaming:
         client.flush_saves()
     else:
-        conn.send(("ok", publish()))
-    conn.send(("ok", computed))
-
+        conn.send(("ok", publish() if how.publish else []))
+    conn.send(("ok", (started, computed)))
