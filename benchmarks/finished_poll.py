@@ -13,10 +13,8 @@ median and p99 of each call in microseconds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,22 +23,15 @@ from pathlib import Path
 from kvd.caches import allocate_kv_caches, release_all
 from kvd.client import FinishedFeed, KvdClient
 from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
+from kvd.testing.daemons import DaemonDidNotStart, start_daemon
 
 
 def _start_daemon(engine_id: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    ready = tmp / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", "0", "--data-port", "0",
-         "--metrics-port", "-1", "--ready-file", str(ready)],
-        stdout=(tmp / "daemon.log").open("wb"), stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"kvd serve did not start: {(tmp / 'daemon.log').read_text()}")
-        time.sleep(0.02)
-    return proc, str(json.loads(ready.read_text())["grpc"])
+    d = start_daemon(engine_id, tmp, "--metrics-port", "-1")
+    try:
+        return d.proc, d.grpc
+    except DaemonDidNotStart as e:
+        raise SystemExit(str(e)) from None
 
 
 def _time_calls(call: Callable[[], object], n: int) -> list[float]:

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,55 +17,18 @@ from kvd.client import KvdClient
 from kvd.core.topology import heads_of_rank
 from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
+from kvd.testing.daemons import DaemonProc, start_daemon
+from kvd.testing.metrics import scrape
+
+__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "make_worker", "scrape"]
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
-class DaemonProc:
-    """A started ``kvd serve``. Its address and the rest of its ready file are
-    waited for on first use, so daemons a test starts together boot in
-    parallel (most of a start is importing torch)."""
-
-    engine_id: str
-    proc: subprocess.Popen[bytes]
-    ready: Path
-    log_path: Path
-    _info: dict | None = None
-
-    @property
-    def info(self) -> dict:
-        if self._info is None:
-            deadline = time.monotonic() + 60
-            while not self.ready.exists():
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvd serve exited {self.proc.returncode}: {self.log()}")
-                if time.monotonic() > deadline:
-                    self.proc.kill()
-                    raise RuntimeError(f"kvd serve not ready: {self.log()}")
-                time.sleep(0.02)
-            self._info = json.loads(self.ready.read_text())
-        return self._info
-
-    @property
-    def grpc(self) -> str:
-        return self.info["grpc"]
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.info['metrics']}/metrics"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
-
-
-@dataclass
 class Daemons:
+    """The daemons a test starts (``kvd.testing.daemons``), in its folder, killed at its end."""
+
     tmp: Path
     started: list[DaemonProc] = field(default_factory=list)
 
@@ -80,24 +38,14 @@ class Daemons:
         Tests use TCP unless they ask for the same-host path. ``prefix`` runs
         it elsewhere, e.g. inside a network namespace; ``source`` is the kvd
         tree it runs (another release's checkout)."""
-        n = len(self.started)
-        ready = self.tmp / f"{engine_id}-{n}.json"
-        log_path = self.tmp / f"{engine_id}-{n}.log"
-        proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
-             "--metrics-port", "0", "--ready-file", str(ready), "--same-host", same_host, *extra],
-            stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=source,
-            env={**os.environ, "PYTHONPATH": str(source)} if source != REPO else None,
-        )
-        d = DaemonProc(engine_id, proc, ready, log_path)
+        d = start_daemon(engine_id, self.tmp, "--same-host", same_host, *extra, name=f"{engine_id}-{len(self.started)}", grpc_port=grpc_port,
+                         prefix=prefix, source=None if source == REPO else source)
         self.started.append(d)
         return d
 
     def kill_all(self) -> None:
         for d in self.started:
-            if d.proc.poll() is None:
-                d.proc.kill()
-                d.proc.wait()
+            d.kill()
 
 
 @pytest.fixture
@@ -207,18 +155,6 @@ def _in_use(paths: set[Path]) -> set[Path]:
                     if (target := os.readlink(fd)) in names:
                         used.add(Path(target))
     return used
-
-
-def scrape(metrics_url: str, name: str, **labels: str) -> float:
-    """The sum of a sample's values on a daemon's /metrics, over the label
-    sets that carry ``labels`` (all of them by default)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 _PORTS = random.SystemRandom()  # not the seeded module-level generator: runs must not pick the same ports

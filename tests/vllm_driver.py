@@ -89,10 +89,9 @@ def wait_until(cond: Any, timeout: float, what: str) -> float:
 
 
 def received_bytes(metrics_url: str) -> float:
-    import urllib.request
+    from kvd.testing.metrics import scrape
 
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kvd_received_bytes_total"))
+    return scrape(metrics_url, "kvd_received_bytes_total")
 
 
 def corrupt_prefill_cache(p_address: str) -> int:

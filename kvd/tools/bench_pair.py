@@ -128,23 +128,11 @@ class BenchPair:
     def timings(self) -> dict[str, tuple[float, float]]:
         """(sum of seconds, count) so far of D's pull phases (``kvd_pull_phase_seconds``)
         and of P serving a read (``serve``), from the daemons' /metrics."""
-        import urllib.request
+        from kvd.testing.metrics import histogram_sums
 
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out: dict[str, tuple[float, float]] = {}
-        for info, family, label in ((self.d, "kvd_pull_phase_seconds", "phase"), (self.p, "kvd_read_serve_seconds", "")):
-            text = urllib.request.urlopen(f"http://{info['metrics']}/metrics", timeout=10).read().decode()
-            for fam in text_string_to_metric_families(text):
-                if fam.name != family:
-                    continue
-                for sample in fam.samples:
-                    name = sample.labels.get(label, "serve") if label else "serve"
-                    total, count = out.get(name, (0.0, 0.0))
-                    if sample.name.endswith("_sum"):
-                        out[name] = (total + sample.value, count)
-                    elif sample.name.endswith("_count"):
-                        out[name] = (total, count + sample.value)
+        out = histogram_sums(f"http://{self.d['metrics']}/metrics", "kvd_pull_phase_seconds", "phase")
+        out.pop("", None)
+        out["serve"] = histogram_sums(f"http://{self.p['metrics']}/metrics", "kvd_read_serve_seconds", "")[""]
         return out
 
     def close(self) -> None:

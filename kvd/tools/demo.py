@@ -9,9 +9,7 @@ of every block on the decode side against the logical pattern.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
-import os
 import random
 import secrets
 import shutil
@@ -21,50 +19,42 @@ import tempfile
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from kvd.core.spec import WorkerId
+from kvd.testing.daemons import DaemonDidNotStart, DaemonProc, start_daemon
 from kvd.tools.demo_worker import EngineConfig, ModelConfig, Prefill, worker_main
 
 # ---------------------------------------------------------------- driver
 
 
 class Daemons:
-    """``kvd serve`` subprocesses with ready files."""
+    """``kvd serve`` subprocesses (``kvd.testing.daemons``) in a folder of their own."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.logs: list[Any] = []
+        self.started: list[DaemonProc] = []
         self.tmp = tempfile.mkdtemp(prefix="kvd-demo-")
 
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [d.proc for d in self.started]
+
     def start(self, engine_id: str, extra: Sequence[str] = ()) -> dict[str, Any]:
-        """Start ``kvd serve``; ``extra`` are more flags."""
-        ready = os.path.join(self.tmp, f"{engine_id}.json")
-        log = open(os.path.join(self.tmp, f"{engine_id}.log"), "wb")  # noqa: SIM115 - the child writes it; closed in stop
-        self.logs.append(log)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", "0", "--data-port", "0", "--metrics-port", "0", "--ready-file", ready, *extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(ready):
-            if proc.poll() is not None:
-                raise SystemExit(f"kvd serve for {engine_id} exited with {proc.returncode}; see {log.name}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"kvd serve for {engine_id} did not become ready; see {log.name}")
-            time.sleep(0.05)
-        with open(ready) as f:
-            return dict(json.load(f))
+        """Start ``kvd serve``; ``extra`` are more flags. Returns its ready file."""
+        d = start_daemon(engine_id, Path(self.tmp), *extra)
+        self.started.append(d)
+        try:
+            return dict(d.info)
+        except DaemonDidNotStart as e:
+            raise SystemExit(str(e)) from None
 
     def stop(self) -> list[int]:
         """Stop the daemons; their folder (ready files, logs) goes too unless
         one exited with an error, when its log is the evidence."""
-        for p in self.procs:
-            p.terminate()
-        codes = [p.wait(timeout=30) for p in self.procs]
-        for log in self.logs:
-            log.close()
+        for d in self.started:
+            d.proc.terminate()
+        codes = [d.proc.wait(timeout=30) for d in self.started]
         if not any(codes):
             shutil.rmtree(self.tmp, ignore_errors=True)
         return codes

@@ -1,0 +1,97 @@
+"""``kvd serve`` as a subprocess: the one starter that tests, ``kvd demo``,
+``kvd bench`` and ``benchmarks/`` use.
+
+A daemon writes a ready file (its addresses, pid and version) once it
+serves; ``DaemonProc.info`` waits for it on first use, so daemons started
+together boot in parallel (most of a start is importing torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class DaemonDidNotStart(RuntimeError):
+    """The daemon exited, or wrote no ready file in time; the message holds its log."""
+
+
+@dataclass
+class DaemonProc:
+    """A started ``kvd serve``."""
+
+    engine_id: str
+    proc: subprocess.Popen[bytes]
+    ready: Path
+    log_path: Path
+    _info: dict[str, Any] | None = None
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The ready file's contents, waited for (60 s) on first use."""
+        if self._info is None:
+            deadline = time.monotonic() + 60
+            while not self.ready.exists():
+                if self.proc.poll() is not None:
+                    raise DaemonDidNotStart(f"kvd serve for {self.engine_id} exited {self.proc.returncode}: {self.log()}")
+                if time.monotonic() > deadline:
+                    self.proc.kill()
+                    raise DaemonDidNotStart(f"kvd serve for {self.engine_id} not ready within 60 s: {self.log()}")
+                time.sleep(0.02)
+            self._info = json.loads(self.ready.read_text())
+        return self._info
+
+    @property
+    def grpc(self) -> str:
+        return str(self.info["grpc"])
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.info['metrics']}/metrics"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal it (SIGTERM: drain and exit) and wait for its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_daemon(engine_id: str, folder: Path, *extra: str, name: str = "", grpc_port: int = 0, prefix: Sequence[str] = (),
+                 source: Path | None = None) -> DaemonProc:
+    """Start ``kvd serve`` for ``engine_id``, its ready file and log in
+    ``folder`` (as ``name``.json and .log; the engine id by default), every
+    port chosen by the kernel but gRPC's when ``grpc_port`` is set.
+    ``extra`` flags come last, so they override these. ``prefix`` runs it
+    elsewhere (inside a network namespace); ``source`` is the kvd tree it
+    runs (another release's checkout), this interpreter's by default.
+    Returns at once: ``info`` waits for it."""
+    name = name or engine_id
+    ready, log_path = folder / f"{name}.json", folder / f"{name}.log"
+    with log_path.open("wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvd", "serve", "--engine-id", engine_id, "--grpc-port", str(grpc_port), "--data-port", "0",
+             "--metrics-port", "0", "--ready-file", str(ready), *extra],
+            stdout=log, stderr=subprocess.STDOUT, cwd=source,
+            env={**os.environ, "PYTHONPATH": str(source)} if source is not None else None,
+        )
+    return DaemonProc(engine_id, proc, ready, log_path)
