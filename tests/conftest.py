@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import secrets
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -15,12 +16,13 @@ import pytest
 from kvd.caches import allocate_kv_caches, local_group_tensors, release_all
 from kvd.client import KvdClient
 from kvd.core.topology import heads_of_rank
+from kvd.proto import kvd_pb2 as pb
 from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
 from kvd.testing.daemons import DaemonProc, start_daemon
 from kvd.testing.metrics import scrape
 
-__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "make_worker", "scrape"]
+__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "local_group_tensors_plain", "make_worker", "scheduler_params", "scrape", "transfer"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,6 +100,41 @@ def make_worker(address: str, engine_id: str, *, tp_rank=0, tp_size=1, pp_rank=0
     if register:
         w.register()
     return w
+
+
+def transfer(p_workers, d_workers, rid, seed, p_ids, d_ids, ntok, timeout=30):
+    """One request published by every P worker and pulled by every D worker; D's finished sets."""
+    cap = secrets.token_bytes(32)
+    params = None
+    for w in p_workers:
+        w.fill(seed, p_ids)
+        params = w.client.publish(rid, [p_ids], ntok, capability=cap)
+    for w in d_workers:
+        w.client.pull(rid, params, [d_ids])
+    return params, [w.client.wait_finished(recving={rid}, timeout=timeout) for w in d_workers]
+
+
+def scheduler_params(p_addr: str, engine_id: str, rid: str, cap: bytes, ids: list[int], ntok: int) -> pb.TransferParams:
+    """Params as vLLM's scheduler makes them: before any worker published, so
+    without generation or epoch (the connector's request_finished)."""
+    return pb.TransferParams(remote_engine_id=engine_id, remote_address=p_addr, request_id=rid, capability=cap,
+                             block_ids=[pb.BlockIds(ids=ids)], num_tokens=ntok, remote_tp_size=2, remote_pp_size=1)
+
+
+def local_group_tensors_plain(spec, caches):
+    """Canonical views of caches wherever they live (for the test's own fills)."""
+    import torch
+
+    from kvd.core.relayout import GroupTensors
+    from kvd.core.spec import GroupSpec, LayerSpec, TensorRef
+
+    base = next(iter(caches.values())).untyped_storage()
+    region = torch.empty(0, dtype=torch.uint8, device=base.device).set_(base)
+    layers = []
+    for i, (name, t) in enumerate(caches.items()):
+        off = t.data_ptr() - region.data_ptr()
+        layers.append(LayerSpec(name, i, (TensorRef("r", off, tuple(t.shape), tuple(t.stride()), spec.layout),)))
+    return GroupTensors.build(GroupSpec(0, spec, tuple(layers)), {"r": region})
 
 
 @pytest.fixture(autouse=True)
@@ -178,3 +215,9 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+# Fixtures made once a session: the previous release's worktree, the tiny
+# model and its one-engine baselines. Imported last: those modules import from here.
+from tests.release_support import previous  # noqa: E402, F401 - a fixture
+from tests.vllm_support import baseline, baseline_f32, model_dir, vllm_python  # noqa: E402, F401 - fixtures

@@ -80,6 +80,15 @@ def test_no_hand_written_module_is_over_500_lines():
     assert big == {}
 
 
+def test_test_modules_share_helpers_through_support_modules_not_each_other():
+    """What tests share lives in conftest, kvd.testing or a tests/*_support
+    module: a test module imported by another runs its fixtures twice and
+    hides who depends on what."""
+    importers = {p.name: line.strip() for p in (REPO / "tests").glob("test_*.py") for line in p.read_text().splitlines()
+                 if line.lstrip().startswith(("from tests.test_", "import tests.test_"))}
+    assert importers == {}
+
+
 PUBLIC = {
     "kvd.client": ["KvdClient", "daemon_status", "infer_spec_from_tensors", "Finished"],
     "kvd.caches": ["allocate_kv_caches", "adopt_into_shm", "describe", "release_all"],

@@ -75,9 +75,10 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     nbytes = 128 * 1024 * 2 * 2 * 8 * 128 * 2  # tokens x layers x K/V x heads x head size x bf16
     assert last["control_128k_transfer_ms"] == pytest.approx(1e3 * nbytes / (last["socket_gbps"] * 1e9))
     # Streaming: what the transfer adds to TTFT past a busy prefill computed alone, pulled and streamed, at each
-    # prompt length, every byte checked (streamed, it may hide wholly under the compute).
+    # prompt length, every byte checked. Streamed, it may hide wholly under the compute; pulled, the longer
+    # prompt's 17 MB take longer than the compute's jitter (the shorter one's 2 MB may not).
     rows = last["stream"]
-    assert [r["tokens"] for r in rows] == [256, 2048] and all(r["prefill_ms"] > 0 and r["pull_ms"] > 0 for r in rows)
+    assert [r["tokens"] for r in rows] == [256, 2048] and all(r["prefill_ms"] > 0 for r in rows) and rows[-1]["pull_ms"] > 0
     assert last["stream_vs_pull_long"] == rows[-1]["stream_ms"] / rows[-1]["pull_ms"]
     # The hybrid shape: a batch of requests' Mamba2 state, across TP and conv layouts, every byte checked.
     state = out["rounds"][-1]["state_relayout"]

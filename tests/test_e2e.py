@@ -16,18 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.core.errors import InvalidArgument, KvdError
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from tests.conftest import REPO, make_worker, scrape
-
-
-def transfer(p_workers, d_workers, rid, seed, p_ids, d_ids, ntok, timeout=30):
-    cap = secrets.token_bytes(32)
-    params = None
-    for w in p_workers:
-        w.fill(seed, p_ids)
-        params = w.client.publish(rid, [p_ids], ntok, capability=cap)
-    for w in d_workers:
-        w.client.pull(rid, params, [d_ids])
-    return params, [w.client.wait_finished(recving={rid}, timeout=timeout) for w in d_workers]
+from tests.conftest import REPO, make_worker, scheduler_params, scrape, transfer
 
 
 def test_full_path_is_byte_exact_and_reports_finished_sets(daemons):
@@ -347,13 +336,6 @@ def test_a_read_in_wire_order_moves_in_its_own_frame_size(daemons, layout, in_pl
     sent = scrape(p.metrics_url, "kvd_sent_blocks_total", transport="tcp")
     # 8 blocks x 4 layers x 4 KiB: one 128 KiB frame, or 8 KiB ones of 2 layers of one block.
     assert sent == (len(p_ids) if in_place else 2 * len(p_ids)), sent
-
-
-def scheduler_params(p_addr: str, engine_id: str, rid: str, cap: bytes, ids: list[int], ntok: int) -> pb.TransferParams:
-    """Params as vLLM's scheduler makes them: before any worker published, so
-    without generation or epoch (the connector's request_finished)."""
-    return pb.TransferParams(remote_engine_id=engine_id, remote_address=p_addr, request_id=rid, capability=cap,
-                             block_ids=[pb.BlockIds(ids=ids)], num_tokens=ntok, remote_tp_size=2, remote_pp_size=1)
 
 
 def test_params_made_before_publish_are_resolved_once_every_rank_published(daemons):

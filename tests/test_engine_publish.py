@@ -10,8 +10,7 @@ import pytest
 from kvd.client import KvdClient, daemon_status
 from kvd.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvd.core.spec import WorkerId
-from tests.conftest import make_worker, scrape
-from tests.test_e2e import scheduler_params
+from tests.conftest import make_worker, scheduler_params, scrape
 
 
 def _scheduler(address: str, engine_id: str, token: bytes) -> KvdClient:

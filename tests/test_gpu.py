@@ -15,8 +15,7 @@ from kvd.core.relayout import GroupTensors
 from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
 from kvd.transport.device import DeviceToHost, device_copies
-from tests.conftest import scrape
-from tests.test_registration import local_group_tensors_plain
+from tests.conftest import local_group_tensors_plain, scrape
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

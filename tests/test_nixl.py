@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from kvd.transport.nixl import available
-from tests.conftest import REPO, make_worker, scrape
-from tests.test_e2e import transfer
+from tests.conftest import REPO, make_worker, scrape, transfer
 
 pytestmark = pytest.mark.skipif(bool(available()), reason=f"NIXL NOT TESTED: {available()}")
 

@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from kvd.daemon.metrics import PULL_PHASES as PHASES
 from kvd.daemon.watchdog import LoopWatchdog
-from tests.conftest import make_worker, scrape
-from tests.test_e2e import scheduler_params, transfer
+from tests.conftest import make_worker, scheduler_params, scrape, transfer
 
 
 def _phases(metrics_url: str, stat: str) -> dict[str, float]:

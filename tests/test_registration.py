@@ -9,7 +9,7 @@ from kvd.caches import adopt_into_shm, allocate_kv_caches, local_group_tensors
 from kvd.client import KvdClient
 from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
-from tests.conftest import make_worker
+from tests.conftest import local_group_tensors_plain, make_worker
 
 
 def test_spec_is_inferred_from_shape_and_strides(daemons):
@@ -64,20 +64,6 @@ def test_adopt_moves_existing_tensors_into_shm_in_place(daemons):
     f = dw.client.wait_finished(recving={"r"}, timeout=30)
     assert f.details[("recving", "r")].outcome == "done"
     assert dw.mismatch(6, [10, 11, 12], 48) is None
-
-
-def local_group_tensors_plain(spec, caches):
-    """Canonical views of caches wherever they live (for the test's own fills)."""
-    from kvd.core.relayout import GroupTensors
-    from kvd.core.spec import GroupSpec, LayerSpec, TensorRef
-
-    base = next(iter(caches.values())).untyped_storage()
-    region = torch.empty(0, dtype=torch.uint8, device=base.device).set_(base)
-    layers = []
-    for i, (name, t) in enumerate(caches.items()):
-        off = t.data_ptr() - region.data_ptr()
-        layers.append(LayerSpec(name, i, (TensorRef("r", off, tuple(t.shape), tuple(t.stride()), spec.layout),)))
-    return GroupTensors.build(GroupSpec(0, spec, tuple(layers)), {"r": region})
 
 
 @pytest.mark.gpu

@@ -13,8 +13,7 @@ import pytest
 from kvd.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from tests.conftest import make_worker
-from tests.test_e2e import scheduler_params
+from tests.conftest import make_worker, scheduler_params
 
 pytestmark = pytest.mark.security
 

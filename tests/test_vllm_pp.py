@@ -20,15 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, scrape
-from tests.test_vllm import (  # noqa: F401 - fixtures
-    _drive,
-    _env,
-    _kill_group,
-    _received_bytes,
-    baseline_f32,
-    model_dir,
-    vllm_python,
-)
+from tests.vllm_support import drive, engine_env, kill_group, received_bytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -51,16 +43,16 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def plain_pp2(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[bool, str]:  # noqa: F811
+def plain_pp2(vllm_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[bool, str]:
     """Whether a plain vLLM engine (no connector) runs PP2 here, and its log's end."""
     log = tmp_path_factory.mktemp("plain-pp2") / "log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([str(vllm_python), "-c", PLAIN_PP2, str(model_dir)], env=_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([str(vllm_python), "-c", PLAIN_PP2, str(model_dir)], env=engine_env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             proc.wait(timeout=600)
         finally:
-            _kill_group(proc)
+            kill_group(proc)
     text = log.read_text(errors="replace")
     return "TOKENS" in text, text
 
@@ -74,15 +66,15 @@ def test_vllm_cpu_runs_pipeline_parallel(plain_pp2):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_parallel_engines_through_kvd_match_one_engine(vllm_python, model_dir, baseline_f32, plain_pp2, daemons, tmp_path, case):  # noqa: F811
+def test_pipeline_parallel_engines_through_kvd_match_one_engine(vllm_python, model_dir, baseline_f32, plain_pp2, daemons, tmp_path, case):
     if not plain_pp2[0]:
         pytest.xfail(f"vllm-cpu 0.32 cannot run pipeline_parallel_size=2 here, with no connector ({KNOWN_FAILURE}): see the README")
     p_tp, p_pp, d_tp, d_pp = CASES[case]
     p, d = daemons.start("prefill"), daemons.start("decode")
-    result, _ = _drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
+    result, _ = drive(vllm_python, tmp_path, "hetero", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", "float32",
                        "--p-tp", str(p_tp), "--p-pp", str(p_pp), "--d-tp", str(d_tp), "--d-pp", str(d_pp))
     assert result["tokens"] == baseline_f32[:-1]
-    assert _received_bytes(d.metrics_url) > 0
+    assert received_bytes(d.metrics_url) > 0
     failed = result["failed_load"]
     assert failed["tokens"] == baseline_f32[0] and failed["released_after_s"] < 1.0, failed
     assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp * d_pp

@@ -22,7 +22,7 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO, scrape
-from tests.test_vllm import _drive, _env, _received_bytes, vllm_python  # noqa: F401 - a fixture
+from tests.vllm_support import drive, engine_env, received_bytes
 from tests.zoo import ZOO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -54,18 +54,18 @@ def _state_bytes_per_layer(config: dict) -> int:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_model_with_state_through_kvd_matches_one_engine(vllm_python, daemons, tmp_path, case):  # noqa: F811
+def test_a_model_with_state_through_kvd_matches_one_engine(vllm_python, daemons, tmp_path, case):
     family, p_tp, d_tp = CASES[case]
     dtype = "float32"
     model = tmp_path / family
     r = subprocess.run([str(vllm_python), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", f"zoo:{family}", "--model", str(model)],
-                       capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+                       capture_output=True, text=True, timeout=600, env=engine_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     alone = tmp_path / "alone.json"
     alone.write_text(json.dumps([*PROMPTS, ALTERED]))
     p, d = daemons.start("prefill"), daemons.start("decode")
     # D computes every prompt alone first (one TP1 engine's tokens), then P/D runs.
-    result, log = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", dtype,
+    result, log = drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", dtype,
                          "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--d-metrics", d.metrics_url, *_engine_kw(family),
                          "--baseline-prompts", str(alone), prompts_list=PROMPTS)
     baseline = result["baseline_tokens"]
@@ -81,7 +81,7 @@ def test_a_model_with_state_through_kvd_matches_one_engine(vllm_python, daemons,
         got = [b - a for a, b in zip([0.0, *result["received_bytes"]], result["received_bytes"], strict=False)]
         assert got == [2 * _state_bytes_per_layer(config)] * len(got), got
     else:
-        assert _received_bytes(d.metrics_url) > 0
+        assert received_bytes(d.metrics_url) > 0
     # A state block P never published: refused, D recomputes and still matches; P let go at once.
     failed = result["failed_load"]
     assert failed["tokens"] == baseline[0]

@@ -20,18 +20,7 @@ import pytest
 
 from kvd.client import daemon_status
 from tests.conftest import Daemons, free_port, scrape
-from tests.test_upgrade import previous  # noqa: F401 - a fixture
-from tests.test_vllm import (  # noqa: F401 - fixtures
-    PROMPTS,
-    OpenAIPD,
-    _complete_pd,
-    _kill_group,
-    _serve,
-    _wait_http,
-    model_dir,
-    vllm_python,
-)
-from tests.test_vllm_zoo import _alone
+from tests.vllm_support import OpenAIPD, complete_pd, kill_group, prefill_alone, serve, wait_http
 
 pytestmark = [pytest.mark.vllm, pytest.mark.upgrade, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -48,7 +37,7 @@ def _rejoined(address: str, timeout: float = 60) -> float:
     raise AssertionError(f"no worker registered again with the daemon at {address} within {timeout}s")
 
 
-def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_load(vllm_python, model_dir, previous, tmp_path):  # noqa: F811
+def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_load(vllm_python, model_dir, previous, tmp_path):
     """A steady load (one request after another through the proxy) while each
     daemon in turn is drained and replaced by the previous release, then by
     this one: per phase, how many requests, how many loaded through kvd, and
@@ -65,10 +54,10 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_load_failure_policy": "recompute",
                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
                       "kv_connector_extra_config": {"kvd_address": daemons[role].grpc}}
-            servers[role] = _serve(vllm_python, model_dir, tmp_path / f"{role}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
+            servers[role] = serve(vllm_python, model_dir, tmp_path / f"{role}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
             procs.append(servers[role].proc)
         for s in servers.values():
-            _wait_http(f"{s.url}/health", s.proc, 600, s.log)
+            wait_http(f"{s.url}/health", s.proc, 600, s.log)
         pd = OpenAIPD(servers["prefill"], servers["decode"], daemons["decode"].metrics_url, daemons["prefill"].grpc, "", procs,
                       [s.log for s in servers.values()])
         url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
@@ -81,11 +70,11 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
             while not stop.is_set():  # a new prompt each time: D never holds it, so it must load it
                 prompt = [(11 * i + 5 * j) % 997 + 3 for j in range(140 + 7 * (i % 20))]
                 i += 1
-                want = _alone(pd.prefill.url, model_dir, prompt)  # one engine: P asked plainly
+                want = prefill_alone(pd.prefill.url, model_dir, prompt)  # one engine: P asked plainly
                 row = rows.setdefault(phase[0], {"requests": 0, "failed": 0, "wrong": 0})
                 row["requests"] += 1
                 try:
-                    if _complete_pd(pd, url, model_dir, prompt) != want:
+                    if complete_pd(pd, url, model_dir, prompt) != want:
                         row["wrong"] += 1
                 except AssertionError:
                     row["failed"] += 1
@@ -113,7 +102,7 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
         print("\n" + "\n".join(f"{k}: {v}" for k, v in rows.items()))
     finally:
         for proc in procs:
-            _kill_group(proc)
+            kill_group(proc)
         ds.kill_all()
     assert all(r["failed"] == 0 and r["wrong"] == 0 for r in rows.values()), rows
     assert sum(r["requests"] for r in rows.values()) >= 10, rows

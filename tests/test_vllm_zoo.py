@@ -22,23 +22,24 @@ import os
 import random
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests import vllm_env
 from tests.conftest import REPO, Daemons, scrape
-from tests.test_vllm import (  # noqa: F401 - a fixture
+from tests.vllm_support import (
     MAX_TOKENS,
     OpenAIPD,
-    _complete_pd,
-    _env,
-    _kill_group,
-    _nixl_pd,
-    _serve,
-    _wait_http,
-    vllm_python,
+    complete_pd,
+    drive,
+    engine_env,
+    kill_group,
+    nixl_pd,
+    post_completion,
+    prefill_alone,
+    serve,
+    wait_http,
 )
 from tests.zoo import ZOO, ZooModel
 
@@ -47,7 +48,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 def _make(py: Path, name: str, d: Path) -> Path:
     r = subprocess.run([str(py), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", f"zoo:{name}", "--model", str(d)],
-                       capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
+                       capture_output=True, text=True, timeout=600, env=engine_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return d
 
@@ -63,32 +64,21 @@ def _engine_args(m: ZooModel) -> list[str]:
     return [*extra, "--no-enable-prefix-caching"] if m.state else extra  # kvd moves state with prefix caching off
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def _alone(url: str, model: Path, prompt: list[int]) -> list[int]:
-    body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    return list(_post(url, body)["choices"][0]["token_ids"])
-
-
 def _nixl_oracle(py: Path, model: Path, m: ZooModel, tmp: Path, prompts: list[list[int]]) -> list[list[int]]:
     """NixlConnector's P/D tokens for ``prompts``, on the same engines' settings, cores and a kvd-agnostic proxy."""
     overlay, why = vllm_env.nixl_overlay()
     assert overlay is not None, f"NIXL could not be installed for the oracle: {why}"
-    pd = _nixl_pd(py, model, tmp, overlay, *_engine_args(m))
+    pd = nixl_pd(py, model, tmp, overlay, *_engine_args(m))
     try:
         url = pd.proxy([str(py), str(REPO / "tests" / "generic_pd_proxy.py")], tmp / "nixl-proxy.log")
-        return [_complete_pd(pd, url, model, p) for p in prompts]
+        return [complete_pd(pd, url, model, p) for p in prompts]
     finally:
         for proc in pd.procs:
-            _kill_group(proc)
+            kill_group(proc)
 
 
 @pytest.mark.parametrize("name", list(ZOO))
-def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path, name):  # noqa: F811
+def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path, name):
     from tests.vllm_driver import corrupt_prefill_cache
 
     m = ZOO[name]
@@ -103,27 +93,27 @@ def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path,
         for role, daemon, cpus in (("prefill", p, "0"), ("decode", d, "1")):
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_load_failure_policy": "recompute",
                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            servers[role] = _serve(vllm_python, model, tmp_path / f"{role}-server.log", *_engine_args(m), "--kv-transfer-config", json.dumps(config),
+            servers[role] = serve(vllm_python, model, tmp_path / f"{role}-server.log", *_engine_args(m), "--kv-transfer-config", json.dumps(config),
                                    cpus=cpus)
             procs.append(servers[role].proc)
         for s in servers.values():
-            _wait_http(f"{s.url}/health", s.proc, 600, s.log)
+            wait_http(f"{s.url}/health", s.proc, 600, s.log)
         pd = OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs,
                       [s.log for s in servers.values()] + [p.log_path, d.log_path])
         url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
         if expected is None:  # one engine: P itself, asked plainly (its prefix cache then holds what it computed)
-            expected = [_alone(pd.prefill.url, model, pr) for pr in prompts]
-        got = [_complete_pd(pd, url, model, pr) for pr in prompts[:-1]]
+            expected = [prefill_alone(pd.prefill.url, model, pr) for pr in prompts]
+        got = [complete_pd(pd, url, model, pr) for pr in prompts[:-1]]
         moved = scrape(d.metrics_url, "kvd_received_bytes_total", transport="tcp")
         failures = scrape(d.metrics_url, "kvd_pull_failures_total")
         # Negative control: vLLM's P/D convention by hand, P's cache zeroed between prefill and decode.
         body = {"model": str(model), "prompt": prompts[-1], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        pre = _post(pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        pre = post_completion(pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         zeroed = corrupt_prefill_cache(p.grpc)
-        control = list(_post(pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})["choices"][0]["token_ids"])
+        control = list(post_completion(pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})["choices"][0]["token_ids"])
     finally:
         for proc in procs:
-            _kill_group(proc)
+            kill_group(proc)
         ds.kill_all()
     row = {"model": name, "source": m.source, "tp": "TP1 -> TP1", "dtype": m.dtype, "oracle": oracle, "prompts": [len(x) for x in prompts[:-1]],
            "match": got == expected[:-1], "bytes": moved, "failures": failures}
@@ -141,12 +131,11 @@ HETERO = [(name, p_tp, d_tp) for name, m in ZOO.items() if m.tp2 and m.dtype == 
 
 @pytest.mark.zoo_hetero
 @pytest.mark.parametrize(("name", "p_tp", "d_tp"), HETERO, ids=[f"{n}-tp{p}-to-tp{d}" for n, p, d in HETERO])
-def test_a_zoo_model_across_tp_sizes_matches_one_engine(vllm_python, daemons, tmp_path, name, p_tp, d_tp):  # noqa: F811
+def test_a_zoo_model_across_tp_sizes_matches_one_engine(vllm_python, daemons, tmp_path, name, p_tp, d_tp):
     """Hetero TP both ways, in float32, in-process engines (``pytest -m
     zoo_hetero``: about 3 minutes a case, so not in ``make test``, where the
     zoo's TP1 pairs and Granite 4.0-H's TP2 pairs run; its outcomes are in
     the README's zoo table)."""
-    from tests.test_vllm import _drive
 
     m = ZOO[name]
     model = _make(vllm_python, name, tmp_path / name)
@@ -155,7 +144,7 @@ def test_a_zoo_model_across_tp_sizes_matches_one_engine(vllm_python, daemons, tm
     alone.write_text(json.dumps([*prompts, control]))
     p, d = daemons.start("prefill"), daemons.start("decode")
     kw = {"kv_cache_memory_bytes": m.kv_cache_mib << 20, **({"enable_prefix_caching": False} if m.state else {})}
-    result, _ = _drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", m.dtype,
+    result, _ = drive(vllm_python, tmp_path, "hetero", model, "--p-kvd", p.grpc, "--d-kvd", d.grpc, "--dtype", m.dtype,
                        "--p-tp", str(p_tp), "--d-tp", str(d_tp), "--llm-kw", json.dumps(kw), "--baseline-prompts", str(alone),
                        prompts_list=[*prompts, control])
     baseline = result["baseline_tokens"]

@@ -12,7 +12,8 @@ publishes first, decode's pull starts at once, and each layer crosses once
 prefill says it is saved. The same prompt computed alone (nothing
 published) is the baseline, measured in the same run, its tries in turn
 with the transfers': the figure is the time from prefill's start to decode
-holding every byte, less the compute-only prefill's time. That is what the
+holding every byte, less the compute-only prefill's time beside it, the
+median over at least five tries. That is what the
 transfer adds to TTFT, a slowed prefill included. Decode's outcomes are
 pushed (``FinishedFeed``), so no poll is in the figure. Every byte is
 checked.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import secrets
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -30,18 +32,20 @@ from kvd.tools.demo import Daemons, call_workers, prefill_and_pull, stop_workers
 from kvd.tools.demo_worker import EngineConfig, ModelConfig, Prefill, worker_main
 
 TOKENS = (256, 1024, 4096, 16384, 32768)
+TRIES = 5  # at least, of each of compute-only, pulled and streamed
 BLOCK = 16
 
 
 def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float, repeat: int, tokens: tuple[int, ...] = TOKENS,
                  say: Callable[[str], None]) -> dict[str, Any]:
     model = ModelConfig(layers, heads, head_size, "bfloat16", False)
+    tries = max(repeat, TRIES)
     blocks = max(tokens) // BLOCK + 2
     per_token = layers * heads * head_size * 2 * 2
     say(f"stream: one request, {layers} layers x {heads} KV heads x {head_size} bf16 ({per_token >> 10} KiB a token), TP1 -> TP1 over TCP; "
         f"prefill computes {us_per_token:g} us a token a layer on every core")
     say("  added = from prefill's start to decode holding every byte, less the same prefill computed alone (what the transfer "
-        f"adds to TTFT), best of {repeat}")
+        f"adds to TTFT), the median of {tries} tries, each beside its compute-only prefill")
     say(f"  {'tokens':>7} {'MB':>8} {'prefill ms':>11} {'pull adds ms':>13} {'stream adds ms':>15} {'streamed/pull':>14}")
     daemons = Daemons()
     ctx = mp.get_context("spawn")
@@ -65,16 +69,16 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
         for ntok in tokens:
             nblocks = -(-ntok // BLOCK)
             layer_s = us_per_token * ntok / 1e6
-            best = {"compute": float("inf"), "pull": float("inf"), "stream": float("inf")}
-            for _ in range(repeat):
-                for mode in best:  # in turn: a slow spell of the machine falls on all three
+            took: dict[str, list[float]] = {"compute": [], "pull": [], "stream": []}
+            for _ in range(tries):
+                for mode in took:  # in turn: a slow spell of the machine falls on all three
                     n += 1
                     rid, seed = f"s{n}", n
                     req = (rid, seed, ids[:nblocks], ntok, secrets.token_bytes(32))
                     how = Prefill(stream=mode == "stream", busy=True, publish=mode != "compute")
                     results, started, computed = prefill_and_pull(sides, [req], [ids[:nblocks]], layer_s, how)
                     if mode == "compute":
-                        best[mode] = min(best[mode], computed - started)
+                        took[mode].append(computed - started)
                         continue
                     _elapsed, _nbytes, failed, _invalid, landed = results[0]
                     if failed:
@@ -82,10 +86,13 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
                     bad = call_workers(sides["decode"], "verify", [[(rid, seed, ids[:nblocks], ntok)]])[0]
                     if bad:
                         raise SystemExit(f"stream bench: {rid} landed wrong bytes: {bad}")
-                    best[mode] = min(best[mode], landed - started)
-            pull, stream = best["pull"] - best["compute"], best["stream"] - best["compute"]
+                    took[mode].append(landed - started)
+            # Each try's transfer against the compute-only prefill beside it, the median
+            # of the tries: the compute's own jitter is of the order of a short prompt's transfer.
+            pull = statistics.median(p - c for p, c in zip(took["pull"], took["compute"], strict=True))
+            stream = statistics.median(s - c for s, c in zip(took["stream"], took["compute"], strict=True))
             # A streamed transfer can hide wholly under the compute (within the noise: at most 0).
-            row = {"tokens": ntok, "bytes": ntok * per_token, "prefill_ms": 1e3 * best["compute"], "pull_ms": 1e3 * pull,
+            row = {"tokens": ntok, "bytes": ntok * per_token, "prefill_ms": 1e3 * statistics.median(took["compute"]), "pull_ms": 1e3 * pull,
                    "stream_ms": 1e3 * stream, "ratio": max(stream, 0.0) / max(pull, 1e-6)}
             rows.append(row)
             say(f"  {ntok:>7} {row['bytes'] / 1e6:8.1f} {row['prefill_ms']:11.0f} {row['pull_ms']:13.1f} {row['stream_ms']:15.1f} {row['ratio']:14.2f}")
