@@ -40,6 +40,10 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert 0 < last["skeleton_p50_ms"] <= last["skeleton_p99_ms"]
     assert last["skeleton_p50_vs_floor"] == last["skeleton_p50_ms"] / last["small_request_floor_ms"]
     assert last["skeleton_p99_vs_floor"] == last["skeleton_p99_ms"] / last["small_request_floor_ms"]
+    # kvd's own cost above that chain, and TCP's 16 KiB / 1 MiB against the kernel's own for the same pieces.
+    assert last["small_request_p50_vs_skeleton"] == last["small_request_p50_ms"] / last["skeleton_p50_ms"]
+    assert last["small_request_p99_vs_skeleton"] == last["small_request_p99_ms"] / last["skeleton_p99_ms"]
+    assert last["tcp_16k_vs_kernel"] == last["tcp_16k_vs_1m"] / last["socket_scattered_16k_vs_1m"]
     # Where a small request's time goes, from the daemons' /metrics: D's phases, P's serving, no resolve (params were published).
     phases = out["rounds"][-1]["small_request_phases_ms"]
     assert {"queued", "handshake", "plan", "transfer", "report", "serve"} <= set(phases) and "resolve" not in phases, phases
@@ -55,7 +59,7 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     assert len(out["rounds"]) == 2
     verdict = {row["figure"]: row for row in out["verdict"]}
     for key in ("relayout_vs_memcpy_min", "samehost_vs_memcpy", "tcp_16k_vs_1m", "tcp_vs_socket_1m", "small_request_p50_vs_floor",
-                "small_request_p99_vs_floor", "tcp_cpu_vs_socket", "control_growth", "control_vs_transfer_128k", "control_vs_transfer_128k_staged",
+                "small_request_p50_vs_skeleton", "small_request_p99_vs_skeleton", "tcp_16k_vs_kernel", "tcp_cpu_vs_socket", "control_growth", "control_vs_transfer_128k", "control_vs_transfer_128k_staged",
                 "stream_vs_pull_long",
                 "stream_vs_pull_short"):
         row = verdict[key]
@@ -63,7 +67,7 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert row["rounds"] == each and out[key] == row["worst"]
         assert row["worst"] == (max(each) if key.startswith(("small_request", "tcp_cpu", "control", "stream")) else min(each))
         assert row["limit"].startswith((">=", "<=")) and row["met"] in (True, False)
-    for key in ("socket_scattered_16k_vs_1m", "skeleton_p50_vs_floor", "skeleton_p99_vs_floor"):
+    for key in ("socket_scattered_16k_vs_1m", "skeleton_p50_vs_floor", "skeleton_p99_vs_floor", "small_request_p99_vs_floor"):
         floor = verdict[key]
         assert floor["limit"] == "-" and floor["met"] is None and floor["rounds"] == [r[key] for r in out["rounds"]]
     # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
