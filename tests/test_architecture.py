@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def test_test_modules_share_helpers_through_support_modules_not_each_other():
     module: a test module imported by another runs its fixtures twice and
     hides who depends on what."""
     importers = {p.name: line.strip() for p in (REPO / "tests").glob("test_*.py") for line in p.read_text().splitlines()
-                 if line.lstrip().startswith(("from tests.test_", "import tests.test_"))}
+                 if re.match(r"\s*(from tests\.test_|import tests\.test_|from tests import .*\btest_)", line)}
     assert importers == {}
 
 

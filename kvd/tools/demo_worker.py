@@ -180,7 +180,8 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
 
                     if feed is None:  # pushed outcomes: the time a pull landed is not a poll's
                         feed = FinishedFeed(client).start()
-                        feed.subscribed.wait(30)
+                        if not feed.subscribed.wait(30):
+                            raise RuntimeError(f"{worker}: the daemon's finished stream did not start within 30 s")
                     t0 = time.perf_counter()
                     for rid, raw, ids in arg:
                         params = pb.TransferParams.FromString(raw)
@@ -211,6 +212,8 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                     conn.send(("ok", (sorted(f.finished_sending), sorted(f.finished_recving))))
             except Exception as e:
                 conn.send(("error", f"{type(e).__name__}: {e}"))
+        if feed is not None:
+            feed.close()
         client.close()
     except (BrokenPipeError, EOFError):
         pass  # the driver is gone (or gave up on us): nobody to answer
@@ -236,14 +239,32 @@ class Prefill:
     publish: bool = True
 
 
-def burn(seconds: float, a: Any) -> None:
-    """Keep every core busy for ``seconds`` with matrix products (the GIL
-    released, as in a forward), in slices short enough to end on time."""
-    import torch
+class Burner:
+    """A forward's fixed work on every core: matrix products on torch's
+    threads (the GIL released, as in a forward). Calibrated once, on an idle
+    machine, to how many products take a given time; a layer then does that
+    many, so a transfer that takes cores from it makes it take longer, as it
+    would a real prefill (a wall-clock loop would hide that)."""
 
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        torch.mm(a, a)
+    def __init__(self) -> None:
+        import torch
+
+        self._a = torch.ones(128, 128)
+        torch.mm(self._a, self._a)
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < 0.2:
+            torch.mm(self._a, self._a)
+            n += 1
+        self._per_second = n / elapsed
+
+    def run(self, seconds: float) -> None:
+        import torch
+
+        for _ in range(max(1, round(seconds * self._per_second))):
+            torch.mm(self._a, self._a)
+
+
+_BURNER: Burner | None = None  # one per rank process, calibrated before its first busy prefill starts
 
 
 def prefill(client: Any, conn: Connection, reqs: Sequence[Any], mine: Sequence[Sequence[tuple[int, list[int]]]], tensors: Sequence[Any],
@@ -268,25 +289,27 @@ def prefill(client: Any, conn: Connection, reqs: Sequence[Any], mine: Sequence[S
                                stream=how.stream).SerializeToString() for (rid, _s, _i, ntok, cap), groups in zip(reqs, mine, strict=True)]
 
     streaming = how.stream and how.publish
+    global _BURNER
     if how.busy:
         torch.set_num_threads(os.cpu_count() or 1)
-        work = torch.ones(128, 128)
-    started = time.monotonic()
-    if streaming:
-        conn.send(("ok", publish()))
-    for layer in layers:
-        if how.busy:
-            burn(layer_s, work)
-        else:
-            time.sleep(layer_s)
-        for (_rid, seed, *_), groups in zip(reqs, mine, strict=True):
-            for t, c, (first, ids) in zip(tensors, coords, groups, strict=True):
-                if layer in t.layer_indices:
-                    pattern.fill(t, seed, ids, c, first_token=first, positions=[t.layer_indices.index(layer)])
+        _BURNER = _BURNER or Burner()
+    try:
+        started = time.monotonic()
         if streaming:
-            client.layers_saved([r[0] for r in reqs], layer + 1)
-    computed = time.monotonic()
-    if how.busy:
+            conn.send(("ok", publish()))
+        for layer in layers:
+            if _BURNER is not None and how.busy:
+                _BURNER.run(layer_s)
+            else:
+                time.sleep(layer_s)
+            for (_rid, seed, *_), groups in zip(reqs, mine, strict=True):
+                for t, c, (first, ids) in zip(tensors, coords, groups, strict=True):
+                    if layer in t.layer_indices:
+                        pattern.fill(t, seed, ids, c, first_token=first, positions=[t.layer_indices.index(layer)])
+            if streaming:
+                client.layers_saved([r[0] for r in reqs], layer + 1)
+        computed = time.monotonic()
+    finally:
         torch.set_num_threads(1)
     if streaming:
         client.flush_saves()
