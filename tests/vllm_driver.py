@@ -91,7 +91,7 @@ def wait_until(cond: Any, timeout: float, what: str) -> float:
 def received_bytes(metrics_url: str) -> float:
     from kvd.testing.metrics import scrape
 
-    return scrape(metrics_url, "kvd_received_bytes_total")
+    return scrape(metrics_url, "kvd_received_bytes_total", timeout=10)
 
 
 def corrupt_prefill_cache(p_address: str) -> int:

@@ -15,10 +15,10 @@ def samples(metrics_url: str, timeout: float = 10) -> list[Any]:
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def scrape(metrics_url: str, name: str, **labels: str) -> float:
+def scrape(metrics_url: str, name: str, timeout: float = 5, **labels: str) -> float:
     """The sum of sample ``name``'s values over the label sets that carry
     ``labels`` (all of them by default)."""
-    return sum(s.value for s in samples(metrics_url) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(s.value for s in samples(metrics_url, timeout) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def histogram_sums(metrics_url: str, family: str, label: str) -> dict[str, tuple[float, float]]:
