@@ -181,8 +181,9 @@ def _status(address: str, as_json: bool, auth: Any) -> int:
            [(f"tp{w.worker.tp_rank}/{w.worker.tp_size} pp{w.worker.pp_rank}/{w.worker.pp_size}", w.regions, w.layers, f"{w.bytes / 1e6:,.1f} MB") for w in r.workers])
     _table(f"leases ({r.publications})", ["request", "generation", "ranks", "expires in"],
            [(x.request_id, x.generation, ",".join(x.ranks), f"{x.expires_in_seconds:.1f}s") for x in r.leases])
-    _table(f"pulls in flight ({r.pulls_in_flight})", ["request", "worker", "from", "age"],
-           [(x.request_id, x.worker, x.remote_engine_id, f"{x.age_seconds:.1f}s") for x in r.pulls])
+    _table(f"pulls in flight ({r.pulls_in_flight})", ["request", "worker", "from", "age", "phase", "landed"],
+           [(x.request_id, x.worker, x.remote_engine_id, f"{x.age_seconds:.1f}s", x.phase,
+             f"{x.landed_bytes / 1e6:,.1f} of {x.planned_bytes / 1e6:,.1f} MB" if x.planned_bytes else "-") for x in r.pulls])
     _table("recent failures", ["request", "reason", "ago", "message"],
            [(x.request_id, x.reason, f"{x.age_seconds:.0f}s", x.message[:80]) for x in r.recent_failures])
     return 0

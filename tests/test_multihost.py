@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from kvd.client import daemon_status
+from kvd.proto import kvd_pb2 as pb
 from tests.conftest import DaemonProc, Daemons, TestWorker, make_worker
 from tests.netns import Hosts, Unavailable, plain_socket_seconds
 
 pytestmark = [pytest.mark.faults, pytest.mark.multihost]
 
 BIG = dict(layers=8, heads=4, head_size=128, num_blocks=1024)  # 32 KiB per block per layer: 256 KiB a block
+BLOCK_BYTES = 256 << 10
 
 
 @pytest.fixture
@@ -57,6 +59,24 @@ def start_pair(daemons: Daemons, hosts: Hosts, sockdir: Path, p_extra: tuple[str
 def held(address: str) -> tuple[int, int]:
     s = daemon_status(address, timeout=5)
     return s.publications, s.pulls_in_flight
+
+
+def pull_status(address: str, request_id: str) -> pb.PullStatus | None:
+    return next((p for p in daemon_status(address, timeout=5).pulls if p.request_id == request_id), None)
+
+
+def wait_landed(address: str, request_id: str, fraction: float, within: float = 30.0) -> pb.PullStatus:
+    """Until the pull has landed at least ``fraction`` of its plan, as D's
+    Admin.Status reports it (a fixed sleep is too short where the handshake
+    and plan are slow, and the partition then lands before any data)."""
+    t0 = time.monotonic()
+    while True:
+        p = pull_status(address, request_id)
+        assert p is not None, f"the pull of {request_id} ended before {fraction:.0%} of it landed"
+        if p.planned_bytes and p.landed_bytes >= fraction * p.planned_bytes:
+            return p
+        assert time.monotonic() - t0 < within, f"{request_id} landed {p.landed_bytes} of {p.planned_bytes} bytes in {within}s (phase {p.phase})"
+        time.sleep(0.02)
 
 
 def wait_nothing_held(address: str, within: float) -> float:
@@ -129,10 +149,14 @@ def test_a_partition_that_heals_before_the_stall_timeout_lets_the_pull_finish(da
     _, _, p_addr, d_addr = start_pair(daemons, hosts, sockdir, (), ("--stall-timeout-seconds", "6"))
     pw, dw = make_worker(p_addr, "prefill", **BIG), make_worker(d_addr, "decode", **BIG)
     ids = _big_pull(pw, dw)
-    time.sleep(0.5)
+    wait_landed(d_addr, "r", 0.1)
     hosts.link(False)
-    assert held(d_addr)[1] == 1, "the pull ended before the partition"
-    time.sleep(1.5)
+    time.sleep(0.3)
+    stuck = pull_status(d_addr, "r")
+    assert stuck is not None, "the pull ended before the partition"
+    # Admin.Status (and `kvd status`) shows where it stands: moving data, part landed.
+    assert stuck.phase == "data" and 0 < stuck.landed_bytes < stuck.planned_bytes == len(ids) * BLOCK_BYTES, stuck
+    time.sleep(1.2)
     hosts.link(True)
     f = dw.client.wait_finished(recving={"r"}, timeout=60)
     assert f.details[("recving", "r")].outcome == "done", f.details[("recving", "r")].reason
@@ -145,7 +169,7 @@ def test_a_partition_that_does_not_heal_gives_exact_invalid_blocks_and_prefill_r
     _, _, p_addr, d_addr = start_pair(daemons, hosts, sockdir, ("--lease-seconds", "4"), ("--stall-timeout-seconds", "2"))
     pw, dw = make_worker(p_addr, "prefill", **BIG), make_worker(d_addr, "decode", **BIG)
     ids = _big_pull(pw, dw)
-    time.sleep(0.5)
+    wait_landed(d_addr, "r", 0.1)
     hosts.link(False)
     t0 = time.monotonic()
     f = dw.client.wait_finished(recving={"r"}, timeout=30)
@@ -165,7 +189,7 @@ def test_a_decode_host_that_vanishes_mid_read_is_released_by_the_prefill_host(da
     _, d, p_addr, d_addr = start_pair(daemons, hosts, sockdir, ("--lease-seconds", "3"), ())
     pw, dw = make_worker(p_addr, "prefill", **BIG), make_worker(d_addr, "decode", **BIG)
     _big_pull(pw, dw)
-    time.sleep(0.5)
+    wait_landed(d_addr, "r", 0.05)
     hosts.link(False)  # the host is gone: no FIN, no RST, nothing
     d.stop(signal.SIGKILL)
     sent = pw.client.wait_finished(sending={"r"}, timeout=30)

@@ -481,8 +481,9 @@ class Daemon:
             peers=sorted(self.handshakes.peers), publications=len(self.publications), pinned_ranks=self.publications.pinned, pulls_in_flight=len(self.puller.pulls),
             leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
                     for p in list(self.publications.by_request.values())[:200]],
-            pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started)
-                   for (_, rid), p in list(self.puller.pulls.items())[:200]],
+            pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started,
+                                 phase=p.progress.phase, landed_bytes=landed, planned_bytes=planned)
+                   for (_, rid), p in list(self.puller.pulls.items())[:200] for landed, planned in [p.progress.landed_bytes()]],
             recent_failures=[pb.FailureStatus(request_id=f.request_id, reason=f.reason, message=f.message, age_seconds=now - f.at) for f in self.puller.recent_failures],
             staging_buffers=self.data_client.staging_buffers(), staging_bytes=self.data_client.staging_bytes(),
             tasks=len(self._tasks) + len(self.puller.pulls),

@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -58,6 +58,7 @@ class ActivePull:
     cancel_reason: str = ""  # why we cancelled it ourselves
     cancel_outcome: str = "failed"  # "aborted" when the local worker asked
     accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
+    progress: PullProgress = field(default_factory=PullProgress)  # what has landed: Admin.Status shows it
 
     @property
     def params(self) -> pb.TransferParams:
@@ -153,7 +154,7 @@ class Puller:
         d, req = self.d, active.request
         rank = (reg.worker.tp_rank, reg.worker.pp_rank)
         local_ids = [list(b.ids) for b in req.local_block_ids]
-        progress = PullProgress()
+        progress = active.progress
         t0 = time.perf_counter()
         d.metrics.pulls_in_flight.inc()
         phase = d.metrics.pull_phase_seconds

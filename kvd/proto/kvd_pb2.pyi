@@ -545,16 +545,22 @@ class LeaseStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[str]] = ..., expires_in_seconds: _Optional[float] = ...) -> None: ...
 
 class PullStatus(_message.Message):
-    __slots__ = ("request_id", "worker", "remote_engine_id", "age_seconds")
+    __slots__ = ("request_id", "worker", "remote_engine_id", "age_seconds", "phase", "landed_bytes", "planned_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LANDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     worker: str
     remote_engine_id: str
     age_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., worker: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+    phase: str
+    landed_bytes: int
+    planned_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., worker: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., age_seconds: _Optional[float] = ..., phase: _Optional[str] = ..., landed_bytes: _Optional[int] = ..., planned_bytes: _Optional[int] = ...) -> None: ...
 
 class FailureStatus(_message.Message):
     __slots__ = ("request_id", "reason", "message", "age_seconds")

@@ -18,16 +18,15 @@ For a vLLM developer, the mapping is:
 from __future__ import annotations
 
 import collections
-import functools
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvd.auth import WORKER_TOKEN_HEADER, AuthConfig
+from kvd.client.after_device import AfterDevice
+from kvd.client.finished import Finished, FinishedFeed
 from kvd.convert import worker_to_pb
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable, from_code
 from kvd.proto import kvd_pb2 as pb
@@ -60,21 +59,7 @@ def infer_spec_from_tensors(
     return infer_spec(names, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), use_mla=use_mla, block_size=block_size)
 
 
-@dataclass
-class Finished:
-    finished_sending: set[str] = field(default_factory=set)
-    finished_recving: set[str] = field(default_factory=set)
-    invalid_block_ids: set[int] = field(default_factory=set)
-    details: dict[tuple[str, str], pb.FinishedDetail] = field(default_factory=dict)
-
-    def merge(self, other: Finished) -> None:
-        self.finished_sending |= other.finished_sending
-        self.finished_recving |= other.finished_recving
-        self.invalid_block_ids |= other.invalid_block_ids
-        self.details.update(other.details)
-
-
-def _finished(r: pb.GetFinishedResponse) -> Finished:
+def finished_from_pb(r: pb.GetFinishedResponse) -> Finished:
     return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
 
 
@@ -247,7 +232,7 @@ class KvdClient:
 
     def get_finished(self) -> Finished:
         """This worker's finished_sending / finished_recving / invalid_block_ids since the last call."""
-        return _finished(self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid)))
+        return finished_from_pb(self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid)))
 
     def watch_finished(self, resume_after: int | None = None) -> FinishedStream:
         """This worker's finished sets, pushed as they happen: first the backlog
@@ -272,14 +257,14 @@ class KvdClient:
     def engine_finished(self) -> Finished:
         """The engine's merged sets (a request appears once every expected worker reported it)."""
         r = self._call(self._worker.GetEngineFinished, pb.EngineFinishedRequest(engine_id=self.worker.engine_id))
-        return _finished(r)
+        return finished_from_pb(r)
 
     def watch_engine_finished(self) -> Iterator[Finished]:
         """Yields the engine's merged sets as requests complete (a server stream)."""
         stream = self._worker.WatchEngineFinished(pb.EngineFinishedRequest(engine_id=self.worker.engine_id), metadata=self._metadata())
         try:
             for r in stream:
-                yield _finished(r)
+                yield finished_from_pb(r)
         finally:
             stream.cancel()
 
@@ -293,6 +278,10 @@ class KvdClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _block_ids(block_ids: Sequence[Sequence[int]], first_tokens: Sequence[int]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(ids=list(b), first_token=first_tokens[g] if g < len(first_tokens) else 0) for g, b in enumerate(block_ids)]
 
 
 class FinishedStream:
@@ -312,180 +301,7 @@ class FinishedStream:
         except grpc.RpcError as e:
             raise from_code(e.code().name, e.details() or "") from None
         self.last_seq = r.seq
-        return _finished(r)
+        return finished_from_pb(r)
 
     def cancel(self) -> None:
         self._call.cancel()
-
-
-class FinishedFeed:
-    """A worker's finished sets, pushed by its daemon and gathered by a
-    background thread, so an engine step reads them (``take``) without a round
-    trip.
-
-    A stream that breaks is reopened, up to ``reconnect_attempts`` times in a
-    row with a doubling pause, resuming after the last push received: the
-    daemon resends what the break may have lost, and what it emitted
-    meanwhile waited in the worker's box, so nothing is lost. A daemon that
-    stays away, or refuses the stream (the worker is no longer registered
-    with it: it restarted), sets ``error`` and stops the thread.
-    """
-
-    def __init__(self, client: KvdClient, *, reconnect_attempts: int = 5, backoff_seconds: float = 0.05,
-                 on_error: Callable[[FinishedFeed, KvdError], None] | None = None) -> None:
-        self._client = client
-        self._on_error = on_error  # called from the feed's thread, with this feed, once ``error`` is set
-        self._reconnect_attempts = reconnect_attempts
-        self._backoff_seconds = backoff_seconds
-        self._cond = threading.Condition()  # guards _pending, _error, _stream
-        self._pending = Finished()
-        self._error: KvdError | None = None
-        self._stream: FinishedStream | None = None
-        self._stop = threading.Event()
-        self.subscribed = threading.Event()  # the first stream's backlog arrived
-        self._thread = threading.Thread(target=self._run, name=f"kvd-finished-{client.worker.tp_rank}-{client.worker.pp_rank}", daemon=True)
-
-    def start(self) -> FinishedFeed:
-        self._thread.start()
-        return self
-
-    @property
-    def error(self) -> KvdError | None:
-        """Why the feed stopped (the daemon went away), or None while it runs.
-        Read it before ``take``: everything received before it was set is then
-        in what ``take`` returns."""
-        return self._error
-
-    def take(self) -> Finished:
-        """What arrived since the last take (no RPC: swaps the gathered sets)."""
-        with self._cond:
-            out, self._pending = self._pending, Finished()
-        return out
-
-    def wait_finished(self, recving: set[str] = frozenset(), sending: set[str] = frozenset(), timeout: float = 60.0) -> Finished:  # type: ignore[assignment]
-        """Take until every id in ``recving``/``sending`` arrived; returns all taken."""
-        seen = Finished()
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                seen.merge(self._pending)
-                self._pending = Finished()
-                if recving <= seen.finished_recving and sending <= seen.finished_sending:
-                    return seen
-                if self._error is not None:
-                    raise self._error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceeded(f"not pushed after {timeout}s: recving={sorted(recving - seen.finished_recving)[:5]} sending={sorted(sending - seen.finished_sending)[:5]}")
-                self._cond.wait(left)
-
-    def wait(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds until something is pending to take
-        (or the feed failed); whether it is."""
-        with self._cond:
-            def ready() -> bool:
-                p = self._pending
-                return bool(p.finished_sending or p.finished_recving or p.invalid_block_ids) or self._error is not None
-
-            return self._cond.wait_for(ready, timeout)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Cancel the stream and join the thread; what was gathered stays takeable."""
-        self._stop.set()
-        with self._cond:
-            stream = self._stream
-        if stream is not None:
-            stream.cancel()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        failures = 0
-        resume_after: int | None = None  # a new subscription first, then resumed
-        while True:
-            with self._cond:
-                # Checked under the lock close() takes: it either sees this stream or we see the stop.
-                if self._stop.is_set():
-                    return
-                stream = self._stream = self._client.watch_finished(resume_after)
-            try:
-                for f in stream:
-                    failures = 0  # the daemon answered: a later break starts a fresh count
-                    with self._cond:
-                        self._pending.merge(f)
-                        self._cond.notify_all()
-                    self.subscribed.set()
-                # A clean end: the daemon ended our registration's stream; reopening tells why.
-                why: KvdError = Unavailable("the daemon ended the finished stream")
-            except KvdError as e:
-                why = e
-            resume_after = stream.last_seq
-            if self._stop.is_set():
-                return
-            failures += 1
-            # Only a lost connection may heal; a refusal (not registered, bad token) will not.
-            if not isinstance(why, Unavailable | DeadlineExceeded) or failures > self._reconnect_attempts:
-                with self._cond:
-                    self._error = why
-                    self._cond.notify_all()
-                if self._on_error is not None:
-                    self._on_error(self, why)
-                return
-            if self._stop.wait(self._backoff_seconds * 2 ** (failures - 1)):
-                return
-
-
-def _block_ids(block_ids: Sequence[Sequence[int]], first_tokens: Sequence[int]) -> list[pb.BlockIds]:
-    return [pb.BlockIds(ids=list(b), first_token=first_tokens[g] if g < len(first_tokens) else 0) for g, b in enumerate(block_ids)]
-
-
-class AfterDevice:
-    """Calls an engine step makes of the daemon from inside its forward,
-    each run on this thread, in order, once the device has done what the
-    step enqueued before it (a CUDA event recorded on the compute stream
-    when the caches are on a GPU; at once on host caches), so the forward
-    never waits on the daemon or the device. A streaming prefill says its
-    layers saved (``saved``); a decode starts its loads after vLLM's zeroing
-    of the blocks they land in (``run``)."""
-
-    def __init__(self, client: KvdClient, num_layers: int, *, cuda: bool = False) -> None:
-        import queue
-
-        # cuda: the caches are on a GPU; each call waits for the compute stream to get there.
-        self.client, self.num_layers, self.cuda = client, num_layers, cuda
-        self.error: KvdError | None = None  # the last refused save, for the engine's log
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Any] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvd-after-device", daemon=True)
-        self._thread.start()
-
-    def run(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` once the current stream has reached this point."""
-        event = None
-        if self.cuda:
-            import torch
-
-            event = torch.cuda.Event()
-            event.record()
-        self._queue.put((fn, event))
-
-    def saved(self, names: Sequence[str], layers_saved: int) -> None:
-        """Every layer below ``layers_saved`` of ``names`` is written, or (on
-        a GPU) will be once the current stream reaches this point."""
-        self.run(functools.partial(self._say_saved, list(names), layers_saved))
-
-    def _say_saved(self, names: list[str], upto: int) -> None:
-        try:
-            self.client.layers_saved(names, upto)
-        except KvdError as e:  # an earlier save was refused; its read fails at layer_wait_seconds
-            self.error = e
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, event = item
-            if event is not None:
-                event.synchronize()
-            fn()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
