@@ -91,7 +91,7 @@ def test_an_idle_nixl_daemon_does_not_spin_a_core(daemons):
     NIXL's own setting: the control) it spins a core, idle or not."""
     import time
 
-    from kvd.tools.bench_peers import process_cpu_seconds
+    from kvd.tools.bench_socket import process_cpu_seconds
 
     waits, spins = daemons.start("waits", "--transport", "nixl"), daemons.start("spins", "--transport", "nixl", "--nixl-progress-delay-us", "0")
     assert waits.info and spins.info  # both serving (the agent exists from start-up)

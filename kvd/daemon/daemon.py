@@ -13,11 +13,9 @@ import asyncio
 import hmac
 import logging
 import secrets
-import socket
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -29,7 +27,7 @@ from kvd.convert import (
     worker_from_pb,
     worker_to_pb,
 )
-from kvd.core.aggregate import EngineFinishedHub, Outcome, PushLog, WorkerFinished
+from kvd.core.aggregate import EngineFinishedHub, Outcome, WorkerFinished
 from kvd.core.errors import (
     FailedPrecondition,
     Incompatible,
@@ -58,59 +56,17 @@ from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reaper import Reaper, remove_orphans
+from kvd.daemon.registration import Registration, host_id, shm_names
 from kvd.daemon.reports import AggregatorReports
 from kvd.daemon.watchdog import LoopWatchdog
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions import MappedRegion, check_intact, close_later, map_regions, shm
+from kvd.regions import MappedRegion, close_later, map_regions, shm
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
 from kvd.transport.tcp_server import TcpDataServer
 
 log = logging.getLogger("kvd.daemon")
-
-
-@dataclass
-class Registration:
-    worker: WorkerId
-    model: ModelInfo
-    regions: dict[str, MappedRegion]
-    groups: list[GroupSpec]
-    tensors: list[GroupTensors]
-    generation: int
-    region_pbs: list[pb.Region]
-    worker_token: bytes = b""
-    nixl_handles: list[object] = field(default_factory=list)
-    pushed: PushLog = field(default_factory=PushLog)  # what WatchFinished sent this registration
-    # Positions of groups overlaid on the same memory: no block id may be given to two of them.
-    sharing: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.size for r in self.regions.values())
-
-    def check_intact(self) -> None:
-        """Raise where a region shrank since it was mapped (``regions.check_intact``)."""
-        check_intact(self.regions.values(), f"worker {self.worker}'s")
-
-    def close(self) -> None:
-        self.tensors.clear()
-        for r in self.regions.values():
-            r.close()
-
-
-def _shm_names(reg: Registration) -> list[str]:
-    return [r.name for r in reg.regions.values() if isinstance(r, shm.ShmRegion)]
-
-
-def host_id() -> str:
-    """Same value for every daemon on one host (and kernel boot)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 class Daemon:
@@ -348,13 +304,13 @@ class Daemon:
             reg.tensors.clear()  # views keep a mapping alive
             self._unmap(reg.regions, reg.nixl_handles)
             if unlink:
-                for name in _shm_names(reg):
+                for name in shm_names(reg):
                     shm.unlink_name(name)
 
         close_later(unmap)
 
     def _registered_shm(self) -> dict[RankKey, list[str]]:
-        return {k: _shm_names(reg) for k, reg in self.registrations.items()}
+        return {k: shm_names(reg) for k, reg in self.registrations.items()}
 
     def registered(self, worker: WorkerId, token: bytes | None = None) -> Registration:
         """The worker's registration; with ``token``, only for the worker itself."""

@@ -44,7 +44,8 @@ from kvd.core.spec import check_request_id
 from kvd.proto import kvd_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvd.daemon.daemon import Daemon, Registration
+    from kvd.daemon.daemon import Daemon
+    from kvd.daemon.registration import Registration
 
 log = logging.getLogger("kvd.daemon")
 

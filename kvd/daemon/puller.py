@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -31,51 +30,21 @@ from kvd.core.leases import RankKey, check_block_ids, check_disjoint
 from kvd.core.pairing import engine_shape, in_wire_order
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
-from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
+from kvd.core.spec import LAYER_STREAM, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
+from kvd.daemon.active_pull import ActivePull, Failure, failure_reason
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
 if TYPE_CHECKING:
-    from kvd.daemon.daemon import Daemon, Registration
+    from kvd.daemon.daemon import Daemon
     from kvd.daemon.peers import Peer
+    from kvd.daemon.registration import Registration
 
 log = logging.getLogger("kvd.daemon")
 
 PLAN_IN_THREAD_BLOCKS = 2048  # about 1 ms of planning
-
-
-@dataclass
-class ActivePull:
-    """A pull queued or in flight, kept alive on P by heartbeat."""
-
-    worker: WorkerId
-    request: pb.PullRequest
-    started: float
-    task: asyncio.Task[None] | None = None
-    next_renew: float = 0.0
-    cancel_reason: str = ""  # why we cancelled it ourselves
-    cancel_outcome: str = "failed"  # "aborted" when the local worker asked
-    accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
-    progress: PullProgress = field(default_factory=PullProgress)  # what has landed: Admin.Status shows it
-
-    @property
-    def params(self) -> pb.TransferParams:
-        return self.request.params
-
-    def cancel(self, reason: str, outcome: str = "failed") -> None:
-        if self.task is not None and not self.task.done():
-            self.cancel_reason, self.cancel_outcome = reason, outcome
-            self.task.cancel()
-
-
-@dataclass(frozen=True)
-class Failure:
-    request_id: str
-    reason: str
-    message: str
-    at: float
 
 
 class Puller:
@@ -175,7 +144,7 @@ class Puller:
             d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
             phase.labels("report").observe(time.perf_counter() - landed_at)
         except BaseException as e:
-            reason, message = _failure_reason(e)
+            reason, message = failure_reason(e)
             outcome = "failed"
             if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
                 outcome, message = active.cancel_outcome, active.cancel_reason
@@ -436,18 +405,6 @@ def _renew_interval(params: pb.TransferParams) -> float:
     """Heartbeat three times per lease, so one lost beat does not lose the lease."""
     lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
     return max(0.05, lease / 3)
-
-
-def _failure_reason(e: BaseException) -> tuple[str, str]:
-    if isinstance(e, asyncio.CancelledError):
-        return "aborted", "pull aborted"
-    if isinstance(e, asyncio.TimeoutError):
-        return "timeout", "pull timed out"
-    if isinstance(e, KvdError):
-        return e.status.name.lower(), e.message
-    if isinstance(e, (ConnectionError, OSError)):
-        return "connection", f"{type(e).__name__}: {e}"
-    return "internal", f"{type(e).__name__}: {e}"
 
 
 # A segment is the wire's unit of pipelining. GPU to GPU on one host there is

@@ -19,7 +19,7 @@ import torch
 from kvd.daemon.config import DaemonConfig
 from kvd.tools.bench_pair import BenchPair
 from kvd.tools.bench_pair import best_seconds as _best
-from kvd.tools.bench_peers import best_socket
+from kvd.tools.bench_socket import best_socket
 
 UNIT_SIZES = {"16k": 16 << 10, "1m": 1 << 20}
 

@@ -121,7 +121,7 @@ class BenchPair:
 
     def cpu_seconds(self) -> float:
         """CPU seconds so far of both daemons and of this process."""
-        from kvd.tools.bench_peers import process_cpu_seconds
+        from kvd.tools.bench_socket import process_cpu_seconds
 
         return sum(process_cpu_seconds(p.pid) for p in self.daemons.procs) + time.process_time()
 

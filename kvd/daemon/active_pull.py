@@ -1,0 +1,60 @@
+"""A pull as D's daemon holds it while it runs (its request, task, progress
+and why it was cancelled), and a failed one as it is remembered for
+``Admin.Status``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvd.core.errors import KvdError
+from kvd.core.pull import PullProgress
+from kvd.core.spec import WorkerId
+
+if TYPE_CHECKING:
+    from kvd.proto import kvd_pb2 as pb  # annotations only
+
+
+@dataclass
+class ActivePull:
+    """A pull queued or in flight, kept alive on P by heartbeat."""
+
+    worker: WorkerId
+    request: pb.PullRequest
+    started: float
+    task: asyncio.Task[None] | None = None
+    next_renew: float = 0.0
+    cancel_reason: str = ""  # why we cancelled it ourselves
+    cancel_outcome: str = "failed"  # "aborted" when the local worker asked
+    accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
+    progress: PullProgress = field(default_factory=PullProgress)  # what has landed: Admin.Status shows it
+
+    @property
+    def params(self) -> pb.TransferParams:
+        return self.request.params
+
+    def cancel(self, reason: str, outcome: str = "failed") -> None:
+        if self.task is not None and not self.task.done():
+            self.cancel_reason, self.cancel_outcome = reason, outcome
+            self.task.cancel()
+
+
+@dataclass(frozen=True)
+class Failure:
+    request_id: str
+    reason: str
+    message: str
+    at: float
+
+
+def failure_reason(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, asyncio.CancelledError):
+        return "aborted", "pull aborted"
+    if isinstance(e, asyncio.TimeoutError):
+        return "timeout", "pull timed out"
+    if isinstance(e, KvdError):
+        return e.status.name.lower(), e.message
+    if isinstance(e, (ConnectionError, OSError)):
+        return "connection", f"{type(e).__name__}: {e}"
+    return "internal", f"{type(e).__name__}: {e}"

@@ -1,0 +1,60 @@
+"""A worker's registration as the daemon holds it: its mapped regions, its
+KV cache groups as tensors over them, and its token; and the host id that
+tells two daemons they share memory."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvd.core.aggregate import PushLog
+from kvd.core.relayout import GroupTensors
+from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
+from kvd.regions import MappedRegion, check_intact, shm
+
+if TYPE_CHECKING:
+    from kvd.proto import kvd_pb2 as pb  # annotations only
+
+
+@dataclass
+class Registration:
+    worker: WorkerId
+    model: ModelInfo
+    regions: dict[str, MappedRegion]
+    groups: list[GroupSpec]
+    tensors: list[GroupTensors]
+    generation: int
+    region_pbs: list[pb.Region]
+    worker_token: bytes = b""
+    nixl_handles: list[object] = field(default_factory=list)
+    pushed: PushLog = field(default_factory=PushLog)  # what WatchFinished sent this registration
+    # Positions of groups overlaid on the same memory: no block id may be given to two of them.
+    sharing: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.regions.values())
+
+    def check_intact(self) -> None:
+        """Raise where a region shrank since it was mapped (``regions.check_intact``)."""
+        check_intact(self.regions.values(), f"worker {self.worker}'s")
+
+    def close(self) -> None:
+        self.tensors.clear()
+        for r in self.regions.values():
+            r.close()
+
+
+def shm_names(reg: Registration) -> list[str]:
+    return [r.name for r in reg.regions.values() if isinstance(r, shm.ShmRegion)]
+
+
+def host_id() -> str:
+    """Same value for every daemon on one host (and kernel boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
