@@ -33,4 +33,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvd bench
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-* .pytest_cache .mypy_cache .ruff_cache

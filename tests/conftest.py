@@ -220,4 +220,4 @@ def free_port() -> int:
 # Fixtures made once a session: the previous release's worktree, the tiny
 # model and its one-engine baselines. Imported last: those modules import from here.
 from tests.release_support import previous  # noqa: E402, F401 - a fixture
-from tests.vllm_support import baseline, baseline_f32, model_dir, vllm_python  # noqa: E402, F401 - fixtures
+from tests.vllm_support import baseline, baseline_f32, model_dir, other_vllm_python, vllm_python  # noqa: E402, F401 - fixtures

