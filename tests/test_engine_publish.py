@@ -75,3 +75,41 @@ def test_an_engine_publish_is_refused_by_name_and_publishes_nothing_unless_every
     assert daemon_status(p.grpc).publications == 1
     with pytest.raises(FailedPrecondition, match="already published"):
         sched.publish_engine("r", [[1]], 16)
+
+
+def test_a_worker_registering_with_a_restarted_daemon_keeps_its_token_so_the_scheduler_still_publishes(tmp_path):
+    """vLLM's scheduler learns a worker's token once, at startup (the
+    connector handshake). When the daemon restarts and the worker registers
+    again, it proposes the token it was first given and the new daemon adopts
+    it: the scheduler keeps publishing for the engine."""
+    import signal
+
+    from tests.conftest import Daemons, free_port
+
+    ds = Daemons(tmp_path)
+    port = free_port()
+    try:
+        p = ds.start("prefill", grpc_port=port)
+        pw = make_worker(p.grpc, "prefill")
+        first = pw.client.worker_token
+        sched = _scheduler(p.grpc, "prefill", first)
+        assert sched.publish_engine("r1", [[1, 2]], 32).generation > 0
+        assert p.stop(signal.SIGTERM) == 0
+        p = ds.start("prefill", grpc_port=port)  # a new daemon, on the same port
+        assert daemon_status(p.grpc).epoch
+        with pytest.raises(PermissionDenied):  # until the worker is back, the old token means nothing here
+            sched.publish_engine("r2", [[1, 2]], 32)
+        pw.register()
+        assert pw.client.worker_token == first
+        assert sched.publish_engine("r3", [[1, 2]], 32).generation > 0
+        # Controls: another worker process gets a token of its own, and a token nobody holds is refused.
+        other = make_worker(p.grpc, "prefill")  # the same rank, registering anew: replaces the registration
+        assert other.client.worker_token != first
+        with pytest.raises(PermissionDenied):
+            sched.publish_engine("r4", [[1, 2]], 32)
+        # A proposed token must be 16 to 64 bytes.
+        other.client._first_token = b"short"
+        with pytest.raises(InvalidArgument, match="worker_token"):
+            other.register()
+    finally:
+        ds.kill_all()

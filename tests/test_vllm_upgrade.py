@@ -108,3 +108,8 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
     assert sum(r["requests"] for r in rows.values()) >= 10, rows
     # The new daemons took part: D's (whichever version) received KV through kvd in every phase after a replacement.
     assert all(v > 0 for v in loaded.values()), loaded
+    # P's scheduler publishes for the engine again once P's worker is back with a current daemon: the worker
+    # kept the token the scheduler learned at startup (the previous release issued it another one meanwhile).
+    p_log = servers["prefill"].log.read_text(errors="replace")
+    assert "cannot publish for the engine" in p_log, "the previous release's daemon accepted the scheduler's token"
+    assert "publishes for the engine again" in p_log.rsplit("cannot publish for the engine", 1)[1], p_log[-3000:]

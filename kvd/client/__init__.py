@@ -96,6 +96,9 @@ class KvdClient:
         self._worker = pbg.WorkerStub(self._channel)
         self._wid = worker_to_pb(worker)
         self.worker_token = b""  # issued by register(); proves we are this worker
+        # The first token issued: registering again proposes it, so the token
+        # others learned then (vLLM's scheduler) stays good across daemon restarts.
+        self._first_token = b""
         self._saves: collections.deque[Any] = collections.deque()  # layers_saved calls in flight
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -146,8 +149,10 @@ class KvdClient:
         resp = self._call(self._worker.Register, pb.RegisterRequest(
             worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),
             regions=described.regions, groups=described.groups,
+            worker_token=self._first_token,
         ))
         self.worker_token = resp.worker_token
+        self._first_token = self._first_token or resp.worker_token
         return resp
 
     def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "",

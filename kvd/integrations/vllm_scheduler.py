@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -52,6 +53,9 @@ PUBLISH_TIMEOUT_S = 5.0
 # Refusals in a row (FAILED_PRECONDITION) after which the scheduler stops
 # publishing for the engine: one may be the request's own (published twice).
 ENGINE_REFUSALS_TO_STOP = 3
+# How long it stops for, before it tries again: a worker that registered
+# again with a restarted daemon keeps its token, and the scheduler's is good again.
+ENGINE_RETRY_S = 10.0
 
 _PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -153,6 +157,7 @@ class SchedulerSide:
         # once the workers' tokens came through vLLM's connector handshake.
         self._engine_client: KvdClient | None = None
         self._engine_refusals = 0  # in a row
+        self._engine_paused_until = 0.0  # monotonic: refused until then, the workers publish
         self._to_publish: dict[str, Publication] = {}
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
@@ -208,18 +213,26 @@ class SchedulerSide:
             # A publication the proxy named: the workers must learn its name
             # before the daemon can report it, so they publish it themselves.
             return None
+        now = time.monotonic()
+        if now < self._engine_paused_until:
+            return None
         try:
             params = client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
                                            lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens)
-            self._engine_refusals = 0
+            if self._engine_paused_until:
+                log.warning("kvd: the scheduler publishes for the engine again")
+            self._engine_refusals, self._engine_paused_until = 0, 0.0
             return params
         except (PermissionDenied, FailedPrecondition) as e:
             # Refused again and again (a rank registered elsewhere, a worker
-            # that registered anew): stop asking, the workers publish.
+            # that registered with a daemon that issued it another token):
+            # the workers publish for a while, then the scheduler tries again.
             self._engine_refusals += 1
             if isinstance(e, PermissionDenied) or self._engine_refusals >= ENGINE_REFUSALS_TO_STOP:
-                log.warning("kvd: the scheduler cannot publish for the engine; its workers publish each request from now on: %s", e.message)
-                self._engine_client = None
+                if not self._engine_paused_until:
+                    log.warning("kvd: the scheduler cannot publish for the engine; its workers publish each request, "
+                                "and it tries again every %gs: %s", ENGINE_RETRY_S, e.message)
+                self._engine_paused_until = now + ENGINE_RETRY_S
             else:
                 log.info("kvd: publishing request %s from the scheduler was refused; its workers publish it: %s", rid, e.message)
         except KvdError as e:
