@@ -56,7 +56,7 @@ from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reaper import Reaper, remove_orphans
-from kvd.daemon.registration import Registration, host_id, shm_names
+from kvd.daemon.registration import Registration, check_proposed_token, host_id, shm_names
 from kvd.daemon.reports import AggregatorReports
 from kvd.daemon.watchdog import LoopWatchdog
 from kvd.proto import kvd_pb2 as pb
@@ -67,8 +67,6 @@ from kvd.transport.tcp_client import TcpDataClient
 from kvd.transport.tcp_server import TcpDataServer
 
 log = logging.getLogger("kvd.daemon")
-
-MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64  # a worker token it proposes (one it was given before)
 
 
 class Daemon:
@@ -236,8 +234,7 @@ class Daemon:
                 raise InvalidArgument("worker.tp_size", (worker.tp_size, worker.pp_size), f"differs from rank {key}'s (tp_size, pp_size)={(other.worker.tp_size, other.worker.pp_size)}")
             if other.model != model:
                 raise InvalidArgument("model", model, f"differs from rank {key}'s {other.model}")
-        if req.worker_token and not MIN_TOKEN_BYTES <= len(req.worker_token) <= MAX_TOKEN_BYTES:
-            raise InvalidArgument("worker_token", f"{len(req.worker_token)} bytes", f"must be {MIN_TOKEN_BYTES} to {MAX_TOKEN_BYTES} bytes, or empty")
+        check_proposed_token(req.worker_token)
         if not req.groups:
             raise InvalidArgument("groups", 0, "must register at least one KV cache group")
         groups = [group_from_pb(g, i) for i, g in enumerate(req.groups)]
@@ -279,8 +276,8 @@ class Daemon:
         self._generation += 1
         self.registration_version += 1
         # A worker registering again may keep the token it had: vLLM's scheduler learned it once, at startup.
-        token = req.worker_token or secrets.token_bytes(32)
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), token, handles, sharing=sharing)
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), req.worker_token or secrets.token_bytes(32),
+                           handles, sharing=sharing)
         self.registrations[key] = reg
         # The box outlives registrations; a stream the old registration opened sees it was replaced and ends.
         self.finished.setdefault(key, WorkerFinished()).wake()

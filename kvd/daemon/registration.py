@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.core.aggregate import PushLog
+from kvd.core.errors import InvalidArgument
 from kvd.core.relayout import GroupTensors
 from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 from kvd.regions import MappedRegion, check_intact, shm
@@ -58,3 +59,12 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
+
+
+def check_proposed_token(token: bytes) -> None:
+    """A token a worker proposes as it registers again (one it was given before), or none."""
+    if token and not MIN_TOKEN_BYTES <= len(token) <= MAX_TOKEN_BYTES:
+        raise InvalidArgument("worker_token", f"{len(token)} bytes", f"must be {MIN_TOKEN_BYTES} to {MAX_TOKEN_BYTES} bytes, or empty")
