@@ -81,7 +81,8 @@ def test_a_worker_registering_with_a_restarted_daemon_keeps_its_token_so_the_sch
     """vLLM's scheduler learns a worker's token once, at startup (the
     connector handshake). When the daemon restarts and the worker registers
     again, it proposes the token it was first given and the new daemon adopts
-    it: the scheduler keeps publishing for the engine."""
+    it (the rank is not registered there): the scheduler keeps publishing
+    for the engine."""
     import signal
 
     from tests.conftest import Daemons, free_port
@@ -107,7 +108,14 @@ def test_a_worker_registering_with_a_restarted_daemon_keeps_its_token_so_the_sch
         assert other.client.worker_token != first
         with pytest.raises(PermissionDenied):
             sched.publish_engine("r4", [[1, 2]], 32)
-        # A proposed token must be 16 to 64 bytes.
+        # Proposing a token is no way to take one: with the rank registered under another, a new one is issued.
+        thief = make_worker(p.grpc, "prefill", register=False)
+        thief.client._first_token = first
+        thief.register()
+        assert thief.client.worker_token not in (first, other.client.worker_token)
+        with pytest.raises(PermissionDenied):
+            sched.publish_engine("r5", [[1, 2]], 32)
+        # A proposed token is one a daemon issued: 32 bytes.
         other.client._first_token = b"short"
         with pytest.raises(InvalidArgument, match="worker_token"):
             other.register()

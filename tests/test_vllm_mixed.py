@@ -109,12 +109,14 @@ def test_prefill_and_decode_on_different_vllm_releases_match_one_engine_both_way
             pd = OpenAIPD(servers[p_side], servers[d_side], daemons[d_side].metrics_url, daemons[p_side].grpc, daemons[p_side].metrics_url,
                           procs, logs)
             url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / f"proxy-{p_side}{d_side}.log")
-            before = received_bytes(pd.d_metrics)
+            before, pulls = received_bytes(pd.d_metrics), scrape(pd.d_metrics, "kvd_transfer_duration_seconds_count", outcome="done")
             got = [complete_pd(pd, url, model, p) for p in prompts]
             moved = received_bytes(pd.d_metrics) - before
+            # D loaded each prompt through kvd: one pull done per prompt (D is TP1), none failed.
+            assert scrape(pd.d_metrics, "kvd_transfer_duration_seconds_count", outcome="done") - pulls == len(prompts)
             outcomes[f"P {_version(servers[p_side].url)} -> D {_version(servers[d_side].url)}"] = (got == [oracle[tuple(p)] for p in prompts], moved)
             assert got == [oracle[tuple(p)] for p in prompts], outcomes
-            # D loaded them through kvd: it did not compute them itself.
+            # And every block of them: the Llama's bytes are known exactly.
             assert moved == _llama_bytes(prompts) if name == "llama" else moved > 0, outcomes
             assert scrape(pd.d_metrics, "kvd_pull_failures_total") == 0
         print(f"\n{name}: {outcomes}")

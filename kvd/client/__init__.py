@@ -59,7 +59,7 @@ def infer_spec_from_tensors(
     return infer_spec(names, tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."), use_mla=use_mla, block_size=block_size)
 
 
-def finished_from_pb(r: pb.GetFinishedResponse) -> Finished:
+def _finished_from_pb(r: pb.GetFinishedResponse) -> Finished:
     return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
 
 
@@ -237,7 +237,7 @@ class KvdClient:
 
     def get_finished(self) -> Finished:
         """This worker's finished_sending / finished_recving / invalid_block_ids since the last call."""
-        return finished_from_pb(self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid)))
+        return _finished_from_pb(self._call(self._worker.GetFinished, pb.GetFinishedRequest(worker=self._wid)))
 
     def watch_finished(self, resume_after: int | None = None) -> FinishedStream:
         """This worker's finished sets, pushed as they happen: first the backlog
@@ -262,14 +262,14 @@ class KvdClient:
     def engine_finished(self) -> Finished:
         """The engine's merged sets (a request appears once every expected worker reported it)."""
         r = self._call(self._worker.GetEngineFinished, pb.EngineFinishedRequest(engine_id=self.worker.engine_id))
-        return finished_from_pb(r)
+        return _finished_from_pb(r)
 
     def watch_engine_finished(self) -> Iterator[Finished]:
         """Yields the engine's merged sets as requests complete (a server stream)."""
         stream = self._worker.WatchEngineFinished(pb.EngineFinishedRequest(engine_id=self.worker.engine_id), metadata=self._metadata())
         try:
             for r in stream:
-                yield finished_from_pb(r)
+                yield _finished_from_pb(r)
         finally:
             stream.cancel()
 
@@ -306,7 +306,7 @@ class FinishedStream:
         except grpc.RpcError as e:
             raise from_code(e.code().name, e.details() or "") from None
         self.last_seq = r.seq
-        return finished_from_pb(r)
+        return _finished_from_pb(r)
 
     def cancel(self) -> None:
         self._call.cancel()

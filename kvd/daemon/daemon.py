@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -56,7 +55,7 @@ from kvd.daemon.peers import Handshakes
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.puller import Puller
 from kvd.daemon.reaper import Reaper, remove_orphans
-from kvd.daemon.registration import Registration, check_proposed_token, host_id, shm_names
+from kvd.daemon.registration import Registration, check_token, host_id, shm_names, token_for
 from kvd.daemon.reports import AggregatorReports
 from kvd.daemon.watchdog import LoopWatchdog
 from kvd.proto import kvd_pb2 as pb
@@ -234,7 +233,7 @@ class Daemon:
                 raise InvalidArgument("worker.tp_size", (worker.tp_size, worker.pp_size), f"differs from rank {key}'s (tp_size, pp_size)={(other.worker.tp_size, other.worker.pp_size)}")
             if other.model != model:
                 raise InvalidArgument("model", model, f"differs from rank {key}'s {other.model}")
-        check_proposed_token(req.worker_token)
+        check_token(req.worker_token)
         if not req.groups:
             raise InvalidArgument("groups", 0, "must register at least one KV cache group")
         groups = [group_from_pb(g, i) for i, g in enumerate(req.groups)]
@@ -267,6 +266,7 @@ class Daemon:
                              sharing: tuple[tuple[int, int], ...]) -> pb.RegisterResponse:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.registrations.pop(key, None)
+        token = token_for(req.worker_token, old)
         if old is not None:
             # The worker restarted: its old memory is gone, so is anything published from it,
             # and its pulls (they would land in memory it no longer owns).
@@ -275,9 +275,7 @@ class Daemon:
             self._release(old)
         self._generation += 1
         self.registration_version += 1
-        # A worker registering again may keep the token it had: vLLM's scheduler learned it once, at startup.
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), req.worker_token or secrets.token_bytes(32),
-                           handles, sharing=sharing)
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), token, handles, sharing=sharing)
         self.registrations[key] = reg
         # The box outlives registrations; a stream the old registration opened sees it was replaced and ends.
         self.finished.setdefault(key, WorkerFinished()).wake()

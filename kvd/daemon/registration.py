@@ -4,6 +4,8 @@ tells two daemons they share memory."""
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -61,10 +63,20 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-MIN_TOKEN_BYTES, MAX_TOKEN_BYTES = 16, 64
+TOKEN_BYTES = 32  # a worker token, as the daemon issues it
 
 
-def check_proposed_token(token: bytes) -> None:
-    """A token a worker proposes as it registers again (one it was given before), or none."""
-    if token and not MIN_TOKEN_BYTES <= len(token) <= MAX_TOKEN_BYTES:
-        raise InvalidArgument("worker_token", f"{len(token)} bytes", f"must be {MIN_TOKEN_BYTES} to {MAX_TOKEN_BYTES} bytes, or empty")
+def check_token(token: bytes) -> None:
+    """A token a worker proposes as it registers again (one a daemon issued it before), or none."""
+    if token and len(token) != TOKEN_BYTES:
+        raise InvalidArgument("worker_token", f"{len(token)} bytes", f"must be the {TOKEN_BYTES} bytes a daemon issued, or empty")
+
+
+def token_for(proposed: bytes, old: Registration | None) -> bytes:
+    """The token of a new registration. A worker registering again may keep the
+    one it had (vLLM's scheduler learned it once, at startup): with a restarted
+    daemon (nothing registered for its rank here), or the same token as the
+    registration it replaces. Otherwise a new one."""
+    if proposed and (old is None or hmac.compare_digest(proposed, old.worker_token)):
+        return proposed
+    return secrets.token_bytes(TOKEN_BYTES)

@@ -50,10 +50,10 @@ T = TypeVar("T")
 # How long the scheduler's publish may take before the workers publish
 # instead: a local call that takes well under a millisecond when all is well.
 PUBLISH_TIMEOUT_S = 5.0
-# Refusals in a row (FAILED_PRECONDITION) after which the scheduler stops
+# Refusals in a row (FAILED_PRECONDITION) after which the scheduler pauses
 # publishing for the engine: one may be the request's own (published twice).
-ENGINE_REFUSALS_TO_STOP = 3
-# How long it stops for, before it tries again: a worker that registered
+ENGINE_REFUSALS_TO_PAUSE = 3
+# How long it pauses for, before it tries again: a worker that registered
 # again with a restarted daemon keeps its token, and the scheduler's is good again.
 ENGINE_RETRY_S = 10.0
 
@@ -228,11 +228,11 @@ class SchedulerSide:
             # that registered with a daemon that issued it another token):
             # the workers publish for a while, then the scheduler tries again.
             self._engine_refusals += 1
-            if isinstance(e, PermissionDenied) or self._engine_refusals >= ENGINE_REFUSALS_TO_STOP:
+            if isinstance(e, PermissionDenied) or self._engine_refusals >= ENGINE_REFUSALS_TO_PAUSE:
                 if not self._engine_paused_until:
                     log.warning("kvd: the scheduler cannot publish for the engine; its workers publish each request, "
                                 "and it tries again every %gs: %s", ENGINE_RETRY_S, e.message)
-                self._engine_paused_until = now + ENGINE_RETRY_S
+                self._engine_paused_until, self._engine_refusals = now + ENGINE_RETRY_S, 0
             else:
                 log.info("kvd: publishing request %s from the scheduler was refused; its workers publish it: %s", rid, e.message)
         except KvdError as e:
