@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -28,7 +27,6 @@ from tests.conftest import Daemons, scrape
 from tests.vllm_support import (
     BYTES_PER_BLOCK_PER_LAYER,
     LAYERS,
-    MAX_TOKENS,
     PROMPTS,
     OpenAIPD,
     Server,
@@ -36,7 +34,7 @@ from tests.vllm_support import (
     complete_pd,
     kill_group,
     make_zoo_model,
-    post_completion,
+    pd_by_hand,
     prefill_alone,
     received_bytes,
     serve,
@@ -52,17 +50,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.upgrade, pytest.mark.slow, pytest.ma
 def _version(url: str) -> str:
     with urllib.request.urlopen(f"{url}/version", timeout=30) as r:
         return str(json.loads(r.read())["version"])
-
-
-def _decode_with_p_zeroed(p: Server, d: Server, p_grpc: str, model: Path, prompt: list[int]) -> list[int]:
-    """vLLM's P/D convention by hand, with P's cache zeroed between its prefill and D's decode."""
-    from tests.vllm_driver import corrupt_prefill_cache
-
-    body = {"model": str(model), "prompt": prompt, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    pre = post_completion(p.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    assert corrupt_prefill_cache(p_grpc) > 0
-    answer = post_completion(d.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})
-    return list(answer["choices"][0]["token_ids"])
 
 
 def _llama_bytes(prompts: list[list[int]]) -> int:
@@ -120,7 +107,7 @@ def test_prefill_and_decode_on_different_vllm_releases_match_one_engine_both_way
             assert moved == _llama_bytes(prompts) if name == "llama" else moved > 0, outcomes
             assert scrape(pd.d_metrics, "kvd_pull_failures_total") == 0
         print(f"\n{name}: {outcomes}")
-        zeroed = _decode_with_p_zeroed(servers["a"], servers["b"], daemons["a"].grpc, model, control)
+        zeroed = pd_by_hand(servers["a"], servers["b"], daemons["a"].grpc, model, control, corrupt=True)
         assert zeroed != oracle[tuple(control)], "zeroing P's cache did not change D's tokens"
     finally:
         for proc in procs:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +30,12 @@ from tests.vllm_support import (
     HEAD_DIM,
     KV_HEADS,
     LAYERS,
-    MAX_TOKENS,
     PROMPTS,
     OpenAIPD,
     blocks,
     complete_pd,
     kill_group,
+    pd_by_hand,
     serve,
     wait_http,
 )
@@ -87,25 +86,6 @@ def _start(py: Path, model: Path, tmp: Path, case: str) -> tuple[Pair, Daemons]:
     return Pair(pd, url, p.grpc, d.metrics_url, p_tp, d_tp), ds
 
 
-def post_completion(url: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def _pd_by_hand(pair: Pair, model: Path, prompt: list[int], corrupt: bool) -> list[int]:
-    """vLLM's P/D convention without a proxy: prefill on P, then (optionally
-    zero P's cache, the negative control) decode on D with P's params."""
-    from tests.vllm_driver import corrupt_prefill_cache
-
-    body = {"model": str(model), "prompt": prompt, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    pre = post_completion(pair.pd.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    if corrupt:
-        assert corrupt_prefill_cache(pair.p_grpc) > 0
-    dec = post_completion(pair.pd.decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})
-    return list(dec["choices"][0]["token_ids"])
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_hetero_tp_between_openai_servers_with_users_binding_matches_one_engine(vllm_python, model_dir, baseline_f32, tmp_path, case):
     pair, ds = _start(vllm_python, model_dir, tmp_path, case)
@@ -118,8 +98,8 @@ def test_hetero_tp_between_openai_servers_with_users_binding_matches_one_engine(
         assert moved == sum(blocks(len(p) - 1) for p in HETERO_PROMPTS) * LAYERS * F32_BYTES_PER_BLOCK_PER_LAYER
         assert scrape(pair.d_metrics, "kvd_pull_failures_total") == 0
         # Negative control: the same path by hand, P's cache zeroed between prefill and decode, gives other tokens.
-        assert _pd_by_hand(pair, model_dir, PROMPTS[5], corrupt=False) == baseline_f32[5]
-        assert _pd_by_hand(pair, model_dir, PROMPTS[4], corrupt=True) != baseline_f32[4]
+        assert pd_by_hand(pair.pd.prefill, pair.pd.decode, pair.p_grpc, model_dir, PROMPTS[5], corrupt=False) == baseline_f32[5]
+        assert pd_by_hand(pair.pd.prefill, pair.pd.decode, pair.p_grpc, model_dir, PROMPTS[4], corrupt=True) != baseline_f32[4]
     finally:
         for proc in pair.pd.procs:
             kill_group(proc)

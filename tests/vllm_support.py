@@ -238,6 +238,19 @@ def post_completion(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def pd_by_hand(prefill: Server, decode: Server, p_grpc: str, model: Path, prompt: list[int], *, corrupt: bool) -> list[int]:
+    """vLLM's P/D convention without a proxy: prefill on P, then (with
+    ``corrupt``, the negative control: P's cache zeroed in between) decode on D with P's params."""
+    from tests.vllm_driver import corrupt_prefill_cache
+
+    body = {"model": str(model), "prompt": prompt, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    pre = post_completion(prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    if corrupt:
+        assert corrupt_prefill_cache(p_grpc) > 0
+    dec = post_completion(decode.url, {**body, "max_tokens": MAX_TOKENS, "kv_transfer_params": pre["kv_transfer_params"]})
+    return list(dec["choices"][0]["token_ids"])
+
+
 def prefill_alone(url: str, model: Path, prompt: list[int]) -> list[int]:
     body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     return list(post_completion(url, body)["choices"][0]["token_ids"])
