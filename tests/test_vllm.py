@@ -111,7 +111,8 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
     failed = result["failed_load"]
     assert failed["held_before"] and failed["released_after_s"] < 1.0, failed
     assert scrape(p.metrics_url, "kvd_reader_releases_total") >= 1
-    assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp  # that load, on each D rank; nothing else failed
+    failures = [line for line in d.log().splitlines() if "pull failed" in line]
+    assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp, failures  # that load, on each D rank; nothing else failed
     # Its invalid blocks were exact: D recomputed them and still gives one engine's tokens.
     assert failed["tokens"] == baseline_f32[0]
     # A pull D's daemon refused (its answer not awaited by the step): reported
@@ -175,7 +176,7 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
     print(f"\nsliding window: a {n}-token request moved {result['received_bytes'][0]:.0f} bytes; full attention would move {2 * full * per_block}")
     # Two pulls failed: the 127-token prompt's (P dropped token 63, which
     # position 126 attends to) and the failed load below; both recomputed.
-    assert scrape(d.metrics_url, "kvd_pull_failures_total") == 2
+    assert scrape(d.metrics_url, "kvd_pull_failures_total") == 2, [line for line in d.log().splitlines() if "pull failed" in line]
     assert "group[0].first_token" in log or "group[1].first_token" in log
     # A failed load is exact: D recomputes and still gives one engine's tokens.
     assert result["failed_load"]["tokens"] == sw_baseline[0]

@@ -11,12 +11,16 @@ publishes once every layer is written and decode pulls then; streamed, it
 publishes first, decode's pull starts at once, and each layer crosses once
 prefill says it is saved. The same prompt computed alone (nothing
 published) is the baseline, measured in the same run, its tries in turn
-with the transfers': the figure is the time from prefill's start to decode
-holding every byte, less the compute-only prefill's time beside it, the
-median over at least five tries. That is what the
-transfer adds to TTFT, a slowed prefill included. Decode's outcomes are
-pushed (``FinishedFeed``), so no poll is in the figure. Every byte is
-checked.
+with the transfers'. Streamed, the figure is the time from prefill's start
+to decode holding every byte, less the compute-only prefill's time beside
+it: what the transfer adds to TTFT, a prefill slowed by the transfer
+included. Pulled, nothing runs beside the compute, so the figure is the
+time from that try's own last layer to decode holding every byte; taking a
+separate compute-only try's time away instead would add the compute's
+jitter, which on a busy machine is larger than a short prompt's transfer
+(a CI run measured -5 ms for a 17 MB pull that way). Each is the median
+over at least five tries. Decode's outcomes are pushed (``FinishedFeed``),
+so no poll is in the figure. Every byte is checked.
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
     per_token = layers * heads * head_size * 2 * 2
     say(f"stream: one request, {layers} layers x {heads} KV heads x {head_size} bf16 ({per_token >> 10} KiB a token), TP1 -> TP1 over TCP; "
         f"prefill computes {us_per_token:g} us a token a layer on every core")
-    say("  added = from prefill's start to decode holding every byte, less the same prefill computed alone (what the transfer "
-        f"adds to TTFT), the median of {tries} tries, each beside its compute-only prefill")
+    say(f"  what the transfer adds to TTFT, the median of {tries} tries: streamed, from prefill's start to decode holding every byte, "
+        "less the same prefill computed alone beside it; pulled, from that prefill's last layer to decode holding every byte")
     say(f"  {'tokens':>7} {'MB':>8} {'prefill ms':>11} {'pull adds ms':>13} {'stream adds ms':>15} {'streamed/pull':>14}")
     daemons = Daemons()
     ctx = mp.get_context("spawn")
@@ -74,6 +78,7 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
             nblocks = -(-ntok // BLOCK)
             layer_s = us_per_token * ntok / 1e6
             took: dict[str, list[float]] = {"compute": [], "pull": [], "stream": []}
+            pull_after_compute: list[float] = []
             for _ in range(tries):
                 for mode in took:  # in turn: a slow spell of the machine falls on all three
                     n += 1
@@ -91,12 +96,13 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
                     if bad:
                         raise SystemExit(f"stream bench: {rid} landed wrong bytes: {bad}")
                     took[mode].append(landed - started)
-            # Each try's transfer against the compute-only prefill beside it, the median
-            # of the tries: the compute's own jitter is of the order of a short prompt's transfer.
-            pull = statistics.median(p - c for p, c in zip(took["pull"], took["compute"], strict=True))
+                    if mode == "pull":
+                        pull_after_compute.append(landed - computed)
+            # Pulled: after this try's own compute (nothing overlaps it). Streamed: each
+            # try against the compute-only prefill beside it, the median of the tries.
+            pull = statistics.median(pull_after_compute)
             stream = statistics.median(s - c for s, c in zip(took["stream"], took["compute"], strict=True))
-            # A streamed transfer can hide wholly under the compute (within the noise: at most
-            # 0); a pulled one within the compute's jitter counts as 1 ms.
+            # A streamed transfer can hide wholly under the compute (within the noise: at most 0).
             row = {"tokens": ntok, "bytes": ntok * per_token, "prefill_ms": 1e3 * statistics.median(took["compute"]), "pull_ms": 1e3 * pull,
                    "stream_ms": 1e3 * stream, "ratio": max(stream, 0.0) / max(pull, 1e-3)}
             rows.append(row)
