@@ -36,13 +36,14 @@ def test_a_forbidden_import_in_the_core_is_caught(tmp_path):
     assert r.returncode != 0 and "BROKEN" in r.stdout and "kvd.core.plan -> numpy" in r.stdout, r.stdout[-2000:]
 
 
-def test_no_import_cycles_between_modules():
-    # Imports under TYPE_CHECKING never run: the daemon's sides name the
-    # Daemon that holds them only for the type checker.
+def import_cycles(package: str) -> list[list[str]]:
+    """Every set of ``package``'s modules that import one another in a circle,
+    imports under TYPE_CHECKING included: a class that names its holder only
+    for the type checker still reaches back into it."""
     import grimp
 
-    graph = grimp.build_graph("kvd", exclude_type_checking_imports=True)
-    modules = {m for m in graph.modules if not m.startswith("kvd.proto")}
+    graph = grimp.build_graph(package, exclude_type_checking_imports=False)
+    modules = {m for m in graph.modules if not m.startswith(f"{package}.proto")}
     edges = {m: {n for n in graph.find_modules_directly_imported_by(m) if n in modules and n != m} for m in modules}
     # Tarjan's strongly connected components: any with more than one module is a cycle.
     index: dict[str, int] = {}
@@ -72,7 +73,25 @@ def test_no_import_cycles_between_modules():
     for m in sorted(modules):
         if m not in index:
             visit(m)
-    assert cycles == []
+    return cycles
+
+
+def test_no_import_cycles_between_modules():
+    assert import_cycles("kvd") == []
+
+
+def test_a_cycle_through_type_checking_imports_is_caught(tmp_path, monkeypatch):
+    # Negative control: a holder and its part, the part naming the holder only
+    # under TYPE_CHECKING (as the daemon's sides once did), is a cycle.
+    pkg = tmp_path / "holder_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "holder.py").write_text("from holder_pkg.part import Part\n\nclass Holder:\n    part = Part\n")
+    (pkg / "part.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from holder_pkg.holder import Holder\n\n"
+                                 "class Part:\n    holder: 'Holder'\n")
+    (pkg / "alone.py").write_text("import holder_pkg.part\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("holder_pkg") == [["holder_pkg.holder", "holder_pkg.part"]]
 
 
 def test_no_hand_written_module_is_over_450_lines():

@@ -91,6 +91,11 @@ time.sleep(600)
     proc.wait()
     params = pb.TransferParams.FromString(bytes.fromhex(line.strip()))
     dw = make_worker(d.grpc, "decode")
+    # P's daemon has seen the worker gone (within a second): what it published is still served.
+    deadline = time.monotonic() + 10
+    while "retiring registration" not in p.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"pid {proc.pid} exited without unregistering" in p.log()
     dw.client.pull("r", params, [[4, 5, 6]])
     f = dw.client.wait_finished(recving={"r"}, timeout=30)
     assert f.details[("recving", "r")].outcome == "done"

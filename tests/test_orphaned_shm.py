@@ -2,8 +2,10 @@
 workers in their own processes, /dev/shm itself).
 
 A worker killed with SIGKILL never unregisters; the daemon sees its regions'
-creator gone, ends the registration (its publications end, naming why) and
-unlinks the regions within seconds. A daemon that starts removes regions
+creator gone and retires the registration: what it published is served for
+a grace of 5 s at most, then it ends (naming why) and the regions are
+unlinked, within seconds (here a publication of a 600 s lease that nobody
+reads). A daemon that starts removes regions
 whose creator exited; a live process's regions, and regions made in another
 pid namespace, are left alone."""
 

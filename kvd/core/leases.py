@@ -323,6 +323,10 @@ class PublicationTable:
         """End everything ``rank`` published (its worker left or restarted)."""
         return [e for rid in [rid for rid, p in self.by_request.items() if rank in p.masks] for e in self.abort(rid, rank, reason)]
 
+    def holds(self, rank: RankKey) -> bool:
+        """Whether a publication still holds some of ``rank``'s blocks."""
+        return any(rank in p.masks for p in self.by_request.values())
+
     def next_expiry(self) -> float | None:
         return min((p.expires_at for p in self.by_request.values()), default=None)
 

@@ -15,7 +15,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -26,13 +25,15 @@ from kvd.core.leases import RankKey
 from kvd.core.pairing import check_compatible
 from kvd.core.relayout import GroupTensors
 from kvd.core.spec import EngineMeta, fingerprint
+from kvd.daemon.config import DaemonConfig
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.outbound import PeerChannels
+from kvd.daemon.publisher import Publisher
+from kvd.daemon.registry import Registry
 from kvd.proto import kvd_pb2 as pb
-from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions import MappedRegion, check_intact, close_later, map_regions
 from kvd.transport.samehost import LocalSource
-
-if TYPE_CHECKING:
-    from kvd.daemon.daemon import Daemon
+from kvd.transport.tcp_client import TcpDataClient
 
 log = logging.getLogger("kvd.daemon")
 
@@ -55,11 +56,17 @@ class Peer:
 
 
 class Handshakes:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+    def __init__(self, config: DaemonConfig, registry: Registry, publisher: Publisher, metrics: Metrics, channels: PeerChannels,
+                 data_client: TcpDataClient) -> None:
+        self.config = config
+        self.registry = registry
+        self.publisher = publisher  # as the owner: a reader's handshake joins it
+        self.metrics = metrics
+        self.channels = channels
+        self.data_client = data_client
         self.peers: dict[str, Peer] = {}  # engines we read from, by engine id
         self._locks: dict[str, asyncio.Lock] = {}
-        self.slots = asyncio.Semaphore(daemon.config.max_pending_handshakes)  # as the callee
+        self.slots = asyncio.Semaphore(config.max_pending_handshakes)  # as the callee
 
     def close(self) -> None:
         for peer in self.peers.values():
@@ -72,20 +79,20 @@ class Handshakes:
     def handshake(self, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """A peer introduces itself (it wants to read from us)."""
         theirs = engine_from_pb(req.caller)
-        if not theirs.engine_id or theirs.engine_id == self.d.config.engine_id:
+        if not theirs.engine_id or theirs.engine_id == self.config.engine_id:
             raise InvalidArgument("caller.engine_id", theirs.engine_id, "must name another engine")
-        mine = self.d.engine_meta()
+        mine = self.registry.engine_meta()
         try:
             check_compatible(mine, theirs)
         except KvdError:
-            self.d.metrics.handshakes.labels("callee", "refused").inc()
+            self.metrics.handshakes.labels("callee", "refused").inc()
             raise
-        with self.d.publisher.lock:
-            data_token = self.d.publisher.owner.reader_joined(theirs).data_token
-        self.d.metrics.handshakes.labels("callee", "ok").inc()
-        same_host = self.d.config.same_host != "off" and theirs.host_id == self.d.host_id
+        with self.publisher.lock:
+            data_token = self.publisher.owner.reader_joined(theirs).data_token
+        self.metrics.handshakes.labels("callee", "ok").inc()
+        same_host = self.config.same_host != "off" and theirs.host_id == self.registry.host_id
         log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
-        regions = {k: (r.region_pbs, r.generation) for k, r in self.d.registrations.items()} if same_host else None
+        regions = {k: (r.region_pbs, r.generation) for k, r in self.registry.by_rank.items()} if same_host else None
         return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
 
     def drop_peer(self, engine_id: str) -> Peer | None:
@@ -102,37 +109,37 @@ class Handshakes:
         lock = self._locks.setdefault(eid, asyncio.Lock())
         async with lock:
             peer = self.peers.get(eid)
-            if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self.d.registration_version:
+            if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self.registry.version:
                 return peer
-            mine = self.d.engine_meta()
-            stub = pbg.PeerStub(self.d.channel(params.remote_address))
+            mine = self.registry.engine_meta()
+            stub = self.channels.peer(params.remote_address)
             t0 = time.perf_counter()
             last: Exception | None = None
-            for attempt in range(self.d.config.handshake_retries):
+            for attempt in range(self.config.handshake_retries):
                 try:
                     resp = await stub.Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine, self._fingerprint(mine))), timeout=10,
-                                                metadata=self.d.auth.call_metadata())
+                                                metadata=self.channels.metadata())
                     break
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                        self.d.metrics.handshakes.labels("caller", "refused").inc()
+                        self.metrics.handshakes.labels("caller", "refused").inc()
                         raise errors.from_code(e.code().name, f"handshake with {eid!r} at {params.remote_address}: {e.details()}") from None
                     last = e
                     await asyncio.sleep(0.1 * 2**attempt)
             else:
-                self.d.metrics.handshakes.labels("caller", "unreachable").inc()
+                self.metrics.handshakes.labels("caller", "unreachable").inc()
                 raise Unavailable(f"handshake with {eid!r} at {params.remote_address} failed: {last}")
             theirs = engine_from_pb(resp.callee)
             if theirs.engine_id != eid:
                 raise FailedPrecondition(f"{params.remote_address} serves engine {theirs.engine_id!r}, not remote_engine_id={eid!r}")
             check_compatible(mine, theirs)
-            self.d.metrics.handshake_seconds.observe(time.perf_counter() - t0)
-            self.d.metrics.handshakes.labels("caller", "ok").inc()
-            peer = Peer(theirs, params.remote_address, self.d.registration_version)
-            if self.d.config.same_host != "off" and theirs.host_id == self.d.host_id:
+            self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
+            self.metrics.handshakes.labels("caller", "ok").inc()
+            peer = Peer(theirs, params.remote_address, self.registry.version)
+            if self.config.same_host != "off" and theirs.host_id == self.registry.host_id:
                 await self._map_same_host(peer, resp.callee)
             self.drop_peer(eid)
-            self.d.data_client.set_token(theirs.data_address, resp.data_token)
+            self.data_client.set_token(theirs.data_address, resp.data_token)
             self.peers[eid] = peer
             return peer
 

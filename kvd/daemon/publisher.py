@@ -13,11 +13,11 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvd.auth import AuthConfig
 from kvd.convert import worker_from_pb
 from kvd.core.errors import (
     DeadlineExceeded,
@@ -28,7 +28,7 @@ from kvd.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvd.core.leases import Ended
+from kvd.core.leases import Ended, PublicationTable
 from kvd.core.owner import Grant, Owner
 from kvd.core.pieces import (
     GatherStaging,
@@ -41,20 +41,29 @@ from kvd.core.pieces import (
 from kvd.core.reads import DataRead
 from kvd.core.session import Hello
 from kvd.core.spec import check_request_id
+from kvd.daemon.config import DaemonConfig
+from kvd.daemon.finished_sets import FinishedSets
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.registration import Registration
+from kvd.daemon.registry import Registry
 from kvd.proto import kvd_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvd.daemon.daemon import Daemon
-    from kvd.daemon.registration import Registration
 
 log = logging.getLogger("kvd.daemon")
 
 
 class Publisher:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        self.owner = Owner(daemon.config.engine_id, daemon.host_id, daemon.publications,
-                           same_host=daemon.config.same_host != "off", max_segments_per_read=daemon.config.max_segments_per_read)
+    def __init__(self, config: DaemonConfig, registry: Registry, publications: PublicationTable, finished: FinishedSets,
+                 metrics: Metrics, auth: AuthConfig) -> None:
+        self.config = config
+        self.registry = registry
+        self.publications = publications
+        self.finished = finished
+        self.metrics = metrics
+        self.auth = auth
+        self.draining = False  # set by the daemon: nothing new is published
+        self.own_address = ""  # this daemon's gRPC address, as params name it: set once the server is bound
+        self.owner = Owner(config.engine_id, registry.host_id, publications,
+                           same_host=config.same_host != "off", max_segments_per_read=config.max_segments_per_read)
         # The owner's state is changed on the event loop and read by the data
         # plane's connection threads, which authorise reads without a hop to
         # the loop (a hop costs more than the check): every access holds this.
@@ -65,14 +74,10 @@ class Publisher:
         self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
         self._resolves = 0
 
-    @property
-    def publications(self):  # type: ignore[no-untyped-def]
-        return self.d.publications
-
     # ------------------------------------------------------------ gRPC
 
     def publish(self, req: pb.PublishRequest, token: bytes | None = None) -> pb.PublishResponse:
-        reg = self.d.registered(worker_from_pb(req.worker), token)
+        reg = self.registry.registered(worker_from_pb(req.worker), token)
         self._check_open(req.num_tokens)
         return self._publish_ranks([reg], req, stream=req.stream)
 
@@ -81,22 +86,23 @@ class Publisher:
         (vLLM's block ids are the same on every rank). All or nothing: it is
         refused unless every rank of the engine is registered here with the
         same groups, and then no rank can refuse what the first accepted."""
-        d = self.d
-        d.check_engine_token(req.engine_id, token)
+        self.registry.check_engine_token(req.engine_id, token)
         self._check_open(req.num_tokens)
-        regs = [d.registrations[k] for k in sorted(d.registrations)]
+        regs = [self.registry.by_rank[k] for k in sorted(self.registry.by_rank)]
         first = regs[0].worker  # check_engine_token found a registration
         world = first.tp_size * first.pp_size
         if len(regs) != world:
             raise FailedPrecondition(f"only {len(regs)} of the {world} ranks of engine {req.engine_id!r} are registered with this daemon; "
                                      "its workers publish for themselves")
+        if gone := [r for r in regs if r.gone]:
+            raise FailedPrecondition(f"rank {gone[0].worker} of engine {req.engine_id!r} is gone ({gone[0].gone}): nothing new is published for it")
         shapes = {tuple((g.spec.num_blocks, g.spec.block_size, g.spec.state) for g in r.tensors) for r in regs}
         if len(shapes) > 1:
             raise FailedPrecondition(f"the ranks of engine {req.engine_id!r} registered different KV cache groups; its workers publish for themselves")
         return self._publish_ranks(regs, req, stream=False)
 
     def _check_open(self, num_tokens: int) -> None:
-        if self.d.draining:
+        if self.draining:
             raise Unavailable("daemon is draining")
         if num_tokens <= 0:
             raise InvalidArgument("num_tokens", num_tokens, "must be positive")
@@ -105,7 +111,6 @@ class Publisher:
         """``req`` published on the ranks of ``regs`` (one lock hold), what
         that ended reported, the resolves waiting for it woken, and the
         params that offer it."""
-        d = self.d
         ids = [np.asarray(b.ids, dtype=np.int64) for b in req.block_ids]
         ended: list[Ended] = []
         with self.lock:
@@ -122,36 +127,35 @@ class Publisher:
             event.set()
         worker = regs[0].worker
         return pb.PublishResponse(params=pb.TransferParams(
-            remote_engine_id=d.config.engine_id, remote_address=d.grpc_address, remote_epoch=d.epoch,
+            remote_engine_id=self.config.engine_id, remote_address=self.own_address, remote_epoch=self.registry.epoch,
             request_id=req.request_id, generation=pub.generation, capability=pub.capability,
             block_ids=req.block_ids, num_tokens=req.num_tokens,  # copied by protobuf, not through Python ints
             remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
-            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else d.config.lease_seconds, stream=stream,
+            lease_seconds=req.lease_seconds if req.lease_seconds > 0 else self.config.lease_seconds, stream=stream,
         ))
 
     def layers_saved(self, req: pb.LayersSavedRequest, token: bytes | None = None) -> int:
         """A streaming worker wrote every layer below ``layers_saved`` of
         these requests: wake the reads waiting for them."""
-        reg = self.d.registered(worker_from_pb(req.worker), token)
+        reg = self.registry.registered(worker_from_pb(req.worker), token)
         for i, rid in enumerate(req.request_ids):
             check_request_id(f"request_ids[{i}]", rid)
         with self.lock:
             advanced = self.owner.layers_saved((reg.worker.tp_rank, reg.worker.pp_rank), list(req.request_ids), req.layers_saved)
             self.saved.notify_all()
-        self.d.metrics.layers_saved.inc(advanced)
+        self.metrics.layers_saved.inc(advanced)
         return advanced
 
     async def resolve(self, req: pb.ResolveRequest) -> pb.ResolveResponse:
         """The generation of ``request_id`` published under ``capability``,
         once every rank registered here has published it (or the wait ends
         with at least one). Refused like a read if nothing matches."""
-        d = self.d
-        d.check_peer_engine(req.engine_id)
+        self.registry.check_peer_engine(req.engine_id)
         check_request_id("request_id", req.request_id)
-        if self._resolves >= d.config.max_pending_resolves:
-            raise ResourceExhausted(f"more than {d.config.max_pending_resolves} resolves pending")
+        if self._resolves >= self.config.max_pending_resolves:
+            raise ResourceExhausted(f"more than {self.config.max_pending_resolves} resolves pending")
         loop = asyncio.get_running_loop()
-        wait = max(0.0, min(req.wait_seconds, d.config.publish_wait_seconds))
+        wait = max(0.0, min(req.wait_seconds, self.config.publish_wait_seconds))
         deadline = loop.time() + wait
         self._resolves += 1
         try:
@@ -162,7 +166,7 @@ class Publisher:
                         # Ended (aborted by either side) before this resolve: no use waiting.
                         self.publications.check_not_ended(req.request_id, req.capability, time.monotonic())
                     ranks = set(pub.masks) if pub is not None else set()
-                if pub is not None and set(d.registrations) <= ranks:
+                if pub is not None and set(self.registry.by_rank) <= ranks:
                     break
                 remaining = deadline - loop.time()
                 if remaining <= 0:
@@ -182,20 +186,20 @@ class Publisher:
             ids = pub.block_ids[min(pub.block_ids)] if pub.block_ids else []
             firsts = pub.first_tokens or (0,) * len(ids)
             blocks = [pb.BlockIds(ids=g.tolist(), first_token=f) for g, f in zip(ids, firsts, strict=True)]
-        return pb.ResolveResponse(generation=pub.generation, epoch=d.epoch, ranks_published=len(pub.masks), block_ids=blocks,
+        return pb.ResolveResponse(generation=pub.generation, epoch=self.registry.epoch, ranks_published=len(pub.masks), block_ids=blocks,
                                   num_tokens=pub.num_tokens, stream=pub.stream)
 
     def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
-        self.d.check_peer_engine(req.engine_id)
+        self.registry.check_peer_engine(req.engine_id)
         check_request_id("request_id", req.request_id)
         with self.lock:
             ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason, time.monotonic())
-        self.d.metrics.reader_releases.inc(len(ended or []))
+        self.metrics.reader_releases.inc(len(ended or []))
         self.report(ended or [])
         return ended is not None
 
     def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
-        self.d.check_peer_engine(req.engine_id)
+        self.registry.check_peer_engine(req.engine_id)
         for i, lease in enumerate(req.leases):
             check_request_id(f"leases[{i}].request_id", lease.request_id)
         with self.lock:
@@ -231,25 +235,25 @@ class Publisher:
         with self.lock:
             self.saved.notify_all()
         for e in ended:
-            self.d.report_sending(e)
-        self.d.metrics.leases_held.set(len(self.publications))
-        self.d.metrics.pinned_ranks.set(self.publications.pinned)
+            self.finished.report_sending(e)
+        self.metrics.leases_held.set(len(self.publications))
+        self.metrics.pinned_ranks.set(self.publications.pinned)
 
     # ------------------------------------------------------------ data plane
 
     def check_hello(self, hello: Hello) -> None:
         try:
-            self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, self.d.auth.check_hello_token(hello.shared_token))
+            self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, self.auth.check_hello_token(hello.shared_token))
         except KvdError as e:
             no_handshake = (hello.engine_id, hello.epoch) not in self.owner.readers
-            self.d.metrics.refused_reads.labels("no_handshake" if no_handshake else "unauthenticated").inc()
+            self.metrics.refused_reads.labels("no_handshake" if no_handshake else "unauthenticated").inc()
             raise e from None
 
     def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead:
         """Authorise ``read`` (from any thread). ``reader_copies``: the
         reader will copy our memory itself (same host, NIXL), so the rank
         stays pinned until the returned read is closed."""
-        reg = self.d.registrations.get(read.rank)
+        reg = self.registry.get(read.rank)
         try:
             if reg is not None:
                 reg.check_intact()
@@ -258,13 +262,13 @@ class Publisher:
                 grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
                                              local=local, reader_copies=reader_copies, registration=reg.generation if reg is not None else 0)
         except KvdError as e:
-            self.d.metrics.refused_reads.labels(e.status.name.lower()).inc()
+            self.metrics.refused_reads.labels(e.status.name.lower()).inc()
             raise
         assert reg is not None
         if local:
-            self.d.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.heads_of(s)[1]) for s in read.segments))
+            self.metrics.bytes_sent.labels("samehost").inc(sum(segment_nbytes(reg.tensors[s.group_id].spec, s, read.heads_of(s)[1]) for s in read.segments))
         if grant.pin is not None:
-            self.d.metrics.pinned_ranks.set(self.publications.pinned)
+            self.metrics.pinned_ranks.set(self.publications.pinned)
         return OpenRead(self, reg, grant)
 
 
@@ -276,7 +280,7 @@ class OpenRead:
         self.publisher, self.reg, self.grant = publisher, reg, grant
         self.read = grant.read
         self.pin: object | None = grant.pin  # the reader copies our memory itself: the rank is pinned until close()
-        self._metrics = publisher.d.metrics
+        self._metrics = publisher.metrics
         tensors = reg.tensors
         # A streaming publication: per segment, the layer watermark it needs.
         self._needs = publisher.owner.layer_needs(self.read, tensors) if grant.publication.stream else None
@@ -289,7 +293,7 @@ class OpenRead:
             return
         need = max(self._needs) if index is None else self._needs[index]
         p = self.publisher
-        wait_s = p.d.config.layer_wait_seconds
+        wait_s = p.config.layer_wait_seconds
         t0 = last_progress = time.monotonic()
         last = -1
         with p.lock:
@@ -364,7 +368,7 @@ class OpenRead:
     def acknowledged(self) -> None:
         """The reader's ACK (on the event loop): every byte landed."""
         self.close()
-        mine = self.publisher.d.engine_meta()
+        mine = self.publisher.registry.engine_meta()
         with self.publisher.lock:
             ended = self.publisher.owner.acknowledged(self.grant, mine)
         self.publisher.report(ended)

@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -34,13 +33,15 @@ from kvd.core.spec import LAYER_STREAM, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.daemon.active_pull import ActivePull, Failure, failure_reason
+from kvd.daemon.config import DaemonConfig
+from kvd.daemon.finished_sets import FinishedSets
+from kvd.daemon.metrics import ActiveClock, Metrics
+from kvd.daemon.outbound import PeerChannels, Tasks
+from kvd.daemon.peers import Handshakes, Peer
+from kvd.daemon.registration import Registration
+from kvd.daemon.registry import Registry
 from kvd.proto import kvd_pb2 as pb
-from kvd.proto import kvd_pb2_grpc as pbg
-
-if TYPE_CHECKING:
-    from kvd.daemon.daemon import Daemon
-    from kvd.daemon.peers import Peer
-    from kvd.daemon.registration import Registration
+from kvd.transport.tcp_client import TcpDataClient
 
 log = logging.getLogger("kvd.daemon")
 
@@ -48,9 +49,18 @@ PLAN_IN_THREAD_BLOCKS = 2048  # about 1 ms of planning
 
 
 class Puller:
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-        config = daemon.config
+    def __init__(self, config: DaemonConfig, registry: Registry, finished: FinishedSets, handshakes: Handshakes,
+                 data_client: TcpDataClient, channels: PeerChannels, tasks: Tasks, metrics: Metrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.finished = finished
+        self.handshakes = handshakes
+        self.data_client = data_client
+        self.channels = channels
+        self.tasks = tasks
+        self.metrics = metrics
+        self.active_clock = ActiveClock(metrics.active_seconds)
+        self.draining = False  # set by the daemon: nothing new is pulled
         self.pulls: dict[tuple[RankKey, str], ActivePull] = {}
         self.recent_failures: collections.deque[Failure] = collections.deque(maxlen=32)
         self.retry = RetryPolicy(retries=config.pull_retries)
@@ -64,15 +74,14 @@ class Puller:
     # ------------------------------------------------------------ gRPC
 
     def pull(self, req: pb.PullRequest, token: bytes | None = None) -> pb.PullResponse:
-        d = self.d
-        reg = d.registered(worker_from_pb(req.worker), token)
-        if d.draining:
+        reg = self.registry.registered(worker_from_pb(req.worker), token)
+        if self.draining:
             raise Unavailable("daemon is draining")
         p = req.params
         check_request_id("request_id", req.request_id)
         check_request_id("params.request_id", p.request_id)
         check_engine_id("params.remote_engine_id", p.remote_engine_id)
-        if p.remote_engine_id == d.config.engine_id:
+        if p.remote_engine_id == self.config.engine_id:
             raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "is this daemon's own engine")
         if not p.remote_address or ":" not in p.remote_address:
             raise InvalidArgument("params.remote_address", p.remote_address, "must be host:port")
@@ -104,10 +113,10 @@ class Puller:
         active = self.pulls.get((rank, req.request_id))
         if active is not None and active.task is not None:
             active.cancel(f"aborted by {worker_from_pb(req.worker)}", "aborted")
-            self.d.spawn(self._abort_remote(active.params, f"reader {self.d.config.engine_id} aborted"))
+            self.tasks.spawn(self._abort_remote(active.params, f"reader {self.config.engine_id} aborted"))
             found = True
         if req.HasField("release") and req.release.remote_address:
-            self.d.spawn(self._abort_remote(req.release, f"reader {self.d.config.engine_id} does not need it"))
+            self.tasks.spawn(self._abort_remote(req.release, f"reader {self.config.engine_id} does not need it"))
             found = True
         return found
 
@@ -120,28 +129,28 @@ class Puller:
     # ------------------------------------------------------------ one pull
 
     async def _run(self, reg: Registration, active: ActivePull) -> None:
-        d, req = self.d, active.request
+        req = active.request
         rank = (reg.worker.tp_rank, reg.worker.pp_rank)
         local_ids = [list(b.ids) for b in req.local_block_ids]
         progress = active.progress
         t0 = time.perf_counter()
-        d.metrics.pulls_in_flight.inc()
-        phase = d.metrics.pull_phase_seconds
+        self.metrics.pulls_in_flight.inc()
+        phase = self.metrics.pull_phase_seconds
         try:
             async with self._slots:
                 t0 = time.perf_counter()
                 phase.labels("queued").observe(t0 - active.accepted)
                 # asyncio.timeout, not wait_for: on 3.11 wait_for runs the pull as a task
                 # of its own, a turn of the loop before its first step.
-                async with asyncio.timeout(d.config.pull_timeout_seconds):
+                async with asyncio.timeout(self.config.pull_timeout_seconds):
                     total = await self._with_retries(reg, req, rank, local_ids, progress)
             landed_at = time.perf_counter()
             landed = self._replica_future(req.params, rank)
             if not landed.done():
                 landed.set_result([np.asarray(b.ids, dtype=np.int64) for b in req.local_block_ids])  # from protobuf: no Python ints
-            d.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
+            self.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
             self._count_window_savings(reg, req)
-            d.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
+            self.finished.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
             phase.labels("report").observe(time.perf_counter() - landed_at)
         except BaseException as e:
             reason, message = failure_reason(e)
@@ -150,7 +159,7 @@ class Puller:
                 outcome, message = active.cancel_outcome, active.cancel_reason
                 reason = "aborted" if outcome == "aborted" else "lease_lost"
             if reason == "timeout":
-                message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={d.config.pull_timeout_seconds:g})"
+                message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={self.config.pull_timeout_seconds:g})"
             # Which peer, where it stopped and what landed: the one line an operator needs.
             p = req.params
             message = f"{message} [engine {p.remote_engine_id!r} at {p.remote_address}, {progress.where()}]"
@@ -160,19 +169,19 @@ class Puller:
             if not fut.done():
                 fut.set_exception(FailedPrecondition(message))
                 fut.exception()  # nobody may be waiting; don't warn about it
-            d.metrics.failures.labels(reason).inc()
-            d.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
+            self.metrics.failures.labels(reason).inc()
+            self.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
             self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
-            d.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
+            self.finished.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
             if outcome == "failed" and reason != "lease_lost":
                 # The engine recomputes what it could not load: P need not hold
                 # the blocks to its lease. (An abort has told P already.)
-                d.spawn(self._abort_remote(req.params, f"reader {d.config.engine_id} failed to load it: {message}"))
+                self.tasks.spawn(self._abort_remote(req.params, f"reader {self.config.engine_id} failed to load it: {message}"))
             log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
-            d.metrics.pulls_in_flight.dec()
+            self.metrics.pulls_in_flight.dec()
 
     async def _with_retries(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
                             progress: PullProgress) -> int:
@@ -183,9 +192,9 @@ class Puller:
             except (ConnectionError, OSError, Unavailable) as e:
                 # Transient: the peer may have restarted. Forget what we knew
                 # (handshake, pooled connections) and try again, boundedly.
-                stale = self.d.handshakes.drop_peer(req.params.remote_engine_id)
+                stale = self.handshakes.drop_peer(req.params.remote_engine_id)
                 if stale is not None:
-                    await self.d.data_client.forget(stale.meta.data_address)
+                    await self.data_client.forget(stale.meta.data_address)
                 delay = self.retry.delay(attempt, transient=True)
                 if delay is None:
                     raise
@@ -199,18 +208,17 @@ class Puller:
         firsts = [b.first_token for b in req.local_block_ids]
         for g, first in zip(reg.groups, firsts, strict=True):
             if g.kind.name in WINDOWED:
-                self.d.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, req.params.num_tokens, first, min(firsts)))
+                self.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, req.params.num_tokens, first, min(firsts)))
 
     async def _attempt(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
                        progress: PullProgress) -> int:
-        d = self.d
-        local_meta = d.engine_meta()
+        local_meta = self.registry.engine_meta()
         present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
         source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
         if source is not None:
             progress.phase = "copy"
             return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
-        phase = d.metrics.pull_phase_seconds
+        phase = self.metrics.pull_phase_seconds
         if not req.params.generation:
             progress.phase = "resolve"
             t = time.perf_counter()
@@ -218,7 +226,7 @@ class Puller:
             phase.labels("resolve").observe(time.perf_counter() - t)
         progress.phase = "handshake"
         t = time.perf_counter()
-        peer = await d.handshakes.peer_for(req.params)
+        peer = await self.handshakes.peer_for(req.params)
         phase.labels("handshake").observe(time.perf_counter() - t)
         progress.phase = "plan"
         t = time.perf_counter()
@@ -236,7 +244,7 @@ class Puller:
             plan = functools.partial(
                 plan_pull, local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                 local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
-                local_block_ids=local_ids, segment_bytes=_segment_bytes(d, reg, peer),
+                local_block_ids=local_ids, segment_bytes=_segment_bytes(self.config, self.data_client, reg, peer),
                 local_first_tokens=[b.first_token for b in req.local_block_ids],
             )
             try:
@@ -249,19 +257,19 @@ class Puller:
                 if fresh or "not registered" not in e.message:
                     raise
                 # Our view of the remote engine predates a rank it registered since: look again.
-                d.handshakes.drop_peer(req.params.remote_engine_id)
-                peer = await d.handshakes.peer_for(req.params)
+                self.handshakes.drop_peer(req.params.remote_engine_id)
+                peer = await self.handshakes.peer_for(req.params)
         phase.labels("plan").observe(time.perf_counter() - t)
         progress.phase = "data"
         t = time.perf_counter()
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
         self._replica_future(req.params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
-        d.metrics.bytes_in_flight.inc(planned)
+        self.metrics.bytes_in_flight.inc(planned)
         sources = [peer.local_sources.get(rr.read.rank) for rr in progress.reads]
-        d.active_clock.start()
+        self.active_clock.start()
         try:
-            tasks = {i: asyncio.ensure_future(d.data_client.read(peer.meta.data_address, progress.reads[i].read, progress.reads[i].sinks,
+            tasks = {i: asyncio.ensure_future(self.data_client.read(peer.meta.data_address, progress.reads[i].read, progress.reads[i].sinks,
                                                                  progress.landed[i], sources[i]))
                      for i in todo}
             try:
@@ -281,15 +289,15 @@ class Puller:
                 raise failed[0]  # type: ignore[misc]
             phase.labels("transfer").observe(time.perf_counter() - t)
         finally:
-            d.active_clock.stop()
-            d.metrics.bytes_in_flight.dec(planned)
+            self.active_clock.stop()
+            self.metrics.bytes_in_flight.dec(planned)
         return progress.moved
 
     def _count_landed(self, progress: PullProgress, newly: list[int], sources: Sequence[object]) -> None:
-        m = self.d.metrics
+        m = self.metrics
         blocks: dict[str, list[np.ndarray]] = {}
         for i in newly:
-            transport = "samehost" if sources[i] is not None else self.d.config.transport
+            transport = "samehost" if sources[i] is not None else self.config.transport
             m.data_reads.labels(transport).inc()
             m.bytes_received.labels(transport).inc(progress.reads[i].nbytes)
             blocks.setdefault(transport, []).extend(np.asarray(s.local_block_ids) for s in progress.reads[i].sinks)
@@ -302,13 +310,12 @@ class Puller:
 
     async def _resolve(self, params: pb.TransferParams) -> None:
         """Fill in the generation (and epoch) of params made before P published."""
-        d = self.d
-        wait = d.config.publish_wait_seconds
+        wait = self.config.publish_wait_seconds
         t0 = time.monotonic()
         try:
-            resp = await pbg.PeerStub(d.channel(params.remote_address)).Resolve(
+            resp = await self.channels.peer(params.remote_address).Resolve(
                 pb.ResolveRequest(engine_id=params.remote_engine_id, request_id=params.request_id, capability=params.capability, wait_seconds=wait),
-                timeout=wait + 10, metadata=d.auth.call_metadata())
+                timeout=wait + 10, metadata=self.channels.metadata())
         except grpc.aio.AioRpcError as e:
             raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address} "
                                    f"(after {time.monotonic() - t0:.1f}s): {e.details()}") from None
@@ -337,7 +344,7 @@ class Puller:
         if fut is None:
             fut = self._replica_done[key] = asyncio.get_running_loop().create_future()
             # Forget it once no replica can still need it.
-            asyncio.get_running_loop().call_later(self.d.config.pull_timeout_seconds * 2, self._replica_done.pop, key, None)
+            asyncio.get_running_loop().call_later(self.config.pull_timeout_seconds * 2, self._replica_done.pop, key, None)
         return fut
 
     async def _copy_from_replica(self, reg: Registration, req: pb.PullRequest, source: RankKey, local_ids: list[list[int]]) -> int:
@@ -345,10 +352,10 @@ class Puller:
         reading the same remote bytes again."""
         fut = self._replica_future(req.params, source)
         try:
-            src_ids = [ids.tolist() for ids in await asyncio.wait_for(asyncio.shield(fut), self.d.config.pull_timeout_seconds)]
+            src_ids = [ids.tolist() for ids in await asyncio.wait_for(asyncio.shield(fut), self.config.pull_timeout_seconds)]
         except KvdError as e:
             raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} failed to pull request_id={req.request_id!r}: {e.message}") from None
-        src_reg = self.d.registrations.get(source)
+        src_reg = self.registry.get(source)
         if src_reg is None:
             raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} is no longer registered")
         work = asyncio.get_running_loop().run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, req.params.num_tokens)
@@ -363,11 +370,10 @@ class Puller:
 
     async def _abort_remote(self, params: pb.TransferParams, reason: str) -> None:
         """Best effort: let P release the lease now rather than at expiry."""
-        d = self.d
         try:
-            await pbg.PeerStub(d.channel(params.remote_address)).Abort(
+            await self.channels.peer(params.remote_address).Abort(
                 pb.PeerAbortRequest(engine_id=params.remote_engine_id, request_id=params.request_id, generation=params.generation,
-                                    capability=params.capability, reason=reason), timeout=5, metadata=d.auth.call_metadata())
+                                    capability=params.capability, reason=reason), timeout=5, metadata=self.channels.metadata())
         except grpc.aio.AioRpcError as e:
             log.info("peer abort of request_id=%s not delivered: %s", params.request_id, e.code().name)
 
@@ -384,14 +390,13 @@ class Puller:
                     # One call per owner engine: a daemon refuses leases it is not the engine of.
                     due.setdefault((p.params.remote_address, p.params.remote_engine_id), []).append(p)
             for (address, _engine), pulls in due.items():
-                self.d.spawn(self._renew(address, pulls))
+                self.tasks.spawn(self._renew(address, pulls))
 
     async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
-        d = self.d
-        req = pb.RenewLeasesRequest(engine_id=pulls[0].params.remote_engine_id, reader_engine_id=d.config.engine_id,
+        req = pb.RenewLeasesRequest(engine_id=pulls[0].params.remote_engine_id, reader_engine_id=self.config.engine_id,
                                     leases=[pb.LeaseRef(request_id=p.params.request_id, generation=p.params.generation, capability=p.params.capability) for p in pulls])
         try:
-            resp = await pbg.PeerStub(d.channel(address)).RenewLeases(req, timeout=5, metadata=d.auth.call_metadata())
+            resp = await self.channels.peer(address).RenewLeases(req, timeout=5, metadata=self.channels.metadata())
         except grpc.aio.AioRpcError as e:
             log.info("lease heartbeat to %s failed: %s", address, e.code().name)
             return  # the pull itself will find out
@@ -419,18 +424,18 @@ LOCAL_DEVICE_SEGMENT_BYTES = 64 << 20  # copied by one kernel where in wire orde
 DEVICE_TCP_SEGMENT_BYTES = 16 << 20
 
 
-def _segment_bytes(d: Daemon, reg: Registration, peer: Peer) -> int:
+def _segment_bytes(config: DaemonConfig, data_client: TcpDataClient, reg: Registration, peer: Peer) -> int:
     """Bigger segments where every remote rank is mapped here and our memory
     is on a GPU, or where a TCP read lands in place (``IN_PLACE_SEGMENT_BYTES``)."""
-    configured = d.config.segment_bytes
+    configured = config.segment_bytes
     on_gpu = all(t.device.type == "cuda" for t in reg.tensors)
     every_rank_local = len(peer.local_sources) == len(peer.meta.ranks)
     if on_gpu and every_rank_local and peer.local_sources:
         return max(configured, LOCAL_DEVICE_SEGMENT_BYTES)
     # Over TLS every frame is received into staging; on a GPU, too.
-    plain_tcp = d.config.transport == "tcp" and d.data_client.tls is None
+    plain_tcp = config.transport == "tcp" and data_client.tls is None
     if plain_tcp and on_gpu and not peer.local_sources:
         return max(configured, DEVICE_TCP_SEGMENT_BYTES)
     if plain_tcp and all(t.device.type == "cpu" for t in reg.tensors) and in_wire_order(reg.groups, peer.meta):
-        return max(configured, d.config.in_place_segment_bytes)
+        return max(configured, config.in_place_segment_bytes)
     return configured

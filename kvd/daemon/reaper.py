@@ -6,16 +6,21 @@ that restarts engines a few times fills /dev/shm, and then every engine on it
 fails at start. ``kvd.caches`` names each region it makes for its creator
 (pid and pid namespace, ``shm.OWNED_NAME``), so a daemon in the same pid
 namespace can tell. ``Reaper`` checks, once a second, the creators of every
-registered worker's regions: a registration whose creators are all gone ends
-as an unregister would (its pulls and publications end, with the reason),
-and its regions are unlinked once the daemon has unmapped them. At start,
-``remove_orphans`` removes regions whose creator is gone.
+registered worker's regions. A registration whose creators are all gone is
+retired: its pulls end and it accepts nothing new, but what it already
+published is still served (the daemon holds the mapping, and nobody writes
+the memory any more), so a decode on its way loses nothing. Once nothing
+holds it, or after ``GONE_GRACE_SECONDS``, it ends as an unregister would
+(what is still published ends, naming the reason), and its regions are
+unlinked once the daemon has unmapped them: /dev/shm is freed within
+seconds. At start, ``remove_orphans`` removes regions whose creator is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from kvd.regions import shm
@@ -23,6 +28,7 @@ from kvd.regions import shm
 log = logging.getLogger("kvd.daemon")
 
 CHECK_SECONDS = 1.0
+GONE_GRACE_SECONDS = 5.0  # a dead worker's publications stay readable this long, at most
 
 
 def remove_orphans() -> list[str]:
@@ -39,26 +45,32 @@ def creators(names: list[str], namespace: str) -> set[int]:
 
 
 class Reaper:
-    """Ends registrations whose worker is gone (``end(rank, reason)``)."""
+    """Retires registrations whose worker is gone (``retire(rank, reason,
+    now)``), and ends them once released (``release(now)``)."""
 
-    def __init__(self, registered_names: Callable[[], Mapping[tuple[int, int], list[str]]], end: Callable[[tuple[int, int], str], None]) -> None:
-        self.registered_names = registered_names  # rank -> the shm names of its regions
-        self.end = end
+    def __init__(self, registered_names: Callable[[], Mapping[tuple[int, int], list[str]]],
+                 retire: Callable[[tuple[int, int], str, float], None], release: Callable[[float], None]) -> None:
+        self.registered_names = registered_names  # live rank -> the shm names of its regions
+        self.retire = retire
+        self.release = release
         self.namespace = shm.pid_namespace()
 
-    def check(self) -> list[tuple[int, int]]:
-        """End each registration whose regions' creators have all exited; the ranks ended."""
-        ended = []
+    def check(self, now: float) -> list[tuple[int, int]]:
+        """Retire each registration whose regions' creators have all exited; the ranks retired."""
+        retired = []
         for rank, names in list(self.registered_names().items()):
             pids = creators(names, self.namespace)
             if pids and not any(shm.pid_alive(p) for p in pids):
                 reason = f"worker gone: pid {', '.join(map(str, sorted(pids)))} exited without unregistering"
-                log.warning("ending registration of rank tp%d/pp%d: %s", rank[0], rank[1], reason)
-                self.end(rank, reason)
-                ended.append(rank)
-        return ended
+                log.warning("retiring registration of rank tp%d/pp%d: %s; what it published is served for up to %gs",
+                            rank[0], rank[1], reason, GONE_GRACE_SECONDS)
+                self.retire(rank, reason, now)
+                retired.append(rank)
+        return retired
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(CHECK_SECONDS)
-            self.check()
+            now = time.monotonic()
+            self.check(now)
+            self.release(now)

@@ -34,6 +34,10 @@ class Registration:
     pushed: PushLog = field(default_factory=PushLog)  # what WatchFinished sent this registration
     # Positions of groups overlaid on the same memory: no block id may be given to two of them.
     sharing: tuple[tuple[int, int], ...] = ()
+    # Why its worker is gone (exited without unregistering), and since when (monotonic):
+    # what it published is still served for a grace, nothing new is accepted.
+    gone: str = ""
+    gone_at: float = 0.0
 
     @property
     def nbytes(self) -> int:

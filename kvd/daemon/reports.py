@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -28,11 +27,10 @@ from kvd.convert import worker_to_pb
 from kvd.core.aggregate import Outcome, ReportLedger, WorkerFinished
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import RankKey
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.outbound import PeerChannels
+from kvd.daemon.registry import Registry
 from kvd.proto import kvd_pb2 as pb
-from kvd.proto import kvd_pb2_grpc as pbg
-
-if TYPE_CHECKING:
-    from kvd.daemon.daemon import Daemon
 
 log = logging.getLogger("kvd.daemon")
 
@@ -52,8 +50,11 @@ class Report:
 
 
 class AggregatorReports:
-    def __init__(self, d: Daemon) -> None:
-        self.d = d
+    def __init__(self, aggregator_address: str, registry: Registry, metrics: Metrics, channels: PeerChannels) -> None:
+        self.aggregator_address = aggregator_address
+        self._registry = registry
+        self._metrics = metrics
+        self._channels = channels
         # Outcomes not yet reported: one box a rank, bounded like every other
         # box while the aggregator is unreachable, sent up to REPORT_BATCH at once.
         self.queued: dict[RankKey, WorkerFinished] = {}
@@ -70,7 +71,7 @@ class AggregatorReports:
         box = self.queued.setdefault(rank, WorkerFinished())
         box.add(outcome, invalid)
         if dropped := box.bound():
-            self.d.metrics.unread_dropped.labels("aggregator").inc(dropped)
+            self._metrics.unread_dropped.labels("aggregator").inc(dropped)
         self._wake.set()
 
     async def run(self) -> None:
@@ -83,22 +84,22 @@ class AggregatorReports:
             while self.pending:
                 report = self.in_flight = self.in_flight or self._next()
                 try:
-                    await pbg.PeerStub(self.d.channel(self.d.config.aggregator_address)).ReportFinished(
-                        self._request(report), timeout=5, metadata=self.d.auth.call_metadata())
+                    await self._channels.peer(self.aggregator_address).ReportFinished(
+                        self._request(report), timeout=5, metadata=self._channels.metadata())
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in REFUSED:
                         # Unreachable, or no answer in time (it may have applied
                         # it): the same report again, under the same number.
                         left = len(report.batch.outcomes()) + sum(len(b.sending) + len(b.recving) for b in self.queued.values())
-                        log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.d.config.aggregator_address, e.code().name, left)
+                        log.warning("aggregator %s unreachable (%s); %d outcomes queued", self.aggregator_address, e.code().name, left)
                         await asyncio.sleep(RETRY_SECONDS)
                         continue
                     # Retrying cannot help: counted, and logged, not retried forever.
                     lost = len(report.batch.outcomes())
-                    self.d.metrics.unread_dropped.labels("aggregator").inc(lost)
-                    log.error("aggregator %s refused %d outcomes (%s): %s", self.d.config.aggregator_address, lost, e.code().name, e.details())
+                    self._metrics.unread_dropped.labels("aggregator").inc(lost)
+                    log.error("aggregator %s refused %d outcomes (%s): %s", self.aggregator_address, lost, e.code().name, e.details())
                 except Exception as e:  # not gRPC's (a channel that cannot be made): the sender must not die of it
-                    log.warning("report to aggregator %s failed (%s); retrying", self.d.config.aggregator_address, e)
+                    log.warning("report to aggregator %s failed (%s); retrying", self.aggregator_address, e)
                     await asyncio.sleep(RETRY_SECONDS)
                     continue
                 self.in_flight = None
@@ -113,31 +114,32 @@ class AggregatorReports:
         return Report(rank, batch, self._seq)
 
     def _request(self, report: Report) -> pb.ReportFinishedRequest:
-        d = self.d
-        reg = d.registrations.get(report.rank)
-        wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=d.config.engine_id, tp_rank=report.rank[0], pp_rank=report.rank[1])
+        r = self._registry
+        reg = r.get(report.rank)
+        wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=r.engine_id, tp_rank=report.rank[0], pp_rank=report.rank[1])
         return pb.ReportFinishedRequest(
-            engine_id=d.config.engine_id, worker=wid, invalid_block_ids=sorted(report.batch.invalid_block_ids),
+            engine_id=r.engine_id, worker=wid, invalid_block_ids=sorted(report.batch.invalid_block_ids),
             details=[pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
                      for o in report.batch.outcomes()],
-            sender_epoch=d.epoch, seq=report.seq,
+            sender_epoch=r.epoch, seq=report.seq,
         )
 
-    def receive(self, req: pb.ReportFinishedRequest) -> bool:
-        """Another rank's daemon reports to us, the engine's aggregator.
-        False for a report applied before (sent again after a lost answer)."""
-        d = self.d
-        if req.engine_id != d.config.engine_id:
-            raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {d.config.engine_id!r}")
+    def receive(self, req: pb.ReportFinishedRequest, deliver: Callable[[WorkerFinished], None]) -> bool:
+        """Another rank's daemon reports to us, the engine's aggregator: its
+        outcomes go to ``deliver``. False for a report applied before (sent
+        again after a lost answer)."""
+        engine_id = self._registry.engine_id
+        if req.engine_id != engine_id:
+            raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {engine_id!r}")
         if len(req.sender_epoch) > MAX_SENDER_EPOCH:
             raise InvalidArgument("sender_epoch", req.sender_epoch, f"is longer than {MAX_SENDER_EPOCH} characters")
         if self.ledger.applied(req.sender_epoch, req.seq):
-            d.metrics.repeated_reports.inc()
+            self._metrics.repeated_reports.inc()
             log.info("report %d from daemon epoch %s applied before: not counted again", req.seq, req.sender_epoch[:8])
             return False
         out = WorkerFinished(invalid_block_ids=set(req.invalid_block_ids))
         for detail in req.details:  # one or many outcomes of that worker: a batch queued while we were unreachable
             out.add(Outcome(detail.request_id, detail.direction, detail.outcome, detail.reason, detail.bytes))
-        d.report_to_hub(out)
+        deliver(out)
         self.ledger.record(req.sender_epoch, req.seq)
         return True

@@ -116,11 +116,11 @@ class WorkerService(pbg.WorkerServicer):
     @rpc
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         self._local(context)
-        return await self.d.register(request)
+        return await self.d.registry.register(request)
 
     @rpc
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
-        self.d.unregister(worker_from_pb(request.worker), self._local(context))
+        self.d.registry.unregister(worker_from_pb(request.worker), self._local(context))
         return pb.UnregisterResponse()
 
     @rpc
@@ -145,7 +145,9 @@ class WorkerService(pbg.WorkerServicer):
 
     @rpc
     def GetFinished(self, request: pb.GetFinishedRequest, context: Any) -> pb.GetFinishedResponse:
-        return finished_to_pb(self.d.get_finished(worker_from_pb(request.worker), self._local(context)))
+        worker = worker_from_pb(request.worker)
+        self.d.registry.registered(worker, self._local(context))
+        return finished_to_pb(self.d.finished.box((worker.tp_rank, worker.pp_rank)).drain())
 
     async def WatchFinished(self, request: pb.GetFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
         """GetFinished pushed: the worker's engine step reads what arrived
@@ -156,11 +158,11 @@ class WorkerService(pbg.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             worker = worker_from_pb(request.worker)
-            reg = self.d.registered(worker, self._local(context))
+            reg = self.d.registry.registered(worker, self._local(context))
         except KvdError as e:
             await context.abort(grpc_code(e), e.message)
         key = (worker.tp_rank, worker.pp_rank)
-        box, log = self.d.finished[key], reg.pushed
+        box, log = self.d.finished.box(key), reg.pushed
         me = log.claim()
         box.wake()  # an older stream of this worker stops: it may be broken and not know it yet
         missed = log.since(request.resume_after) if request.HasField("resume_after") else []
@@ -174,7 +176,7 @@ class WorkerService(pbg.WorkerServicer):
         try:
             first = True
             # Another registration of this rank (or none), or a newer stream, owns the box from then on.
-            while self.d.registrations.get(key) is reg and log.owner == me:
+            while self.d.registry.get(key) is reg and log.owner == me:
                 wake.clear()  # before draining: an outcome added after the drain sets it again
                 out = box.drain()
                 if first or not out.empty:
@@ -190,21 +192,21 @@ class WorkerService(pbg.WorkerServicer):
 
     @rpc
     def GetEngineFinished(self, request: pb.EngineFinishedRequest, context: Any) -> pb.GetFinishedResponse:
-        self.d.check_engine_token(request.engine_id, self._local(context))
-        return finished_to_pb(self.d.engine_finished(request.engine_id))
+        self.d.registry.check_engine_token(request.engine_id, self._local(context))
+        return finished_to_pb(self.d.finished.engine_hub.drain())
 
     async def WatchEngineFinished(self, request: pb.EngineFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
         """Push the engine's merged sets as requests complete; nobody polls."""
         if isinstance(request, BadRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            self.d.check_engine_token(request.engine_id, self._local(context))
+            self.d.registry.check_engine_token(request.engine_id, self._local(context))
         except KvdError as e:
             await context.abort(grpc_code(e), e.message)
         queue: asyncio.Queue[WorkerFinished] = asyncio.Queue()
-        self.d.engine_hub.subscribers.append(queue.put_nowait)
+        self.d.finished.engine_hub.subscribers.append(queue.put_nowait)
         try:
-            backlog = self.d.engine_hub.drain()
+            backlog = self.d.finished.engine_hub.drain()
             if not backlog.empty:
                 yield finished_to_pb(backlog)
             while True:
@@ -214,12 +216,13 @@ class WorkerService(pbg.WorkerServicer):
                 elif self.d.streams_ending:
                     return
         finally:
-            self.d.engine_hub.subscribers.remove(queue.put_nowait)
+            self.d.finished.engine_hub.subscribers.remove(queue.put_nowait)
 
     @rpc
     def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:
-        self.d.check_engine_token(request.engine_id, self._local(context))
-        return pb.SetExpectedFinishedCountResponse(expected_finished_count=self.d.set_expected_finished_count(request.engine_id, request.expected_finished_count))
+        self.d.registry.check_engine_token(request.engine_id, self._local(context))
+        return pb.SetExpectedFinishedCountResponse(expected_finished_count=self.d.finished.set_expected(
+            request.expected_finished_count, self.d.registry.world))
 
 
 class PeerService(pbg.PeerServicer):
@@ -247,7 +250,7 @@ class PeerService(pbg.PeerServicer):
 
     @rpc
     def ReportFinished(self, request: pb.ReportFinishedRequest, context: Any) -> pb.ReportFinishedResponse:
-        self.d.reports.receive(request)
+        self.d.finished.reports.receive(request, self.d.finished.report_to_hub)
         return pb.ReportFinishedResponse()
 
 
