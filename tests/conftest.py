@@ -7,7 +7,8 @@ import os
 import random
 import secrets
 import socket
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from kvd.testing import pattern
 from kvd.testing.daemons import DaemonProc, start_daemon
 from kvd.testing.metrics import scrape
 
-__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "local_group_tensors_plain", "make_worker", "scheduler_params", "scrape", "transfer"]
+__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "local_group_tensors_plain", "make_worker", "scheduler_params", "scrape", "transfer", "wait_for"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -217,7 +218,16 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def wait_for(cond: Callable[[], bool], within: float, what: str) -> None:
+    """Poll ``cond`` until it holds; fail with ``what`` after ``within`` seconds."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < within, what
+        time.sleep(0.05)
+
+
 # Fixtures made once a session: the previous release's worktree, the tiny
 # model and its one-engine baselines. Imported last: those modules import from here.
 from tests.release_support import previous  # noqa: E402, F401 - a fixture
 from tests.vllm_support import baseline, baseline_f32, model_dir, other_vllm_python, vllm_python  # noqa: E402, F401 - fixtures
+

@@ -16,7 +16,7 @@ import torch
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.transport.nixl import available as nixl_available
-from tests.conftest import REPO, make_worker, scrape
+from tests.conftest import REPO, make_worker, scrape, wait_for
 from tests.faultproxy import prefill_behind_proxy
 
 pytestmark = pytest.mark.faults
@@ -92,9 +92,7 @@ time.sleep(600)
     params = pb.TransferParams.FromString(bytes.fromhex(line.strip()))
     dw = make_worker(d.grpc, "decode")
     # P's daemon has seen the worker gone (within a second): what it published is still served.
-    deadline = time.monotonic() + 10
-    while "retiring registration" not in p.log() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "retiring registration" in p.log(), 10, "P's daemon did not retire the killed worker's registration")
     assert f"pid {proc.pid} exited without unregistering" in p.log()
     dw.client.pull("r", params, [[4, 5, 6]])
     f = dw.client.wait_finished(recving={"r"}, timeout=30)

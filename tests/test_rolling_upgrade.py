@@ -22,7 +22,6 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -30,7 +29,7 @@ import pytest
 import kvd
 from kvd.client import FinishedFeed, daemon_status
 from kvd.errors import DeadlineExceeded, KvdError
-from tests.conftest import DaemonProc, Daemons, TestWorker, free_port, make_worker
+from tests.conftest import DaemonProc, Daemons, TestWorker, free_port, make_worker, wait_for
 from tests.release_support import previous_release
 
 pytestmark = [pytest.mark.upgrade, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -132,13 +131,6 @@ def _load(nodes: dict[str, list[Node]], phase: list[str], tally: Tally, stop: th
         errors.append(e)
 
 
-def _wait_for(cond: Callable[[], bool], within: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < within, what
-        time.sleep(0.1)
-
-
 def test_two_prefill_and_two_decode_daemons_upgraded_one_at_a_time_under_load(tmp_path, previous):
     version, tree = previous
     assert previous_release()[0] == version != kvd.__version__
@@ -167,9 +159,9 @@ def test_two_prefill_and_two_decode_daemons_upgraded_one_at_a_time_under_load(tm
             node.daemon = ds.start(node.daemon.engine_id, grpc_port=node.port)
             assert daemon_status(node.daemon.grpc).version == kvd.__version__
             # Its worker notices on its next request and registers again.
-            _wait_for(lambda n=node, r=rejoins: n.rejoins > r or bool(errors), 90, f"{name}'s worker did not register again")
+            wait_for(lambda n=node, r=rejoins: n.rejoins > r or bool(errors), 90, f"{name}'s worker did not register again")
             phase[0] = f"{name} on {kvd.__version__}"
-            _wait_for(lambda: tally.rows.get(phase[0], {}).get("done", 0) >= 40 or bool(errors), 120,
+            wait_for(lambda: tally.rows.get(phase[0], {}).get("done", 0) >= 40 or bool(errors), 120,
                       f"fewer than 40 requests done in phase {phase[0]}: {tally.rows}")
             assert not errors, errors
         stop.set()

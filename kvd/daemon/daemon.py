@@ -69,7 +69,6 @@ class Daemon:
                                          nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
         self._background: list[asyncio.Task[None]] = []
         self._watchdog: LoopWatchdog | None = None
-        self.draining = False
         self.streams_ending = False  # after the drain: push streams send what is left and end
         self._grpc_address = ""
 
@@ -108,6 +107,11 @@ class Daemon:
         self._watchdog.start()
 
     @property
+    def draining(self) -> bool:
+        """Draining: neither side takes new work (``drain`` tells both)."""
+        return self.puller.draining
+
+    @property
     def data_address(self) -> str:
         if self.config.data_advertise_address:
             return self.config.data_advertise_address
@@ -115,7 +119,7 @@ class Daemon:
 
     async def drain(self) -> None:
         """Stop new work; let in-flight pulls finish within the drain bound, then fail them."""
-        self.draining = self.publisher.draining = self.puller.draining = True
+        self.publisher.draining = self.puller.draining = True
         tasks = [p.task for p in self.puller.pulls.values() if p.task is not None]
         if tasks:
             _done, pending = await asyncio.wait(tasks, timeout=self.config.drain_seconds)

@@ -89,8 +89,7 @@ class Publisher:
         self.registry.check_engine_token(req.engine_id, token)
         self._check_open(req.num_tokens)
         regs = [self.registry.by_rank[k] for k in sorted(self.registry.by_rank)]
-        first = regs[0].worker  # check_engine_token found a registration
-        world = first.tp_size * first.pp_size
+        world = self.registry.world  # check_engine_token found a registration
         if len(regs) != world:
             raise FailedPrecondition(f"only {len(regs)} of the {world} ranks of engine {req.engine_id!r} are registered with this daemon; "
                                      "its workers publish for themselves")

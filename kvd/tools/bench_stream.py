@@ -78,7 +78,6 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
             nblocks = -(-ntok // BLOCK)
             layer_s = us_per_token * ntok / 1e6
             took: dict[str, list[float]] = {"compute": [], "pull": [], "stream": []}
-            pull_after_compute: list[float] = []
             for _ in range(tries):
                 for mode in took:  # in turn: a slow spell of the machine falls on all three
                     n += 1
@@ -95,12 +94,10 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
                     bad = call_workers(sides["decode"], "verify", [[(rid, seed, ids[:nblocks], ntok)]])[0]
                     if bad:
                         raise SystemExit(f"stream bench: {rid} landed wrong bytes: {bad}")
-                    took[mode].append(landed - started)
-                    if mode == "pull":
-                        pull_after_compute.append(landed - computed)
-            # Pulled: after this try's own compute (nothing overlaps it). Streamed: each
-            # try against the compute-only prefill beside it, the median of the tries.
-            pull = statistics.median(pull_after_compute)
+                    # Pulled: after this try's own compute (nothing overlaps it). Streamed: from its start.
+                    took[mode].append(landed - computed if mode == "pull" else landed - started)
+            # Streamed: each try against the compute-only prefill beside it; the median of the tries.
+            pull = statistics.median(took["pull"])
             stream = statistics.median(s - c for s, c in zip(took["stream"], took["compute"], strict=True))
             # A streamed transfer can hide wholly under the compute (within the noise: at most 0).
             row = {"tokens": ntok, "bytes": ntok * per_token, "prefill_ms": 1e3 * statistics.median(took["compute"]), "pull_ms": 1e3 * pull,
