@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvd.convert import region_to_pb, spec_to_pb
+from kvd.core.requests import Region, ShmSource
 from kvd.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
 from kvd.regions.shm import ShmRegion
@@ -152,19 +154,17 @@ def describe(
                     src = export_storage(t)
                     rid = f"cuda-{src.device}-{t.untyped_storage().data_ptr():x}"
                     base = t.untyped_storage().data_ptr()
-                    regions.setdefault(rid, pb.Region(region_id=rid, size_bytes=t.untyped_storage().nbytes(), cuda_ipc=src))
+                    regions.setdefault(rid, region_to_pb(Region(rid, t.untyped_storage().nbytes(), src)))
                 else:
                     region = _region_of(t.data_ptr())
                     if region is None:
                         raise InvalidArgument(f"kv_caches[{name}]", "cpu tensor", "is not in shared memory; use allocate_kv_caches or adopt_into_shm")
                     rid, base = region.name, region.tensor.data_ptr()
-                    regions.setdefault(rid, pb.Region(region_id=rid, size_bytes=region.size, shm=pb.ShmSource(name=region.name)))
+                    regions.setdefault(rid, region_to_pb(Region(rid, region.size, ShmSource(region.name))))
                 layer.tensors.add(
                     region_id=rid, offset_bytes=t.data_ptr() - base, shape=list(t.shape), stride=list(t.stride()),
                     dims=list(tdims), kv_index=(ti if len(tensors) == 2 else -1),
                 )
-        from kvd.convert import spec_to_pb
-
         g.spec.CopyFrom(spec_to_pb(spec))
         out_groups.append(g)
     return Described(list(regions.values()), out_groups)

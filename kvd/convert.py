@@ -1,10 +1,36 @@
-"""Proto messages <-> core dataclasses. The only module that knows both."""
+"""Proto messages <-> core dataclasses. The only module that knows both.
+
+The gRPC edge (the service, the peer client, the worker client, the data
+plane's codec) converts here once; past it nothing knows protobuf."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvd.core.aggregate import Outcome, WorkerFinished
 from kvd.core.errors import InvalidArgument
 from kvd.core.groups import FULL, GroupKind
-from kvd.core.reads import DataRead, DataSegment, Offer
+from kvd.core.reads import DataRead, DataSegment
+from kvd.core.requests import (
+    Blocks,
+    CudaIpcSource,
+    FinishedReport,
+    Introduction,
+    LeaseRef,
+    PeerAbort,
+    PublishOrder,
+    PullOrder,
+    RankMemory,
+    Region,
+    Registered,
+    Registering,
+    Resolution,
+    ShmSource,
+    TransferParams,
+)
+from kvd.core.session import Descriptors
 from kvd.core.spec import (
     EngineLayout,
     EngineMeta,
@@ -121,22 +147,24 @@ def model_from_pb(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.num_layers, m.total_num_kv_heads)  # 0 heads: state parts only, checked against the groups
 
 
-def engine_to_pb(meta: EngineMeta, fingerprint: str, regions: dict[tuple[int, int], tuple[list[pb.Region], int]] | None = None) -> pb.EngineInfo:
-    """``regions`` (same-host peers only) adds each rank's memory, tensor
-    views and the registration they belong to."""
+def engine_to_pb(intro: Introduction) -> pb.EngineInfo:
+    """An introduction's ``memory`` (same-host peers only) adds each rank's
+    regions, tensor views and the registration they belong to."""
+    meta = intro.meta
     return pb.EngineInfo(
         engine_id=meta.engine_id, epoch=meta.epoch, host_id=meta.host_id, data_address=meta.data_address,
         tp_size=meta.tp_size, pp_size=meta.pp_size,
         model=pb.ModelInfo(num_layers=meta.model.num_layers, total_num_kv_heads=meta.model.total_num_kv_heads),
-        ranks=[_rank_to_pb(r, regions) for r in meta.ranks],
-        fingerprint=fingerprint, features=list(meta.features), kvd_version=meta.kvd_version, wire_version=meta.wire_version,
+        ranks=[_rank_to_pb(r, {(m.tp_rank, m.pp_rank): m for m in intro.memory} if intro.memory else None) for r in meta.ranks],
+        fingerprint=intro.fingerprint, features=list(meta.features), kvd_version=meta.kvd_version, wire_version=meta.wire_version,
     )
 
 
-def _rank_to_pb(r: EngineLayout, regions: dict[tuple[int, int], tuple[list[pb.Region], int]] | None) -> pb.RankInfo:
-    mapped, registration = (regions or {}).get((r.tp_rank, r.pp_rank), ([], 0))
-    return pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=regions is not None) for g in r.groups],
-                       regions=mapped, registration=registration)
+def _rank_to_pb(r: EngineLayout, memory: dict[tuple[int, int], RankMemory] | None) -> pb.RankInfo:
+    m = (memory or {}).get((r.tp_rank, r.pp_rank))
+    groups = m.groups if m is not None else r.groups
+    return pb.RankInfo(tp_rank=r.tp_rank, pp_rank=r.pp_rank, groups=[group_to_pb(g, with_tensors=memory is not None) for g in groups],
+                       regions=[region_to_pb(x) for x in m.regions] if m is not None else [], registration=m.registration if m is not None else 0)
 
 
 def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
@@ -157,9 +185,6 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
     )
 
 
-def offer_from_pb(p: pb.TransferParams) -> Offer:
-    return Offer(p.request_id, p.generation, p.capability, tuple(tuple(b.ids) for b in p.block_ids), p.num_tokens,
-                 tuple(int(b.first_token) for b in p.block_ids), p.stream)
 
 
 def segment_to_pb(s: DataSegment) -> pb.DataSegment:
@@ -187,3 +212,168 @@ def read_from_pb(r: pb.DataRead) -> DataRead:
         reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank, nixl_metadata_version=r.nixl_metadata_version,
         stripe=r.stripe, stripes=r.stripes, stream=r.stream, mapped_registration=r.mapped_registration,
     )
+
+
+def introduction_from_pb(e: pb.EngineInfo, data_token: bytes = b"") -> Introduction:
+    """A peer's EngineInfo, with the memory of each rank that came with regions (same host)."""
+    memory = tuple(
+        RankMemory(r.tp_rank, r.pp_rank, tuple(region_from_pb(x) for x in r.regions),
+                   tuple(group_from_pb(g, i) for i, g in enumerate(r.groups)), r.registration)
+        for r in e.ranks if r.regions
+    )
+    return Introduction(engine_from_pb(e), e.fingerprint, memory, data_token)
+
+
+# ---------------------------------------------------------------- memory
+
+def region_from_pb(r: pb.Region) -> Region:
+    kind = r.WhichOneof("source")
+    source: ShmSource | CudaIpcSource | None = None
+    if kind == "shm":
+        source = ShmSource(r.shm.name)
+    elif kind == "cuda_ipc":
+        c = r.cuda_ipc
+        source = CudaIpcSource(c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes, c.ref_counter_handle,
+                               c.ref_counter_offset, c.event_handle, c.event_sync_required)
+    return Region(r.region_id, r.size_bytes, source)
+
+
+def region_to_pb(r: Region) -> pb.Region:
+    if isinstance(r.source, ShmSource):
+        return pb.Region(region_id=r.region_id, size_bytes=r.size_bytes, shm=pb.ShmSource(name=r.source.name))
+    if isinstance(r.source, CudaIpcSource):
+        c = r.source
+        return pb.Region(region_id=r.region_id, size_bytes=r.size_bytes, cuda_ipc=pb.CudaIpcSource(
+            device=c.device, handle=c.handle, storage_size_bytes=c.storage_size_bytes, storage_offset_bytes=c.storage_offset_bytes,
+            ref_counter_handle=c.ref_counter_handle, ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required))
+    return pb.Region(region_id=r.region_id, size_bytes=r.size_bytes)
+
+
+def registering_from_pb(req: pb.RegisterRequest) -> Registering:
+    return Registering(worker_from_pb(req.worker), model_from_pb(req.model), tuple(region_from_pb(r) for r in req.regions),
+                       tuple(group_from_pb(g, i) for i, g in enumerate(req.groups)), req.worker_token)
+
+
+def registered_to_pb(r: Registered) -> pb.RegisterResponse:
+    return pb.RegisterResponse(registration_generation=r.generation, registered_bytes=r.nbytes, daemon_epoch=r.daemon_epoch,
+                               worker_token=r.worker_token)
+
+
+# ---------------------------------------------------------------- requests
+
+def blocks_from_pb(blocks: Iterable[pb.BlockIds]) -> tuple[Blocks, ...]:
+    return tuple(Blocks(tuple(b.ids), b.first_token) for b in blocks)
+
+
+def blocks_to_pb(blocks: Iterable[Blocks]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(ids=b.ids, first_token=b.first_token) for b in blocks]
+
+
+def params_from_pb(p: pb.TransferParams) -> TransferParams:
+    return TransferParams(
+        remote_engine_id=p.remote_engine_id, remote_address=p.remote_address, request_id=p.request_id, capability=p.capability,
+        block_ids=blocks_from_pb(p.block_ids), num_tokens=p.num_tokens, remote_epoch=p.remote_epoch, generation=p.generation,
+        remote_tp_size=p.remote_tp_size, remote_pp_size=p.remote_pp_size, lease_seconds=p.lease_seconds, stream=p.stream,
+    )
+
+
+def params_to_pb(p: TransferParams) -> pb.TransferParams:
+    return pb.TransferParams(
+        remote_engine_id=p.remote_engine_id, remote_address=p.remote_address, remote_epoch=p.remote_epoch, request_id=p.request_id,
+        generation=p.generation, capability=p.capability, block_ids=blocks_to_pb(p.block_ids), num_tokens=p.num_tokens,
+        remote_tp_size=p.remote_tp_size, remote_pp_size=p.remote_pp_size, lease_seconds=p.lease_seconds, stream=p.stream,
+    )
+
+
+def pull_from_pb(req: pb.PullRequest) -> PullOrder:
+    return PullOrder(worker_from_pb(req.worker), req.request_id, params_from_pb(req.params), blocks_from_pb(req.local_block_ids))
+
+
+def pull_to_pb(order: PullOrder) -> pb.PullRequest:
+    return pb.PullRequest(worker=worker_to_pb(order.worker), request_id=order.request_id, params=params_to_pb(order.params),
+                          local_block_ids=blocks_to_pb(order.local))
+
+
+def publish_from_pb(req: pb.PublishRequest) -> PublishOrder:
+    return PublishOrder(req.request_id, blocks_from_pb(req.block_ids), req.num_tokens, req.capability, req.reader_engine_id,
+                        req.lease_seconds, stream=req.stream, worker=worker_from_pb(req.worker))
+
+
+def publish_engine_from_pb(req: pb.PublishEngineRequest) -> PublishOrder:
+    return PublishOrder(req.request_id, blocks_from_pb(req.block_ids), req.num_tokens, req.capability, req.reader_engine_id,
+                        req.lease_seconds, engine_id=req.engine_id)
+
+
+def publish_to_pb(order: PublishOrder) -> pb.PublishRequest:
+    return pb.PublishRequest(worker=worker_to_pb(order.worker) if order.worker else None, request_id=order.request_id,
+                             block_ids=blocks_to_pb(order.block_ids), num_tokens=order.num_tokens, capability=order.capability,
+                             reader_engine_id=order.reader_engine_id, lease_seconds=order.lease_seconds, stream=order.stream)
+
+
+def resolution_from_pb(r: pb.ResolveResponse) -> Resolution:
+    return Resolution(r.generation, r.epoch, r.ranks_published, blocks_from_pb(r.block_ids), r.num_tokens, r.stream)
+
+
+def resolution_to_pb(r: Resolution) -> pb.ResolveResponse:
+    return pb.ResolveResponse(generation=r.generation, epoch=r.epoch, ranks_published=r.ranks_published,
+                              block_ids=blocks_to_pb(r.block_ids), num_tokens=r.num_tokens, stream=r.stream)
+
+
+def peer_abort_from_pb(r: pb.PeerAbortRequest) -> PeerAbort:
+    return PeerAbort(r.engine_id, r.request_id, r.generation, r.capability, r.reason)
+
+
+def peer_abort_to_pb(a: PeerAbort) -> pb.PeerAbortRequest:
+    return pb.PeerAbortRequest(engine_id=a.engine_id, request_id=a.request_id, generation=a.generation, capability=a.capability,
+                               reason=a.reason)
+
+
+def leases_from_pb(r: pb.RenewLeasesRequest) -> tuple[LeaseRef, ...]:
+    return tuple(LeaseRef(x.request_id, x.generation, x.capability) for x in r.leases)
+
+
+def renew_to_pb(engine_id: str, reader_engine_id: str, leases: Iterable[LeaseRef]) -> pb.RenewLeasesRequest:
+    return pb.RenewLeasesRequest(engine_id=engine_id, reader_engine_id=reader_engine_id, leases=[
+        pb.LeaseRef(request_id=x.request_id, generation=x.generation, capability=x.capability) for x in leases])
+
+
+# ---------------------------------------------------------------- outcomes
+
+def details_to_pb(outcomes: Iterable[Outcome]) -> list[pb.FinishedDetail]:
+    return [pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
+            for o in outcomes]
+
+
+def outcome_from_pb(d: pb.FinishedDetail) -> Outcome:
+    return Outcome(d.request_id, d.direction, d.outcome, d.reason, d.bytes)
+
+
+def finished_to_pb(f: WorkerFinished, seq: int = 0) -> pb.GetFinishedResponse:
+    return pb.GetFinishedResponse(finished_sending=sorted(f.sending), finished_recving=sorted(f.recving),
+                                  invalid_block_ids=sorted(f.invalid_block_ids), details=details_to_pb(f.outcomes()), seq=seq)
+
+
+def report_to_pb(r: FinishedReport) -> pb.ReportFinishedRequest:
+    return pb.ReportFinishedRequest(engine_id=r.engine_id, worker=pb.WorkerId(engine_id=r.engine_id, tp_rank=r.rank[0], pp_rank=r.rank[1]),
+                                    invalid_block_ids=sorted(r.finished.invalid_block_ids),
+                                    details=details_to_pb(r.finished.outcomes()), sender_epoch=r.sender_epoch, seq=r.seq)
+
+
+def report_from_pb(r: pb.ReportFinishedRequest) -> FinishedReport:
+    out = WorkerFinished(invalid_block_ids=set(r.invalid_block_ids))
+    for detail in r.details:  # one or many outcomes of that worker: a batch queued while the aggregator was unreachable
+        out.add(outcome_from_pb(detail))
+    return FinishedReport(r.engine_id, (r.worker.tp_rank, r.worker.pp_rank), out, r.sender_epoch, r.seq)
+
+
+# ---------------------------------------------------------------- data plane
+
+def descriptors_to_pb(d: Descriptors) -> pb.DataDescriptors:
+    return pb.DataDescriptors(agent_name=d.agent_name, agent_metadata=d.agent_metadata, metadata_version=d.metadata_version,
+                              addrs=d.addrs.tolist(), lengths=d.lengths.tolist(), counts=d.counts.tolist())
+
+
+def descriptors_from_pb(m: pb.DataDescriptors) -> Descriptors:
+    return Descriptors(m.agent_name, np.asarray(m.addrs, dtype=np.uint64), np.asarray(m.lengths, dtype=np.uint64),
+                       np.asarray(m.counts, dtype=np.int64), m.agent_metadata, m.metadata_version)

@@ -76,6 +76,49 @@ def import_cycles(package: str) -> list[list[str]]:
     return cycles
 
 
+# The gRPC edge: the only modules that may import the generated protobuf.
+# Everything past them speaks the core's dataclasses (kvd.core.requests).
+PROTOBUF_EDGE = {
+    "kvd.convert",  # protobuf <-> core, for all the others
+    "kvd.daemon.service",  # the servicers
+    "kvd.daemon.outbound",  # calls to peer daemons
+    "kvd.client",  # the worker API (its messages are public)
+    "kvd.caches",  # describe(): a Register request's regions and groups (public)
+    "kvd.transport.codec",  # the data plane's control bodies
+}
+
+
+def protobuf_importers(package: str) -> set[str]:
+    """``package``'s modules (outside its generated ``proto``) that import it,
+    imports under TYPE_CHECKING included."""
+    import grimp
+
+    graph = grimp.build_graph(package, exclude_type_checking_imports=False)
+    proto = {m for m in graph.modules if m.startswith(f"{package}.proto")}
+    return {m for m in graph.modules if m not in proto and graph.find_modules_directly_imported_by(m) & proto}
+
+
+def test_protobuf_is_imported_only_at_the_grpc_edge():
+    found = protobuf_importers("kvd")
+    assert found <= PROTOBUF_EDGE, f"protobuf past the edge: {sorted(found - PROTOBUF_EDGE)}"
+    assert len(PROTOBUF_EDGE) <= 7
+    assert not any(m.startswith("kvd.core") or m == "kvd.daemon.puller" for m in PROTOBUF_EDGE)
+
+
+def test_a_protobuf_import_past_the_edge_is_caught(tmp_path, monkeypatch):
+    # Negative control: a part that names a message only for the type checker still imports protobuf.
+    pkg = tmp_path / "edge_pkg"
+    (pkg / "proto").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "proto" / "__init__.py").write_text("")
+    (pkg / "proto" / "msgs_pb2.py").write_text("class Request: ...\n")
+    (pkg / "edge.py").write_text("from edge_pkg.proto import msgs_pb2\n")
+    (pkg / "part.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from edge_pkg.proto import msgs_pb2\n")
+    (pkg / "pure.py").write_text("import edge_pkg.edge\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert protobuf_importers("edge_pkg") == {"edge_pkg.edge", "edge_pkg.part"}
+
+
 def test_no_import_cycles_between_modules():
     assert import_cycles("kvd") == []
 

@@ -27,7 +27,7 @@ import grpc
 from kvd.auth import WORKER_TOKEN_HEADER, AuthConfig
 from kvd.client.after_device import AfterDevice
 from kvd.client.finished import Finished, FinishedFeed
-from kvd.convert import worker_to_pb
+from kvd.convert import outcome_from_pb, worker_to_pb
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable, from_code
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
@@ -60,7 +60,7 @@ def infer_spec_from_tensors(
 
 
 def _finished_from_pb(r: pb.GetFinishedResponse) -> Finished:
-    return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): d for d in r.details})
+    return Finished(set(r.finished_sending), set(r.finished_recving), set(r.invalid_block_ids), {(d.direction, d.request_id): outcome_from_pb(d) for d in r.details})
 
 
 def daemon_status(address: str, auth: AuthConfig | None = None, timeout: float = 30.0, *, wait_ready: bool = True) -> pb.StatusResponse:

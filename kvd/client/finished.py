@@ -10,13 +10,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from kvd.core.aggregate import Outcome
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable
 from kvd.spec import WorkerId
-
-if TYPE_CHECKING:
-    from kvd.proto import kvd_pb2 as pb
 
 
 @dataclass
@@ -24,7 +22,7 @@ class Finished:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-    details: dict[tuple[str, str], pb.FinishedDetail] = field(default_factory=dict)
+    details: dict[tuple[str, str], Outcome] = field(default_factory=dict)  # by (direction, request_id)
 
     def merge(self, other: Finished) -> None:
         self.finished_sending |= other.finished_sending

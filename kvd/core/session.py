@@ -27,6 +27,8 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from kvd.core.errors import KvdError
 from kvd.core.reads import DataRead
 from kvd.core.wire import (
@@ -64,6 +66,11 @@ class Read:
     def flags(self) -> int:
         return (FLAG_LOCAL if self.local else 0) | (FLAG_NIXL if self.nixl else 0)
 
+    @property
+    def via(self) -> str:
+        """The byte mover this read asks for: ``samehost``, ``nixl`` or ``tcp`` (DATA frames)."""
+        return "samehost" if self.local else "nixl" if self.nixl else "tcp"
+
 
 @dataclass(frozen=True)
 class Data:
@@ -75,9 +82,16 @@ class Data:
 
 @dataclass(frozen=True)
 class Descriptors:
-    """transport nixl: where every segment lies (the codec's message, opaque here)."""
+    """transport nixl: where every segment lies in the owner's NIXL-registered
+    memory: ``counts[i]`` descriptors (``addrs``, ``lengths``) for segment ``i``
+    (empty: one each); the agent's metadata only where the reader's is stale."""
 
-    message: object
+    agent_name: str
+    addrs: np.ndarray  # uint64
+    lengths: np.ndarray  # uint64
+    counts: np.ndarray  # int64
+    agent_metadata: bytes = b""
+    metadata_version: int = 0
 
 
 @dataclass(frozen=True)

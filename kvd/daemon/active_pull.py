@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvd.core.errors import KvdError
 from kvd.core.pull import PullProgress
+from kvd.core.requests import PullOrder, TransferParams
 from kvd.core.spec import WorkerId
-
-if TYPE_CHECKING:
-    from kvd.proto import kvd_pb2 as pb  # annotations only
 
 
 @dataclass
@@ -21,7 +18,9 @@ class ActivePull:
     """A pull queued or in flight, kept alive on P by heartbeat."""
 
     worker: WorkerId
-    request: pb.PullRequest
+    request: PullOrder
+    # The request's params, once resolved where they were made before P published.
+    params: TransferParams
     started: float
     task: asyncio.Task[None] | None = None
     next_renew: float = 0.0
@@ -29,10 +28,6 @@ class ActivePull:
     cancel_outcome: str = "failed"  # "aborted" when the local worker asked
     accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
     progress: PullProgress = field(default_factory=PullProgress)  # what has landed: Admin.Status shows it
-
-    @property
-    def params(self) -> pb.TransferParams:
-        return self.request.params
 
     def cancel(self, reason: str, outcome: str = "failed") -> None:
         if self.task is not None and not self.task.done():

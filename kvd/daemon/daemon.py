@@ -15,11 +15,10 @@ import asyncio
 import time
 import uuid
 
-from kvd import __version__
 from kvd.auth import AuthConfig
-from kvd.convert import worker_from_pb, worker_to_pb
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import PublicationTable
+from kvd.core.requests import TransferParams
 from kvd.core.session import Hello
 from kvd.core.spec import WorkerId, check_request_id
 from kvd.daemon.config import DaemonConfig
@@ -34,7 +33,6 @@ from kvd.daemon.registration import host_id
 from kvd.daemon.registry import Registry
 from kvd.daemon.reports import AggregatorReports
 from kvd.daemon.watchdog import LoopWatchdog
-from kvd.proto import kvd_pb2 as pb
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
@@ -157,28 +155,11 @@ class Daemon:
 
     # ------------------------------------------------------------ what spans both sides
 
-    def abort(self, req: pb.AbortRequest, token: bytes | None = None) -> bool:
-        """Either side: D cancels its pull (and tells P), P ends its publication."""
-        worker = worker_from_pb(req.worker)
+    def abort(self, worker: WorkerId, request_id: str, release: TransferParams | None, token: bytes | None = None) -> bool:
+        """Either side: D cancels its pull (and tells P, or releases ``release``), P ends its publication."""
         self.registry.registered(worker, token)
-        check_request_id("request_id", req.request_id)
+        check_request_id("request_id", request_id)
         rank = (worker.tp_rank, worker.pp_rank)
-        pulled = self.puller.abort(req, rank)
-        published = self.publisher.abort(req.request_id, rank)
+        pulled = self.puller.abort(worker, request_id, release, rank)
+        published = self.publisher.abort(request_id, rank)
         return pulled or published
-
-    def status(self) -> pb.StatusResponse:
-        now = time.monotonic()
-        return pb.StatusResponse(
-            engine_id=self.config.engine_id, epoch=self.epoch, version=__version__, draining=self.draining,
-            workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups), region_ids=sorted(r.regions)) for r in self.registry],
-            peers=sorted(self.handshakes.peers), publications=len(self.publications), pinned_ranks=self.publications.pinned, pulls_in_flight=len(self.puller.pulls),
-            leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
-                    for p in list(self.publications.by_request.values())[:200]],
-            pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started,
-                                 phase=p.progress.phase, landed_bytes=landed, planned_bytes=planned)
-                   for (_, rid), p in list(self.puller.pulls.items())[:200] for landed, planned in [p.progress.landed_bytes()]],
-            recent_failures=[pb.FailureStatus(request_id=f.request_id, reason=f.reason, message=f.message, age_seconds=now - f.at) for f in self.puller.recent_failures],
-            staging_buffers=self.data_client.staging_buffers(), staging_bytes=self.data_client.staging_bytes(),
-            tasks=len(self.tasks) + len(self.puller.pulls),
-        )

@@ -1,5 +1,7 @@
-"""What the daemon starts toward others: gRPC channels to peer daemons, and
-the background tasks its calls leave running (aborts, renewals)."""
+"""What the daemon starts toward others: calls to peer daemons, in the core's
+terms (the one place on that side where they become protobuf), over one gRPC
+channel a peer; and the background tasks its calls leave running (aborts,
+renewals). A refused call raises ``grpc.aio.AioRpcError``, as gRPC does."""
 
 from __future__ import annotations
 
@@ -10,11 +12,21 @@ from typing import Any
 import grpc
 
 from kvd.auth import AuthConfig
+from kvd.convert import (
+    engine_to_pb,
+    introduction_from_pb,
+    peer_abort_to_pb,
+    renew_to_pb,
+    report_to_pb,
+    resolution_from_pb,
+)
+from kvd.core.requests import FinishedReport, Introduction, LeaseRef, PeerAbort, Resolution
+from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
 
 class PeerChannels:
-    """One gRPC channel a peer address, with this daemon's credentials."""
+    """Peer daemons' ``Peer`` service, one gRPC channel an address, with this daemon's credentials."""
 
     def __init__(self, auth: AuthConfig) -> None:
         self._auth = auth
@@ -26,12 +38,36 @@ class PeerChannels:
             ch = self._channels[address] = self._auth.aio_channel(address)
         return ch
 
-    def peer(self, address: str) -> pbg.PeerStub:
+    def _stub(self, address: str) -> pbg.PeerStub:
         return pbg.PeerStub(self.channel(address))
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """What every call to a peer carries (the shared token, where configured)."""
         return tuple(self._auth.call_metadata())
+
+    async def handshake(self, address: str, mine: Introduction, timeout: float) -> Introduction:
+        resp = await self._stub(address).Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine)), timeout=timeout,
+                                                   metadata=self.metadata())
+        return introduction_from_pb(resp.callee, resp.data_token)
+
+    async def resolve(self, address: str, engine_id: str, request_id: str, capability: bytes, wait_seconds: float,
+                      timeout: float) -> Resolution:
+        resp = await self._stub(address).Resolve(
+            pb.ResolveRequest(engine_id=engine_id, request_id=request_id, capability=capability, wait_seconds=wait_seconds),
+            timeout=timeout, metadata=self.metadata())
+        return resolution_from_pb(resp)
+
+    async def abort(self, address: str, abort: PeerAbort, timeout: float) -> bool:
+        resp = await self._stub(address).Abort(peer_abort_to_pb(abort), timeout=timeout, metadata=self.metadata())
+        return bool(resp.found)
+
+    async def renew(self, address: str, engine_id: str, reader_engine_id: str, leases: list[LeaseRef], timeout: float) -> list[bool]:
+        resp = await self._stub(address).RenewLeases(renew_to_pb(engine_id, reader_engine_id, leases), timeout=timeout,
+                                                     metadata=self.metadata())
+        return list(resp.alive)
+
+    async def report(self, address: str, report: FinishedReport, timeout: float) -> None:
+        await self._stub(address).ReportFinished(report_to_pb(report), timeout=timeout, metadata=self.metadata())
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -18,19 +18,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvd.convert import engine_from_pb, engine_to_pb, group_from_pb
 from kvd.core import errors
 from kvd.core.errors import FailedPrecondition, InvalidArgument, KvdError, Unavailable
 from kvd.core.leases import RankKey
 from kvd.core.pairing import check_compatible
 from kvd.core.relayout import GroupTensors
+from kvd.core.requests import Introduction, RankMemory, TransferParams
 from kvd.core.spec import EngineMeta, fingerprint
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.outbound import PeerChannels
 from kvd.daemon.publisher import Publisher
 from kvd.daemon.registry import Registry
-from kvd.proto import kvd_pb2 as pb
 from kvd.regions import MappedRegion, check_intact, close_later, map_regions
 from kvd.transport.samehost import LocalSource
 from kvd.transport.tcp_client import TcpDataClient
@@ -73,12 +72,13 @@ class Handshakes:
             peer.close()
         self.peers.clear()
 
-    def _fingerprint(self, meta: EngineMeta) -> str:
-        return fingerprint(meta.model, meta.ranks[0].groups if meta.ranks else ())
+    def _introduce(self, memory: tuple[RankMemory, ...] = (), data_token: bytes = b"") -> Introduction:
+        mine = self.registry.engine_meta()
+        return Introduction(mine, fingerprint(mine.model, mine.ranks[0].groups if mine.ranks else ()), memory, data_token)
 
-    def handshake(self, req: pb.HandshakeRequest) -> pb.HandshakeResponse:
+    def handshake(self, caller: Introduction) -> Introduction:
         """A peer introduces itself (it wants to read from us)."""
-        theirs = engine_from_pb(req.caller)
+        theirs = caller.meta
         if not theirs.engine_id or theirs.engine_id == self.config.engine_id:
             raise InvalidArgument("caller.engine_id", theirs.engine_id, "must name another engine")
         mine = self.registry.engine_meta()
@@ -92,8 +92,8 @@ class Handshakes:
         self.metrics.handshakes.labels("callee", "ok").inc()
         same_host = self.config.same_host != "off" and theirs.host_id == self.registry.host_id
         log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)
-        regions = {k: (r.region_pbs, r.generation) for k, r in self.registry.by_rank.items()} if same_host else None
-        return pb.HandshakeResponse(callee=engine_to_pb(mine, self._fingerprint(mine), regions), data_token=data_token)
+        memory = tuple(RankMemory(k[0], k[1], r.sources, tuple(r.groups), r.generation) for k, r in self.registry.by_rank.items()) if same_host else ()
+        return self._introduce(memory, data_token)
 
     def drop_peer(self, engine_id: str) -> Peer | None:
         """Forget a remote engine's handshake (and unmap its same-host regions)."""
@@ -102,7 +102,7 @@ class Handshakes:
             close_later(peer.close)
         return peer
 
-    async def peer_for(self, params: pb.TransferParams) -> Peer:
+    async def peer_for(self, params: TransferParams) -> Peer:
         """The remote engine's metadata, handshaking once and again only after a
         restart on either side."""
         eid = params.remote_engine_id
@@ -111,14 +111,12 @@ class Handshakes:
             peer = self.peers.get(eid)
             if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self.registry.version:
                 return peer
-            mine = self.registry.engine_meta()
-            stub = self.channels.peer(params.remote_address)
+            mine = self._introduce()
             t0 = time.perf_counter()
             last: Exception | None = None
             for attempt in range(self.config.handshake_retries):
                 try:
-                    resp = await stub.Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine, self._fingerprint(mine))), timeout=10,
-                                                metadata=self.channels.metadata())
+                    callee = await self.channels.handshake(params.remote_address, mine, timeout=10)
                     break
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED):
@@ -129,41 +127,39 @@ class Handshakes:
             else:
                 self.metrics.handshakes.labels("caller", "unreachable").inc()
                 raise Unavailable(f"handshake with {eid!r} at {params.remote_address} failed: {last}")
-            theirs = engine_from_pb(resp.callee)
+            theirs = callee.meta
             if theirs.engine_id != eid:
                 raise FailedPrecondition(f"{params.remote_address} serves engine {theirs.engine_id!r}, not remote_engine_id={eid!r}")
-            check_compatible(mine, theirs)
+            check_compatible(mine.meta, theirs)
             self.metrics.handshake_seconds.observe(time.perf_counter() - t0)
             self.metrics.handshakes.labels("caller", "ok").inc()
             peer = Peer(theirs, params.remote_address, self.registry.version)
             if self.config.same_host != "off" and theirs.host_id == self.registry.host_id:
-                await self._map_same_host(peer, resp.callee)
+                await self._map_same_host(peer, callee.memory)
             self.drop_peer(eid)
-            self.data_client.set_token(theirs.data_address, resp.data_token)
+            self.data_client.set_token(theirs.data_address, callee.data_token)
             self.peers[eid] = peer
             return peer
 
-    async def _map_same_host(self, peer: Peer, callee: pb.EngineInfo) -> None:
+    async def _map_same_host(self, peer: Peer, memory: tuple[RankMemory, ...]) -> None:
         """Map the owner's regions, in a thread (mapping faults in every page:
         seconds for a real cache); on any failure fall back to TCP."""
         try:
-            await asyncio.to_thread(_map_owner, peer, callee)
+            await asyncio.to_thread(_map_owner, peer, memory)
             log.info("same-host path to engine=%s: %d ranks mapped", peer.meta.engine_id, len(peer.local_sources))
         except KvdError as e:
             log.warning("same-host path to engine=%s unavailable, using TCP: %s", peer.meta.engine_id, e.message)
             peer.close()
 
 
-def _map_owner(peer: Peer, callee: pb.EngineInfo) -> None:
+def _map_owner(peer: Peer, memory: tuple[RankMemory, ...]) -> None:
     """Each of the owner's ranks mapped into ``peer`` (not yet shared with
     the loop), as a source to copy from."""
-    for rank in callee.ranks:
-        if not rank.regions:
-            continue
+    for rank in memory:
         mapped = map_regions(rank.regions)
         peer.mapped.extend(mapped.values())
         views = {rid: m.tensor for rid, m in mapped.items()}
-        groups = {g.group_id: GroupTensors.build(group_from_pb(g, i), views) for i, g in enumerate(rank.groups)}
+        groups = {g.group_id: GroupTensors.build(g, views) for g in rank.groups}
         whose = f"engine {peer.meta.engine_id!r} tp{rank.tp_rank}/pp{rank.pp_rank}'s"
         peer.local_sources[(rank.tp_rank, rank.pp_rank)] = LocalSource(groups, rank.registration,
                                                                        functools.partial(check_intact, list(mapped.values()), whose))

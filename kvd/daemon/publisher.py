@@ -13,12 +13,12 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from kvd.auth import AuthConfig
-from kvd.convert import worker_from_pb
 from kvd.core.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -39,14 +39,14 @@ from kvd.core.pieces import (
     serve_segment,
 )
 from kvd.core.reads import DataRead
+from kvd.core.requests import Blocks, LeaseRef, PeerAbort, PublishOrder, Resolution, TransferParams
 from kvd.core.session import Hello
-from kvd.core.spec import check_request_id
+from kvd.core.spec import WorkerId, check_request_id
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.finished_sets import FinishedSets
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.registration import Registration
 from kvd.daemon.registry import Registry
-from kvd.proto import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.daemon")
 
@@ -76,12 +76,13 @@ class Publisher:
 
     # ------------------------------------------------------------ gRPC
 
-    def publish(self, req: pb.PublishRequest, token: bytes | None = None) -> pb.PublishResponse:
-        reg = self.registry.registered(worker_from_pb(req.worker), token)
+    def publish(self, req: PublishOrder, token: bytes | None = None) -> TransferParams:
+        assert req.worker is not None  # a worker's publish (convert.publish_from_pb)
+        reg = self.registry.registered(req.worker, token)
         self._check_open(req.num_tokens)
         return self._publish_ranks([reg], req, stream=req.stream)
 
-    def publish_engine(self, req: pb.PublishEngineRequest, token: bytes) -> pb.PublishResponse:
+    def publish_engine(self, req: PublishOrder, token: bytes) -> TransferParams:
         """The engine's scheduler publishes ``req`` for every rank at once
         (vLLM's block ids are the same on every rank). All or nothing: it is
         refused unless every rank of the engine is registered here with the
@@ -106,7 +107,7 @@ class Publisher:
         if num_tokens <= 0:
             raise InvalidArgument("num_tokens", num_tokens, "must be positive")
 
-    def _publish_ranks(self, regs: list[Registration], req: pb.PublishRequest | pb.PublishEngineRequest, *, stream: bool) -> pb.PublishResponse:
+    def _publish_ranks(self, regs: list[Registration], req: PublishOrder, *, stream: bool) -> TransferParams:
         """``req`` published on the ranks of ``regs`` (one lock hold), what
         that ended reported, the resolves waiting for it woken, and the
         params that offer it."""
@@ -125,45 +126,45 @@ class Publisher:
         if event is not None:
             event.set()
         worker = regs[0].worker
-        return pb.PublishResponse(params=pb.TransferParams(
+        return TransferParams(
             remote_engine_id=self.config.engine_id, remote_address=self.own_address, remote_epoch=self.registry.epoch,
             request_id=req.request_id, generation=pub.generation, capability=pub.capability,
-            block_ids=req.block_ids, num_tokens=req.num_tokens,  # copied by protobuf, not through Python ints
+            block_ids=req.block_ids, num_tokens=req.num_tokens,
             remote_tp_size=worker.tp_size, remote_pp_size=worker.pp_size,
             lease_seconds=req.lease_seconds if req.lease_seconds > 0 else self.config.lease_seconds, stream=stream,
-        ))
+        )
 
-    def layers_saved(self, req: pb.LayersSavedRequest, token: bytes | None = None) -> int:
+    def layers_saved(self, worker: WorkerId, request_ids: Sequence[str], layers_saved: int, token: bytes | None = None) -> int:
         """A streaming worker wrote every layer below ``layers_saved`` of
         these requests: wake the reads waiting for them."""
-        reg = self.registry.registered(worker_from_pb(req.worker), token)
-        for i, rid in enumerate(req.request_ids):
+        reg = self.registry.registered(worker, token)
+        for i, rid in enumerate(request_ids):
             check_request_id(f"request_ids[{i}]", rid)
         with self.lock:
-            advanced = self.owner.layers_saved((reg.worker.tp_rank, reg.worker.pp_rank), list(req.request_ids), req.layers_saved)
+            advanced = self.owner.layers_saved((reg.worker.tp_rank, reg.worker.pp_rank), list(request_ids), layers_saved)
             self.saved.notify_all()
         self.metrics.layers_saved.inc(advanced)
         return advanced
 
-    async def resolve(self, req: pb.ResolveRequest) -> pb.ResolveResponse:
+    async def resolve(self, engine_id: str, request_id: str, capability: bytes, wait_seconds: float) -> Resolution:
         """The generation of ``request_id`` published under ``capability``,
         once every rank registered here has published it (or the wait ends
         with at least one). Refused like a read if nothing matches."""
-        self.registry.check_peer_engine(req.engine_id)
-        check_request_id("request_id", req.request_id)
+        self.registry.check_peer_engine(engine_id)
+        check_request_id("request_id", request_id)
         if self._resolves >= self.config.max_pending_resolves:
             raise ResourceExhausted(f"more than {self.config.max_pending_resolves} resolves pending")
         loop = asyncio.get_running_loop()
-        wait = max(0.0, min(req.wait_seconds, self.config.publish_wait_seconds))
+        wait = max(0.0, min(wait_seconds, self.config.publish_wait_seconds))
         deadline = loop.time() + wait
         self._resolves += 1
         try:
             while True:
                 with self.lock:
-                    pub = self.publications.matching(req.request_id, req.capability)
+                    pub = self.publications.matching(request_id, capability)
                     if pub is None:
                         # Ended (aborted by either side) before this resolve: no use waiting.
-                        self.publications.check_not_ended(req.request_id, req.capability, time.monotonic())
+                        self.publications.check_not_ended(request_id, capability, time.monotonic())
                     ranks = set(pub.masks) if pub is not None else set()
                 if pub is not None and set(self.registry.by_rank) <= ranks:
                     break
@@ -171,9 +172,9 @@ class Publisher:
                 if remaining <= 0:
                     if pub is not None:
                         break  # some ranks published: reads of the others are refused one by one
-                    log.info("resolve refused request_id=%s engine=%s: nothing published under its capability within %gs", req.request_id, req.engine_id, wait)
-                    raise PermissionDenied(f"no publication of request_id={req.request_id!r} matches this capability (waited {wait:g}s)")
-                event = self._published.setdefault(req.request_id, asyncio.Event())
+                    log.info("resolve refused request_id=%s engine=%s: nothing published under its capability within %gs", request_id, engine_id, wait)
+                    raise PermissionDenied(f"no publication of request_id={request_id!r} matches this capability (waited {wait:g}s)")
+                event = self._published.setdefault(request_id, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
         finally:
@@ -184,11 +185,10 @@ class Publisher:
             # Every rank of an engine publishes the same block ids (one block table).
             ids = pub.block_ids[min(pub.block_ids)] if pub.block_ids else []
             firsts = pub.first_tokens or (0,) * len(ids)
-            blocks = [pb.BlockIds(ids=g.tolist(), first_token=f) for g, f in zip(ids, firsts, strict=True)]
-        return pb.ResolveResponse(generation=pub.generation, epoch=self.registry.epoch, ranks_published=len(pub.masks), block_ids=blocks,
-                                  num_tokens=pub.num_tokens, stream=pub.stream)
+            blocks = tuple(Blocks(tuple(g.tolist()), f) for g, f in zip(ids, firsts, strict=True))
+        return Resolution(pub.generation, self.registry.epoch, len(pub.masks), blocks, pub.num_tokens, pub.stream)
 
-    def peer_abort(self, req: pb.PeerAbortRequest) -> bool:
+    def peer_abort(self, req: PeerAbort) -> bool:
         self.registry.check_peer_engine(req.engine_id)
         check_request_id("request_id", req.request_id)
         with self.lock:
@@ -197,13 +197,12 @@ class Publisher:
         self.report(ended or [])
         return ended is not None
 
-    def renew_leases(self, req: pb.RenewLeasesRequest) -> pb.RenewLeasesResponse:
-        self.registry.check_peer_engine(req.engine_id)
-        for i, lease in enumerate(req.leases):
+    def renew_leases(self, engine_id: str, leases: Sequence[LeaseRef]) -> list[bool]:
+        self.registry.check_peer_engine(engine_id)
+        for i, lease in enumerate(leases):
             check_request_id(f"leases[{i}].request_id", lease.request_id)
         with self.lock:
-            alive = self.owner.renew([(x.request_id, x.generation, x.capability) for x in req.leases], time.monotonic())
-        return pb.RenewLeasesResponse(alive=alive)
+            return self.owner.renew([(x.request_id, x.generation, x.capability) for x in leases], time.monotonic())
 
     def abort(self, request_id: str, rank: tuple[int, int]) -> bool:
         """The local worker ends its own publication."""

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from kvd.convert import offer_from_pb, worker_from_pb
 from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
@@ -29,7 +28,8 @@ from kvd.core.leases import RankKey, check_block_ids, check_disjoint
 from kvd.core.pairing import engine_shape, in_wire_order
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
-from kvd.core.spec import LAYER_STREAM, check_engine_id, check_request_id
+from kvd.core.requests import LeaseRef, PeerAbort, PullOrder, TransferParams
+from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.daemon.active_pull import ActivePull, Failure, failure_reason
@@ -40,7 +40,6 @@ from kvd.daemon.outbound import PeerChannels, Tasks
 from kvd.daemon.peers import Handshakes, Peer
 from kvd.daemon.registration import Registration
 from kvd.daemon.registry import Registry
-from kvd.proto import kvd_pb2 as pb
 from kvd.transport.tcp_client import TcpDataClient
 
 log = logging.getLogger("kvd.daemon")
@@ -73,8 +72,9 @@ class Puller:
 
     # ------------------------------------------------------------ gRPC
 
-    def pull(self, req: pb.PullRequest, token: bytes | None = None) -> pb.PullResponse:
-        reg = self.registry.registered(worker_from_pb(req.worker), token)
+    def pull(self, req: PullOrder, token: bytes | None = None) -> None:
+        """Accept ``req`` and run it in the background (its outcome goes to the worker's finished sets)."""
+        reg = self.registry.registered(req.worker, token)
         if self.draining:
             raise Unavailable("daemon is draining")
         p = req.params
@@ -87,10 +87,10 @@ class Puller:
             raise InvalidArgument("params.remote_address", p.remote_address, "must be host:port")
         if p.num_tokens <= 0:
             raise InvalidArgument("params.num_tokens", p.num_tokens, "must be positive")
-        if len(req.local_block_ids) != len(reg.groups):
-            raise InvalidArgument("local_block_ids", f"<{len(req.local_block_ids)} groups>", f"must give one list per KV cache group ({len(reg.groups)})")
-        local = [np.asarray(ids.ids, dtype=np.int64) for ids in req.local_block_ids]
-        for g, ids, arr in zip(reg.groups, req.local_block_ids, local, strict=True):
+        if len(req.local) != len(reg.groups):
+            raise InvalidArgument("local_block_ids", f"<{len(req.local)} groups>", f"must give one list per KV cache group ({len(reg.groups)})")
+        local = [np.asarray(ids.ids, dtype=np.int64) for ids in req.local]
+        for g, ids, arr in zip(reg.groups, req.local, local, strict=True):
             check_block_ids(f"local_block_ids[{g.group_id}]", arr, g.spec.num_blocks)
             if ids.first_token % g.spec.block_size or ids.first_token > p.num_tokens:
                 raise InvalidArgument(f"local_block_ids[{g.group_id}].first_token", ids.first_token,
@@ -101,22 +101,21 @@ class Puller:
         if key in self.pulls:
             raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
         now = time.monotonic()
-        active = ActivePull(worker, req, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter())
+        active = ActivePull(worker, req, p, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter())
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
         active.task.add_done_callback(lambda _t: self.pulls.pop(key, None))
-        return pb.PullResponse(accepted=True)
 
-    def abort(self, req: pb.AbortRequest, rank: RankKey) -> bool:
+    def abort(self, worker: WorkerId, request_id: str, release: TransferParams | None, rank: RankKey) -> bool:
         """D cancels its pull and tells P; with ``release``, P frees blocks D will not read."""
         found = False
-        active = self.pulls.get((rank, req.request_id))
+        active = self.pulls.get((rank, request_id))
         if active is not None and active.task is not None:
-            active.cancel(f"aborted by {worker_from_pb(req.worker)}", "aborted")
+            active.cancel(f"aborted by {worker}", "aborted")
             self.tasks.spawn(self._abort_remote(active.params, f"reader {self.config.engine_id} aborted"))
             found = True
-        if req.HasField("release") and req.release.remote_address:
-            self.tasks.spawn(self._abort_remote(req.release, f"reader {self.config.engine_id} does not need it"))
+        if release is not None and release.remote_address:
+            self.tasks.spawn(self._abort_remote(release, f"reader {self.config.engine_id} does not need it"))
             found = True
         return found
 
@@ -131,7 +130,7 @@ class Puller:
     async def _run(self, reg: Registration, active: ActivePull) -> None:
         req = active.request
         rank = (reg.worker.tp_rank, reg.worker.pp_rank)
-        local_ids = [list(b.ids) for b in req.local_block_ids]
+        local_ids = [list(b.ids) for b in req.local]
         progress = active.progress
         t0 = time.perf_counter()
         self.metrics.pulls_in_flight.inc()
@@ -143,13 +142,13 @@ class Puller:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for runs the pull as a task
                 # of its own, a turn of the loop before its first step.
                 async with asyncio.timeout(self.config.pull_timeout_seconds):
-                    total = await self._with_retries(reg, req, rank, local_ids, progress)
+                    total = await self._with_retries(reg, active, rank, local_ids, progress)
             landed_at = time.perf_counter()
-            landed = self._replica_future(req.params, rank)
+            landed = self._replica_future(active.params, rank)
             if not landed.done():
-                landed.set_result([np.asarray(b.ids, dtype=np.int64) for b in req.local_block_ids])  # from protobuf: no Python ints
+                landed.set_result([np.asarray(b.ids, dtype=np.int64) for b in req.local])  # compact: kept a while
             self.metrics.transfer_seconds.labels("done").observe(time.perf_counter() - t0)
-            self._count_window_savings(reg, req)
+            self._count_window_savings(reg, active)
             self.finished.emit(rank, Outcome(req.request_id, "recving", "done", bytes=total))
             phase.labels("report").observe(time.perf_counter() - landed_at)
         except BaseException as e:
@@ -161,11 +160,11 @@ class Puller:
             if reason == "timeout":
                 message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={self.config.pull_timeout_seconds:g})"
             # Which peer, where it stopped and what landed: the one line an operator needs.
-            p = req.params
+            p = active.params
             message = f"{message} [engine {p.remote_engine_id!r} at {p.remote_address}, {progress.where()}]"
             invalid = progress.invalid_blocks(sorted({i for ids in local_ids for i in ids}))
             # Replicas copying from us fail now, even those that ask later.
-            fut = self._replica_future(req.params, rank)
+            fut = self._replica_future(p, rank)
             if not fut.done():
                 fut.set_exception(FailedPrecondition(message))
                 fut.exception()  # nobody may be waiting; don't warn about it
@@ -176,67 +175,70 @@ class Puller:
             if outcome == "failed" and reason != "lease_lost":
                 # The engine recomputes what it could not load: P need not hold
                 # the blocks to its lease. (An abort has told P already.)
-                self.tasks.spawn(self._abort_remote(req.params, f"reader {self.config.engine_id} failed to load it: {message}"))
+                self.tasks.spawn(self._abort_remote(p, f"reader {self.config.engine_id} failed to load it: {message}"))
             log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
             self.metrics.pulls_in_flight.dec()
 
-    async def _with_retries(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
+    async def _with_retries(self, reg: Registration, active: ActivePull, rank: RankKey, local_ids: list[list[int]],
                             progress: PullProgress) -> int:
         attempt = 0
         while True:
             try:
-                return await self._attempt(reg, req, rank, local_ids, progress)
+                return await self._attempt(reg, active, rank, local_ids, progress)
             except (ConnectionError, OSError, Unavailable) as e:
                 # Transient: the peer may have restarted. Forget what we knew
                 # (handshake, pooled connections) and try again, boundedly.
-                stale = self.handshakes.drop_peer(req.params.remote_engine_id)
+                stale = self.handshakes.drop_peer(active.params.remote_engine_id)
                 if stale is not None:
                     await self.data_client.forget(stale.meta.data_address)
                 delay = self.retry.delay(attempt, transient=True)
                 if delay is None:
                     raise
-                log.info("retrying pull request_id=%s after %s: %s", req.request_id, type(e).__name__, e)
+                log.info("retrying pull request_id=%s after %s: %s", active.request.request_id, type(e).__name__, e)
                 await asyncio.sleep(delay)
                 attempt += 1
 
-    def _count_window_savings(self, reg: Registration, req: pb.PullRequest) -> None:
+    def _count_window_savings(self, reg: Registration, active: ActivePull) -> None:
         """What the window groups of a pull that landed did not move, against
         full attention from the prefix decode already held."""
-        firsts = [b.first_token for b in req.local_block_ids]
+        firsts = [b.first_token for b in active.request.local]
         for g, first in zip(reg.groups, firsts, strict=True):
             if g.kind.name in WINDOWED:
-                self.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, req.params.num_tokens, first, min(firsts)))
+                self.metrics.window_skipped.labels(g.kind.name).inc(skipped_bytes(g, active.params.num_tokens, first, min(firsts)))
 
-    async def _attempt(self, reg: Registration, req: pb.PullRequest, rank: RankKey, local_ids: list[list[int]],
+    async def _attempt(self, reg: Registration, active: ActivePull, rank: RankKey, local_ids: list[list[int]],
                        progress: PullProgress) -> int:
+        req = active.request
         local_meta = self.registry.engine_meta()
         present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
         source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
         if source is not None:
             progress.phase = "copy"
-            return await self._copy_from_replica(reg, req, (source, rank[1]), local_ids)
+            return await self._copy_from_replica(reg, active, (source, rank[1]), local_ids)
         phase = self.metrics.pull_phase_seconds
-        if not req.params.generation:
+        if not active.params.generation:
             progress.phase = "resolve"
             t = time.perf_counter()
-            await self._resolve(req.params)  # before the handshake: it fills in the epoch the handshake is cached by
+            # Before the handshake: it fills in the epoch the handshake is cached by.
+            active.params = await self._resolve(active.params)
             phase.labels("resolve").observe(time.perf_counter() - t)
+        params = active.params
         progress.phase = "handshake"
         t = time.perf_counter()
-        peer = await self.handshakes.peer_for(req.params)
+        peer = await self.handshakes.peer_for(params)
         phase.labels("handshake").observe(time.perf_counter() - t)
         progress.phase = "plan"
         t = time.perf_counter()
-        if peer.meta.epoch != req.params.remote_epoch:
+        if peer.meta.epoch != params.remote_epoch:
             raise FailedPrecondition(
-                f"remote engine {req.params.remote_engine_id!r} restarted: params epoch {req.params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
+                f"remote engine {params.remote_engine_id!r} restarted: params epoch {params.remote_epoch[:8]} != current {peer.meta.epoch[:8]}; its publication is gone"
             )
-        offer = offer_from_pb(req.params)
+        offer = params.offer()
         if offer.stream and LAYER_STREAM not in peer.meta.features:
-            raise FailedPrecondition(f"params.stream: engine {req.params.remote_engine_id!r} does not serve layer-wise streaming "
+            raise FailedPrecondition(f"params.stream: engine {params.remote_engine_id!r} does not serve layer-wise streaming "
                                      f"(its features: {list(peer.meta.features)})")
         reg.check_intact()  # we write into them: checked before planning, so a shrunk region plans nothing
         blocks = sum(len(ids) for ids in local_ids)
@@ -245,7 +247,7 @@ class Puller:
                 plan_pull, local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                 local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
                 local_block_ids=local_ids, segment_bytes=_segment_bytes(self.config, self.data_client, reg, peer),
-                local_first_tokens=[b.first_token for b in req.local_block_ids],
+                local_first_tokens=[b.first_token for b in req.local],
             )
             try:
                 # Planning costs ~0.4 us a block: a big pull's (40 ms at 100k
@@ -257,13 +259,13 @@ class Puller:
                 if fresh or "not registered" not in e.message:
                     raise
                 # Our view of the remote engine predates a rank it registered since: look again.
-                self.handshakes.drop_peer(req.params.remote_engine_id)
-                peer = await self.handshakes.peer_for(req.params)
+                self.handshakes.drop_peer(params.remote_engine_id)
+                peer = await self.handshakes.peer_for(params)
         phase.labels("plan").observe(time.perf_counter() - t)
         progress.phase = "data"
         t = time.perf_counter()
         todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
-        self._replica_future(req.params, rank)  # replicas may wait on us
+        self._replica_future(params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
         self.metrics.bytes_in_flight.inc(planned)
         sources = [peer.local_sources.get(rr.read.rank) for rr in progress.reads]
@@ -308,33 +310,22 @@ class Puller:
                 seen[every] = True
                 m.blocks_received.labels(transport).inc(int(np.count_nonzero(seen)))
 
-    async def _resolve(self, params: pb.TransferParams) -> None:
-        """Fill in the generation (and epoch) of params made before P published."""
+    async def _resolve(self, params: TransferParams) -> TransferParams:
+        """``params`` made before P published, with what P resolved: the
+        generation (and epoch; the blocks, if none were known; ``stream``)."""
         wait = self.config.publish_wait_seconds
         t0 = time.monotonic()
         try:
-            resp = await self.channels.peer(params.remote_address).Resolve(
-                pb.ResolveRequest(engine_id=params.remote_engine_id, request_id=params.request_id, capability=params.capability, wait_seconds=wait),
-                timeout=wait + 10, metadata=self.channels.metadata())
+            resolution = await self.channels.resolve(params.remote_address, params.remote_engine_id, params.request_id,
+                                                     params.capability, wait, timeout=wait + 10)
         except grpc.aio.AioRpcError as e:
             raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address} "
                                    f"(after {time.monotonic() - t0:.1f}s): {e.details()}") from None
-        params.generation = resp.generation
-        if not params.remote_epoch:
-            params.remote_epoch = resp.epoch
-        if not any(b.ids for b in params.block_ids):
-            # Params made before P allocated (dispatched to P and D at once): its blocks come from the publication.
-            del params.block_ids[:]
-            params.block_ids.extend(resp.block_ids)
-            params.num_tokens = min(params.num_tokens, resp.num_tokens)  # all decode wants, if prefill holds it
-        if resp.stream:
-            # The publication streams (P saves layer by layer): read it as it is
-            # saved, or a whole-request read stalls while P still computes.
-            params.stream = True
+        return params.resolved(resolution)
 
     # ------------------------------------------------------------ replicas
 
-    def _replica_future(self, params: pb.TransferParams, rank: RankKey) -> asyncio.Future[list[np.ndarray]]:
+    def _replica_future(self, params: TransferParams, rank: RankKey) -> asyncio.Future[list[np.ndarray]]:
         """Resolves with a rank's local block ids once its pull of ``params`` landed.
 
         Keyed by the capability, which names one publication, so it holds
@@ -347,10 +338,11 @@ class Puller:
             asyncio.get_running_loop().call_later(self.config.pull_timeout_seconds * 2, self._replica_done.pop, key, None)
         return fut
 
-    async def _copy_from_replica(self, reg: Registration, req: pb.PullRequest, source: RankKey, local_ids: list[list[int]]) -> int:
+    async def _copy_from_replica(self, reg: Registration, active: ActivePull, source: RankKey, local_ids: list[list[int]]) -> int:
         """Copy a request's blocks from the replica that read them, instead of
         reading the same remote bytes again."""
-        fut = self._replica_future(req.params, source)
+        req = active.request
+        fut = self._replica_future(active.params, source)
         try:
             src_ids = [ids.tolist() for ids in await asyncio.wait_for(asyncio.shield(fut), self.config.pull_timeout_seconds)]
         except KvdError as e:
@@ -358,7 +350,7 @@ class Puller:
         src_reg = self.registry.get(source)
         if src_reg is None:
             raise FailedPrecondition(f"replica tp{source[0]}/pp{source[1]} is no longer registered")
-        work = asyncio.get_running_loop().run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, req.params.num_tokens)
+        work = asyncio.get_running_loop().run_in_executor(None, copy_blocks, src_reg.tensors, src_ids, reg.tensors, local_ids, active.params.num_tokens)
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -368,12 +360,11 @@ class Puller:
 
     # ------------------------------------------------------------ talking to P
 
-    async def _abort_remote(self, params: pb.TransferParams, reason: str) -> None:
+    async def _abort_remote(self, params: TransferParams, reason: str) -> None:
         """Best effort: let P release the lease now rather than at expiry."""
         try:
-            await self.channels.peer(params.remote_address).Abort(
-                pb.PeerAbortRequest(engine_id=params.remote_engine_id, request_id=params.request_id, generation=params.generation,
-                                    capability=params.capability, reason=reason), timeout=5, metadata=self.channels.metadata())
+            await self.channels.abort(params.remote_address, PeerAbort(params.remote_engine_id, params.request_id, params.generation,
+                                                                       params.capability, reason), timeout=5)
         except grpc.aio.AioRpcError as e:
             log.info("peer abort of request_id=%s not delivered: %s", params.request_id, e.code().name)
 
@@ -393,20 +384,19 @@ class Puller:
                 self.tasks.spawn(self._renew(address, pulls))
 
     async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
-        req = pb.RenewLeasesRequest(engine_id=pulls[0].params.remote_engine_id, reader_engine_id=self.config.engine_id,
-                                    leases=[pb.LeaseRef(request_id=p.params.request_id, generation=p.params.generation, capability=p.params.capability) for p in pulls])
+        leases = [LeaseRef(p.params.request_id, p.params.generation, p.params.capability) for p in pulls]
         try:
-            resp = await self.channels.peer(address).RenewLeases(req, timeout=5, metadata=self.channels.metadata())
+            alive = await self.channels.renew(address, pulls[0].params.remote_engine_id, self.config.engine_id, leases, timeout=5)
         except grpc.aio.AioRpcError as e:
             log.info("lease heartbeat to %s failed: %s", address, e.code().name)
             return  # the pull itself will find out
-        for p, ok in zip(pulls, resp.alive, strict=False):
+        for p, ok in zip(pulls, alive, strict=False):
             if not ok:
                 # Don't wait for a read that can only be refused.
                 p.cancel(f"publication of request_id={p.params.request_id!r} expired or ended on the prefill side")
 
 
-def _renew_interval(params: pb.TransferParams) -> float:
+def _renew_interval(params: TransferParams) -> float:
     """Heartbeat three times per lease, so one lost beat does not lose the lease."""
     lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
     return max(0.05, lease / 3)

@@ -8,16 +8,13 @@ import hmac
 import secrets
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvd.core.aggregate import PushLog
 from kvd.core.errors import InvalidArgument
 from kvd.core.relayout import GroupTensors
+from kvd.core.requests import Region
 from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 from kvd.regions import MappedRegion, check_intact, shm
-
-if TYPE_CHECKING:
-    from kvd.proto import kvd_pb2 as pb  # annotations only
 
 
 @dataclass
@@ -28,7 +25,7 @@ class Registration:
     groups: list[GroupSpec]
     tensors: list[GroupTensors]
     generation: int
-    region_pbs: list[pb.Region]
+    sources: tuple[Region, ...]  # as the worker described them: same-host peers map them too
     worker_token: bytes = b""
     nixl_handles: list[object] = field(default_factory=list)
     pushed: PushLog = field(default_factory=PushLog)  # what WatchFinished sent this registration

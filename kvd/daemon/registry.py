@@ -19,7 +19,6 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 
 from kvd import __version__
-from kvd.convert import group_from_pb, model_from_pb, worker_from_pb
 from kvd.core.errors import (
     FailedPrecondition,
     Incompatible,
@@ -30,6 +29,7 @@ from kvd.core.errors import (
 )
 from kvd.core.leases import RankKey
 from kvd.core.relayout import GroupTensors, sharing_groups
+from kvd.core.requests import Region, Registered, Registering
 from kvd.core.spec import (
     LAYER_STREAM,
     WIRE_VERSION,
@@ -42,7 +42,6 @@ from kvd.core.spec import (
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.registration import Registration, check_token, shm_names, token_for
-from kvd.proto import kvd_pb2 as pb
 from kvd.regions import MappedRegion, close_later, map_regions, shm
 from kvd.transport.nixl import NixlAgent
 
@@ -87,7 +86,7 @@ class Registry:
 
     # ------------------------------------------------------------ registering
 
-    async def register(self, req: pb.RegisterRequest) -> pb.RegisterResponse:
+    async def register(self, req: Registering) -> Registered:
         # One at a time: each is checked against the ranks registered before
         # it, and commits only after its mapping, which runs off the loop.
         async with self._registering:
@@ -102,7 +101,7 @@ class Registry:
                 raise
             return self._commit(req, worker, model, groups, mapped, handles, tensors, sharing)
 
-    def _map(self, regions: Sequence[pb.Region]) -> tuple[dict[str, MappedRegion], list[object]]:
+    def _map(self, regions: Sequence[Region]) -> tuple[dict[str, MappedRegion], list[object]]:
         """In a thread: map a worker's regions and register their host memory
         with NIXL, which reads and writes only registered memory (pinning it
         for RDMA takes long too); on any failure, nothing stays either."""
@@ -125,10 +124,10 @@ class Registry:
         for r in mapped.values():
             r.close()
 
-    def _check(self, req: pb.RegisterRequest) -> tuple[WorkerId, ModelInfo, list[GroupSpec]]:
-        worker = worker_from_pb(req.worker)
+    def _check(self, req: Registering) -> tuple[WorkerId, ModelInfo, list[GroupSpec]]:
+        worker = req.worker
         self._check_own(worker)
-        model = model_from_pb(req.model)
+        model = req.model
         for key, other in self.by_rank.items():
             if key == (worker.tp_rank, worker.pp_rank):
                 continue
@@ -139,7 +138,7 @@ class Registry:
         check_token(req.worker_token)
         if not req.groups:
             raise InvalidArgument("groups", 0, "must register at least one KV cache group")
-        groups = [group_from_pb(g, i) for i, g in enumerate(req.groups)]
+        groups = list(req.groups)
         ids = [g.group_id for g in groups]
         if ids != list(range(len(groups))):
             raise InvalidArgument("groups.group_id", ids, "must be 0..n-1 in order")
@@ -164,9 +163,9 @@ class Registry:
                 raise InvalidArgument(f"groups[{g.group_id}].spec.num_kv_heads", g.spec.num_kv_heads, f"should be {want} for tp_rank {worker.tp_rank} of {worker.tp_size} with {model.total_num_kv_heads} KV heads")
         return worker, model, groups
 
-    def _commit(self, req: pb.RegisterRequest, worker: WorkerId, model: ModelInfo, groups: list[GroupSpec],
+    def _commit(self, req: Registering, worker: WorkerId, model: ModelInfo, groups: list[GroupSpec],
                 mapped: dict[str, MappedRegion], handles: list[object], tensors: list[GroupTensors],
-                sharing: tuple[tuple[int, int], ...]) -> pb.RegisterResponse:
+                sharing: tuple[tuple[int, int], ...]) -> Registered:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.by_rank.pop(key, None)
         token = token_for(req.worker_token, old)
@@ -177,14 +176,13 @@ class Registry:
             self._release(old, unlink=bool(old.gone))  # a gone worker's regions: nobody else unlinks them
         self._generation += 1
         self.version += 1
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, list(req.regions), token, handles, sharing=sharing)
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, req.regions, token, handles, sharing=sharing)
         self.by_rank[key] = reg
         for hook in self.rank_joined:
             hook(reg)
         self._update_metrics()
         log.info("registered worker=%s regions=%d bytes=%d groups=%d layers=%d", worker, len(mapped), reg.nbytes, len(groups), sum(len(g.layers) for g in groups))
-        return pb.RegisterResponse(registration_generation=reg.generation, registered_bytes=reg.nbytes, daemon_epoch=self.epoch,
-                                   worker_token=reg.worker_token)
+        return Registered(reg.generation, reg.nbytes, self.epoch, reg.worker_token)
 
     def unregister(self, worker: WorkerId, token: bytes | None = None) -> None:
         key = self.registered(worker, token).worker

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvd.convert import worker_to_pb
 from kvd.core.aggregate import Outcome, ReportLedger, WorkerFinished
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import RankKey
+from kvd.core.requests import FinishedReport
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.outbound import PeerChannels
 from kvd.daemon.registry import Registry
-from kvd.proto import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.daemon")
 
@@ -84,8 +83,7 @@ class AggregatorReports:
             while self.pending:
                 report = self.in_flight = self.in_flight or self._next()
                 try:
-                    await self._channels.peer(self.aggregator_address).ReportFinished(
-                        self._request(report), timeout=5, metadata=self._channels.metadata())
+                    await self._channels.report(self.aggregator_address, self._request(report), timeout=5)
                 except grpc.aio.AioRpcError as e:
                     if e.code() not in REFUSED:
                         # Unreachable, or no answer in time (it may have applied
@@ -113,18 +111,10 @@ class AggregatorReports:
         self._seq += 1
         return Report(rank, batch, self._seq)
 
-    def _request(self, report: Report) -> pb.ReportFinishedRequest:
-        r = self._registry
-        reg = r.get(report.rank)
-        wid = worker_to_pb(reg.worker) if reg is not None else pb.WorkerId(engine_id=r.engine_id, tp_rank=report.rank[0], pp_rank=report.rank[1])
-        return pb.ReportFinishedRequest(
-            engine_id=r.engine_id, worker=wid, invalid_block_ids=sorted(report.batch.invalid_block_ids),
-            details=[pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
-                     for o in report.batch.outcomes()],
-            sender_epoch=r.epoch, seq=report.seq,
-        )
+    def _request(self, report: Report) -> FinishedReport:
+        return FinishedReport(self._registry.engine_id, report.rank, report.batch, self._registry.epoch, report.seq)
 
-    def receive(self, req: pb.ReportFinishedRequest, deliver: Callable[[WorkerFinished], None]) -> bool:
+    def receive(self, req: FinishedReport, deliver: Callable[[WorkerFinished], None]) -> bool:
         """Another rank's daemon reports to us, the engine's aggregator: its
         outcomes go to ``deliver``. False for a report applied before (sent
         again after a lost answer)."""
@@ -137,9 +127,6 @@ class AggregatorReports:
             self._metrics.repeated_reports.inc()
             log.info("report %d from daemon epoch %s applied before: not counted again", req.seq, req.sender_epoch[:8])
             return False
-        out = WorkerFinished(invalid_block_ids=set(req.invalid_block_ids))
-        for detail in req.details:  # one or many outcomes of that worker: a batch queued while we were unreachable
-            out.add(Outcome(detail.request_id, detail.direction, detail.outcome, detail.reason, detail.bytes))
-        deliver(out)
+        deliver(req.finished)  # one or many outcomes of that worker: a batch queued while we were unreachable
         self.ledger.record(req.sender_epoch, req.seq)
         return True

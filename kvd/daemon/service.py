@@ -1,18 +1,40 @@
-"""The gRPC shell: translate RPCs into Daemon calls and KvdErrors into statuses."""
+"""The gRPC shell: translate RPCs into Daemon calls and KvdErrors into statuses.
+
+Each request becomes the core's dataclasses here, once (``kvd.convert``),
+and each answer protobuf again; the daemon's parts never see a message."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvd import __version__
 from kvd.auth import WORKER_TOKEN_HEADER, TokenInterceptor, is_local_peer
-from kvd.convert import worker_from_pb
+from kvd.convert import (
+    engine_to_pb,
+    finished_to_pb,
+    introduction_from_pb,
+    leases_from_pb,
+    params_from_pb,
+    params_to_pb,
+    peer_abort_from_pb,
+    publish_engine_from_pb,
+    publish_from_pb,
+    pull_from_pb,
+    registered_to_pb,
+    registering_from_pb,
+    report_from_pb,
+    resolution_to_pb,
+    worker_from_pb,
+    worker_to_pb,
+)
 from kvd.core.aggregate import WorkerFinished
 from kvd.core.errors import KvdError, PermissionDenied, ResourceExhausted
 from kvd.daemon.daemon import Daemon
@@ -84,17 +106,6 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-def finished_to_pb(f: WorkerFinished, seq: int = 0) -> pb.GetFinishedResponse:
-    details = [
-        pb.FinishedDetail(request_id=o.request_id, direction=o.direction, outcome=o.outcome, reason=o.reason, bytes=o.bytes)
-        for o in f.outcomes()
-    ]
-    return pb.GetFinishedResponse(
-        finished_sending=sorted(f.sending), finished_recving=sorted(f.recving),
-        invalid_block_ids=sorted(f.invalid_block_ids), details=details, seq=seq,
-    )
-
-
 def worker_token(context: grpc.aio.ServicerContext) -> bytes:
     for key, value in context.invocation_metadata() or ():
         if key == WORKER_TOKEN_HEADER:
@@ -116,7 +127,7 @@ class WorkerService(pbg.WorkerServicer):
     @rpc
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         self._local(context)
-        return await self.d.registry.register(request)
+        return registered_to_pb(await self.d.registry.register(registering_from_pb(request)))
 
     @rpc
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
@@ -125,23 +136,31 @@ class WorkerService(pbg.WorkerServicer):
 
     @rpc
     def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
-        return self.d.publisher.publish(request, self._local(context))
+        token = self._local(context)
+        return pb.PublishResponse(params=params_to_pb(self.d.publisher.publish(publish_from_pb(request), token)))
 
     @rpc
     def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
-        return self.d.publisher.publish_engine(request, self._local(context))
+        token = self._local(context)
+        return pb.PublishResponse(params=params_to_pb(self.d.publisher.publish_engine(publish_engine_from_pb(request), token)))
 
     @rpc
     def LayersSaved(self, request: pb.LayersSavedRequest, context: Any) -> pb.LayersSavedResponse:
-        return pb.LayersSavedResponse(advanced=self.d.publisher.layers_saved(request, self._local(context)))
+        token = self._local(context)
+        return pb.LayersSavedResponse(advanced=self.d.publisher.layers_saved(worker_from_pb(request.worker), list(request.request_ids),
+                                                                             request.layers_saved, token))
 
     @rpc
     def Pull(self, request: pb.PullRequest, context: Any) -> pb.PullResponse:
-        return self.d.puller.pull(request, self._local(context))
+        token = self._local(context)
+        self.d.puller.pull(pull_from_pb(request), token)
+        return pb.PullResponse(accepted=True)
 
     @rpc
     def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.d.abort(request, self._local(context)))
+        token = self._local(context)
+        release = params_from_pb(request.release) if request.HasField("release") else None
+        return pb.AbortResponse(found=self.d.abort(worker_from_pb(request.worker), request.request_id, release, token))
 
     @rpc
     def GetFinished(self, request: pb.GetFinishedRequest, context: Any) -> pb.GetFinishedResponse:
@@ -234,23 +253,25 @@ class PeerService(pbg.PeerServicer):
         if self.d.handshakes.slots.locked():
             raise ResourceExhausted(f"more than {self.d.config.max_pending_handshakes} handshakes pending")
         async with self.d.handshakes.slots:
-            return self.d.handshakes.handshake(request)
+            callee = self.d.handshakes.handshake(introduction_from_pb(request.caller))
+            return pb.HandshakeResponse(callee=engine_to_pb(callee), data_token=callee.data_token)
 
     @rpc
     def Abort(self, request: pb.PeerAbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.d.publisher.peer_abort(request))
+        return pb.AbortResponse(found=self.d.publisher.peer_abort(peer_abort_from_pb(request)))
 
     @rpc
     def RenewLeases(self, request: pb.RenewLeasesRequest, context: Any) -> pb.RenewLeasesResponse:
-        return self.d.publisher.renew_leases(request)
+        return pb.RenewLeasesResponse(alive=self.d.publisher.renew_leases(request.engine_id, leases_from_pb(request)))
 
     @rpc
     async def Resolve(self, request: pb.ResolveRequest, context: Any) -> pb.ResolveResponse:
-        return await self.d.publisher.resolve(request)
+        r = request
+        return resolution_to_pb(await self.d.publisher.resolve(r.engine_id, r.request_id, r.capability, r.wait_seconds))
 
     @rpc
     def ReportFinished(self, request: pb.ReportFinishedRequest, context: Any) -> pb.ReportFinishedResponse:
-        self.d.finished.reports.receive(request, self.d.finished.report_to_hub)
+        self.d.finished.reports.receive(report_from_pb(request), self.d.finished.report_to_hub)
         return pb.ReportFinishedResponse()
 
 
@@ -260,7 +281,24 @@ class AdminService(pbg.AdminServicer):
 
     @rpc
     def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
-        return self.d.status()
+        return status_to_pb(self.d)
+
+
+def status_to_pb(d: Daemon) -> pb.StatusResponse:
+    now = time.monotonic()
+    return pb.StatusResponse(
+        engine_id=d.config.engine_id, epoch=d.epoch, version=__version__, draining=d.draining,
+        workers=[pb.WorkerStatus(worker=worker_to_pb(r.worker), regions=len(r.regions), bytes=r.nbytes, layers=sum(len(g.layers) for g in r.groups), region_ids=sorted(r.regions)) for r in d.registry],
+        peers=sorted(d.handshakes.peers), publications=len(d.publications), pinned_ranks=d.publications.pinned, pulls_in_flight=len(d.puller.pulls),
+        leases=[pb.LeaseStatus(request_id=p.request_id, generation=p.generation, ranks=[f"tp{t}/pp{q}" for t, q in sorted(p.masks)], expires_in_seconds=p.expires_at - now)
+                for p in list(d.publications.by_request.values())[:200]],
+        pulls=[pb.PullStatus(request_id=rid, worker=str(p.worker), remote_engine_id=p.params.remote_engine_id, age_seconds=now - p.started,
+                             phase=p.progress.phase, landed_bytes=landed, planned_bytes=planned)
+               for (_, rid), p in list(d.puller.pulls.items())[:200] for landed, planned in [p.progress.landed_bytes()]],
+        recent_failures=[pb.FailureStatus(request_id=f.request_id, reason=f.reason, message=f.message, age_seconds=now - f.at) for f in d.puller.recent_failures],
+        staging_buffers=d.data_client.staging_buffers(), staging_bytes=d.data_client.staging_bytes(),
+        tasks=len(d.tasks) + len(d.puller.pulls),
+    )
 
 
 def build_server(daemon: Daemon) -> tuple[grpc.aio.Server, health.HealthServicer]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.core.errors import InvalidArgument
-from kvd.proto import kvd_pb2 as pb
+from kvd.core.requests import Blocks, TransferParams
 
 BlockIds = tuple[tuple[int, ...], ...]  # per KV cache group
 
@@ -57,12 +57,12 @@ class LoadRequest:
 
     request_id: str
     local_block_ids: BlockIds
-    params: pb.TransferParams
+    params: TransferParams
     local_first_tokens: tuple[int, ...] = ()
 
 
 def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int, block_size: int,
-                published: pb.TransferParams | None = None) -> dict[str, Any]:
+                published: TransferParams | None = None) -> dict[str, Any]:
     """The JSON-safe dict P returns from ``request_finished``; with
     ``published`` (the daemon's params: it is published already), its
     generation and epoch, so D's daemon need not resolve them."""
@@ -105,12 +105,12 @@ def is_kvd_load(params: Mapping[str, Any] | None) -> bool:
     return params is not None and bool(params.get("do_remote_prefill")) and "kvd_capability" in params
 
 
-def release_params(params: Mapping[str, Any]) -> pb.TransferParams:
+def release_params(params: Mapping[str, Any]) -> TransferParams:
     """What D's daemon needs to tell P it will not read a publication."""
     check_params(params)
-    return pb.TransferParams(remote_engine_id=str(params["remote_engine_id"]), request_id=str(params["remote_request_id"]),
-                             remote_address=f"{params['remote_host']}:{int(params['remote_port'])}",
-                             capability=bytes.fromhex(str(params["kvd_capability"])))
+    return TransferParams(remote_engine_id=str(params["remote_engine_id"]), request_id=str(params["remote_request_id"]),
+                          remote_address=f"{params['remote_host']}:{int(params['remote_port'])}",
+                          capability=bytes.fromhex(str(params["kvd_capability"])), block_ids=(), num_tokens=0)
 
 
 def check_params(params: Mapping[str, Any]) -> None:
@@ -183,9 +183,9 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
             raise InvalidArgument(f"local_block_ids[{g}]", [], f"is empty from token {first}: nothing to load into")
         ids.append(mine.ids[: max(0, -(-(loaded - first) // bs))])  # blocks past the last loaded token hold nothing of P's
         firsts_local.append(first)
-    tp = pb.TransferParams(
+    tp = TransferParams(
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
-        block_ids=[pb.BlockIds(ids=r, first_token=f) for r, f in zip(remote, firsts, strict=True)], num_tokens=loaded,
+        block_ids=tuple(Blocks(tuple(r), f) for r, f in zip(remote, firsts, strict=True)), num_tokens=loaded,
         remote_tp_size=int(params.get("tp_size", 1)), remote_pp_size=int(params.get("pp_size", 1)),
         lease_seconds=float(params.get("kvd_lease_seconds", 0.0)), stream=stream, generation=generation, remote_epoch=epoch,
     )

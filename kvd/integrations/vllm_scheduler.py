@@ -22,6 +22,8 @@ from vllm.v1.request import RequestStatus
 
 from kvd.auth import AuthConfig
 from kvd.client import KvdClient, daemon_status
+from kvd.convert import params_from_pb
+from kvd.core.requests import TransferParams
 from kvd.errors import FailedPrecondition, KvdError, PermissionDenied
 from kvd.integrations.kv_params import (
     GroupBlocks,
@@ -35,7 +37,6 @@ from kvd.integrations.kv_params import (
     release_params,
 )
 from kvd.integrations.vllm_caches import group_parts
-from kvd.proto import kvd_pb2 as pb
 from kvd.spec import WorkerId
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     # Loads claimed but impossible: the worker reports them failed, with their blocks.
     failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Publications D will not read (it holds the whole prompt already): P may free them now.
-    to_release: dict[str, pb.TransferParams] = field(default_factory=dict)
+    to_release: dict[str, TransferParams] = field(default_factory=dict)
     # Streamed publications whose request ended before D read them, by request id: their name, and whether
     # vLLM holds the blocks for their finished_sending (aborted) or freed them itself (preempted).
     to_end: dict[str, tuple[str, bool]] = field(default_factory=dict)
@@ -161,7 +162,7 @@ class SchedulerSide:
         self._to_publish: dict[str, Publication] = {}
         self._to_load: dict[str, LoadRequest] = {}
         self._failed_loads: dict[str, tuple[int, ...]] = {}
-        self._to_release: dict[str, pb.TransferParams] = {}
+        self._to_release: dict[str, TransferParams] = {}
         self._to_end: dict[str, tuple[str, bool]] = {}
         # Layer-wise streaming on P: requests allocated this step, and those
         # published to stream (by request id, their publication's name).
@@ -206,7 +207,7 @@ class SchedulerSide:
         client.worker_token = tokens[0]
         self._engine_client = client
 
-    def _publish_now(self, rid: str, pub: Publication) -> pb.TransferParams | None:
+    def _publish_now(self, rid: str, pub: Publication) -> TransferParams | None:
         """``pub`` published for every rank; None: the workers publish it on the next step."""
         client = self._engine_client
         if client is None or pub.request_id != rid:
@@ -217,8 +218,8 @@ class SchedulerSide:
         if now < self._engine_paused_until:
             return None
         try:
-            params = client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
-                                           lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens)
+            params = params_from_pb(client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
+                                                          lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens))
             if self._engine_paused_until:
                 log.warning("kvd: the scheduler publishes for the engine again")
             self._engine_refusals, self._engine_paused_until = 0, 0.0

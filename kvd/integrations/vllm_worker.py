@@ -34,6 +34,8 @@ from kvd.client import (
     daemon_status,
     infer_spec_from_tensors,
 )
+from kvd.convert import params_to_pb
+from kvd.core.requests import TransferParams
 from kvd.errors import KvdError, Status
 from kvd.integrations.kv_params import Publication
 from kvd.integrations.vllm_caches import (
@@ -46,7 +48,6 @@ from kvd.integrations.vllm_caches import (
 )
 from kvd.integrations.vllm_link import DaemonLink
 from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, Settings
-from kvd.proto import kvd_pb2 as pb
 from kvd.spec import (
     KVCacheSpec,
     ModelInfo,
@@ -91,7 +92,7 @@ class WorkerSide:
         self._done_sending: set[str] = set()  # failed publishes: free the blocks at once
         self._done_recving: set[str] = set()  # failed pulls
         self._lock = threading.Lock()  # guards _refused, which gRPC threads fill
-        self._refused: dict[str, tuple[pb.TransferParams, KvdError]] = {}  # pulls the daemon refused, not yet reported
+        self._refused: dict[str, tuple[TransferParams, KvdError]] = {}  # pulls the daemon refused, not yet reported
         self._reported_failed: set[str] = set()  # refused pulls reported failed, in case the daemon's outcome comes after all
         self._failed_recving: set[str] = set()
         self._invalid: set[int] = set()
@@ -218,7 +219,7 @@ class WorkerSide:
                 self._publish(rid, pub)
         for rid, release in meta.to_release.items():
             try:
-                client.abort(rid, release=release)
+                client.abort(rid, release=params_to_pb(release))
             except KvdError as e:
                 log.info("kvd: could not release request %s on %s (its lease will): %s", release.request_id, release.remote_address, e.message)
         for rid, ids in meta.failed_loads.items():
@@ -245,17 +246,18 @@ class WorkerSide:
         for rid, load in meta.to_load.items():
             self._loading[rid] = {i for g in load.local_block_ids for i in g}
             answered = functools.partial(self._pull_answered, rid, load.params)
+            params = params_to_pb(load.params)  # the client's message
             if after.cuda:
-                after.run(functools.partial(client.pull_nowait, rid, load.params, load.local_block_ids,
+                after.run(functools.partial(client.pull_nowait, rid, params, load.local_block_ids,
                                             first_tokens=load.local_first_tokens, answered=answered))
                 continue
             try:
-                client.pull(rid, load.params, load.local_block_ids, first_tokens=load.local_first_tokens)
+                client.pull(rid, params, load.local_block_ids, first_tokens=load.local_first_tokens)
             except KvdError as e:
                 answered(e)
         meta.to_load = {}  # started: once per step, whichever hook got there first
 
-    def _pull_answered(self, rid: str, params: pb.TransferParams, error: KvdError | None) -> None:
+    def _pull_answered(self, rid: str, params: TransferParams, error: KvdError | None) -> None:
         """Keep a refusal for the engine's next poll (from a gRPC thread for GPU loads)."""
         if error is not None:
             with self._lock:
@@ -272,7 +274,7 @@ class WorkerSide:
                 continue  # its outcome came first: the daemon took it, and only its answer was lost
             log.error("kvd: load of request %s refused by the local daemon (%s): %s", rid, error.status.name, error.message)
             with contextlib.suppress(KvdError):  # P need not hold what we will not read
-                self.client.abort(rid, release=params)
+                self.client.abort(rid, release=params_to_pb(params))
             out.finished_recving.add(rid)
             out.failed_recving.add(rid)
             self._invalid |= ids

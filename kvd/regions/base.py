@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from kvd.core.errors import FailedPrecondition, InvalidArgument
-from kvd.proto import kvd_pb2
+from kvd.core.requests import CudaIpcSource, Region, ShmSource
 
 
 class MappedRegion(Protocol):
@@ -29,26 +29,26 @@ class MappedRegion(Protocol):
 REGION_ID_MAX = 128
 
 
-def map_region(region: kvd_pb2.Region) -> MappedRegion:
+def map_region(region: Region) -> MappedRegion:
     """Map a worker's region descriptor, checking it is reachable and big enough."""
     rid = region.region_id
     if not rid or len(rid) > REGION_ID_MAX or not all(c.isalnum() or c in "-_." for c in rid):
         raise InvalidArgument("region.region_id", rid, f"must be 1-{REGION_ID_MAX} chars of [A-Za-z0-9-_.]")
     if region.size_bytes <= 0:
         raise InvalidArgument(f"regions[{rid}].size_bytes", region.size_bytes, "must be positive")
-    source = region.WhichOneof("source")
-    if source == "shm":
+    source = region.source
+    if isinstance(source, ShmSource):
         from kvd.regions import shm
 
-        return shm.ShmRegion.open(rid, region.shm.name, region.size_bytes)
-    if source == "cuda_ipc":
+        return shm.ShmRegion.open(rid, source.name, region.size_bytes)
+    if isinstance(source, CudaIpcSource):
         from kvd.regions import cuda_ipc
 
-        return cuda_ipc.CudaIpcRegion.open(rid, region.cuda_ipc, region.size_bytes)
-    raise InvalidArgument(f"regions[{rid}].source", source, "must be shm or cuda_ipc")
+        return cuda_ipc.CudaIpcRegion.open(rid, source, region.size_bytes)
+    raise InvalidArgument(f"regions[{rid}].source", None, "must be shm or cuda_ipc")
 
 
-def map_regions(regions: Iterable[kvd_pb2.Region]) -> dict[str, MappedRegion]:
+def map_regions(regions: Iterable[Region]) -> dict[str, MappedRegion]:
     """Map every region, by id; on any failure none stays mapped.
 
     Mapping faults in every page of shared memory (about 70 ms a GiB on a

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 import torch
 
 from kvd.core.errors import InvalidArgument
-from kvd.proto import kvd_pb2
+from kvd.core.requests import CudaIpcSource
 
 
-def export_storage(tensor: torch.Tensor) -> kvd_pb2.CudaIpcSource:
+def export_storage(tensor: torch.Tensor) -> CudaIpcSource:
     """Describe the CUDA allocation behind ``tensor`` for another process."""
     if not tensor.is_cuda:
         raise InvalidArgument("tensor.device", str(tensor.device), "is not a CUDA device")
     (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
         tensor.untyped_storage()._share_cuda_()
     )
-    return kvd_pb2.CudaIpcSource(
+    return CudaIpcSource(
         device=int(device),
         handle=bytes(handle),
         storage_size_bytes=int(size),
@@ -43,7 +43,7 @@ class CudaIpcRegion:
     kind: str = "cuda_ipc"
 
     @classmethod
-    def open(cls, region_id: str, src: kvd_pb2.CudaIpcSource, size: int) -> CudaIpcRegion:
+    def open(cls, region_id: str, src: CudaIpcSource, size: int) -> CudaIpcRegion:
         field = f"regions[{region_id}].cuda_ipc"
         if not torch.cuda.is_available():
             raise InvalidArgument(field, "handle", "cannot be opened: this daemon has no CUDA device")

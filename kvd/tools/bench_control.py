@@ -30,13 +30,20 @@ from typing import Any
 
 import numpy as np
 
-from kvd.convert import offer_from_pb, read_from_pb, read_to_pb
+from kvd.convert import (
+    publish_from_pb,
+    publish_to_pb,
+    pull_from_pb,
+    pull_to_pb,
+    read_from_pb,
+    read_to_pb,
+)
 from kvd.core.leases import PublicationTable
 from kvd.core.owner import Owner
 from kvd.core.reads import Offer
-from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+from kvd.core.requests import Blocks, PublishOrder, PullOrder, TransferParams
+from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo, WorkerId
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES, IN_PLACE_SEGMENT_BYTES, plan_pull
-from kvd.proto import kvd_pb2 as pb
 from kvd.testing.sim import SimEngine, make_engine
 
 SIZES = (1_000, 10_000, 100_000)
@@ -65,22 +72,22 @@ def control_path(blocks: int, *, layers: int, heads: int, head_size: int, block_
     owner = Owner("P", "host", PublicationTable(60.0, "e"), same_host=False, max_segments_per_read=1 << 20)
     reader = owner.reader_joined(d.meta)
     t0 = time.perf_counter()
-    # P's worker publishes: its message, then the lease table's checks.
-    msg = pb.PublishRequest(request_id="r", block_ids=[pb.BlockIds(ids=p_ids)], num_tokens=num_tokens, capability=b"c" * 32)
-    got = pb.PublishRequest.FromString(msg.SerializeToString())
-    pub, _ = owner.publish((0, 0), got.request_id, [list(got.block_ids[0].ids)], [p_rank.tensors], got.num_tokens, 0.0,
-                           capability=got.capability)
+    # P's worker publishes: its message, as the daemon's edge converts it, then the lease table's checks.
+    msg = publish_to_pb(PublishOrder("r", (Blocks(tuple(p_ids)),), num_tokens, capability=b"c" * 32))
+    got = publish_from_pb(type(msg).FromString(msg.SerializeToString()))
+    pub, _ = owner.publish((0, 0), got.request_id, [np.asarray(b.ids, dtype=np.int64) for b in got.block_ids], [p_rank.tensors],
+                           got.num_tokens, 0.0, capability=got.capability)
     # D's worker pulls with P's params; D's daemon plans.
-    params = pb.TransferParams(request_id="r", generation=pub.generation, capability=got.capability, num_tokens=num_tokens,
-                               block_ids=[pb.BlockIds(ids=p_ids)])
-    pull = pb.PullRequest(request_id="r", params=params, local_block_ids=[pb.BlockIds(ids=d_ids)])
-    pull = pb.PullRequest.FromString(pull.SerializeToString())
-    offer: Offer = offer_from_pb(pull.params)
+    params = TransferParams("P", "p:1", "r", got.capability, got.block_ids, num_tokens, generation=pub.generation)
+    sent = pull_to_pb(PullOrder(WorkerId("D"), "r", params, (Blocks(tuple(d_ids)),)))
+    pull = pull_from_pb(type(sent).FromString(sent.SerializeToString()))
+    offer: Offer = pull.params.offer()
     reads = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[d_rank.tensors], local_group_specs=[d_rank.group],
-                      remote=p.meta, params=offer, local_block_ids=[list(pull.local_block_ids[0].ids)], segment_bytes=segment_bytes)
+                      remote=p.meta, params=offer, local_block_ids=[list(pull.local[0].ids)], segment_bytes=segment_bytes)
     # Every read crosses as a READ message, and the owner authorises it block by block.
     for rr in reads:
-        read = read_from_pb(pb.DataRead.FromString(read_to_pb(rr.read).SerializeToString()))
+        wire = read_to_pb(rr.read)
+        read = read_from_pb(type(wire).FromString(wire.SerializeToString()))
         owner.authorize(read, reader, [p_rank.tensors], 0.0)
     return time.perf_counter() - t0
 

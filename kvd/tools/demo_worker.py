@@ -169,22 +169,19 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                         for t, c, (first, g_ids) in zip(tensors, coords, mine, strict=True):
                             pattern.fill(t, seed, g_ids, c, first_token=first)
                         out.append(client.publish(rid, [g for _, g in mine], ntok, capability=cap,
-                                                  first_tokens=[f for f, _ in mine]).SerializeToString())
+                                                  first_tokens=[f for f, _ in mine]))
                     conn.send(("ok", out))
                 elif cmd == "prefill":  # ([(rid, seed, block_ids, num_tokens, capability)], seconds per layer, Prefill)
                     reqs, layer_s, how = arg
                     prefill(client, conn, reqs, [[own(ids, ntok, kind) for kind in kinds] for _, _, ids, ntok, _ in reqs],
                             tensors, coords, stage_layers(model, worker.pp_size, worker.pp_rank), layer_s, how)
-                elif cmd == "pull":  # [(rid, params bytes, local ids)]
-                    from kvd.proto import kvd_pb2 as pb
-
+                elif cmd == "pull":  # [(rid, params, local ids)]
                     if feed is None:  # pushed outcomes: the time a pull landed is not a poll's
                         feed = FinishedFeed(client).start()
                         if not feed.subscribed.wait(30):
                             raise RuntimeError(f"{worker}: the daemon's finished stream did not start within 30 s")
                     t0 = time.perf_counter()
-                    for rid, raw, ids in arg:
-                        params = pb.TransferParams.FromString(raw)
+                    for rid, params, ids in arg:
                         mine = [own(ids, params.num_tokens, kind) for kind in kinds]
                         client.pull(rid, params, [g for _, g in mine], first_tokens=[f for f, _ in mine])
                     done = feed.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
@@ -284,9 +281,9 @@ def prefill(client: Any, conn: Connection, reqs: Sequence[Any], mine: Sequence[S
         for t, c, (first, ids) in zip(tensors, coords, groups, strict=True):
             pattern.fill(t, seed ^ STALE, ids, c, first_token=first)
 
-    def publish() -> list[bytes]:
+    def publish() -> list[Any]:  # the daemon's params, as the pipe pickles them
         return [client.publish(rid, [g for _, g in groups], ntok, capability=cap, first_tokens=[f for f, _ in groups],
-                               stream=how.stream).SerializeToString() for (rid, _s, _i, ntok, cap), groups in zip(reqs, mine, strict=True)]
+                               stream=how.stream) for (rid, _s, _i, ntok, cap), groups in zip(reqs, mine, strict=True)]
 
     streaming = how.stream and how.publish
     global _BURNER

@@ -1,23 +1,31 @@
-"""What the daemon needs from a data-plane transport.
+"""What the daemon needs from a data-plane transport, and the one interface
+a way of moving bytes plugs in by.
 
-A transport moves the bytes of ``DataRead``s: the reading side sends the read
-and lands each segment through its ``SegmentSink``; the owning side asks a
-``ReadServer`` (the daemon) to authorise the read and to produce each segment's
-bytes. Planning, relayout, leases and metrics stay in the daemon, so another
-transport (same-host copy, NIXL) plugs in by implementing these two halves.
+Every read goes over a data connection (``tcp_client``, ``tcp_server``): the
+reader's READ, the owner's END, the reader's ACK. So authorisation, leases,
+pins and the end of a publication are the same however the bytes cross. The
+bytes themselves cross by a *byte mover*: DATA frames on that connection
+(``FramesIn``/``FramesOut``), a copy from the owner's memory mapped on this
+host (``samehost``), or a NIXL READ (``nixl``). A mover has two halves: the
+reader's ``ReadMover`` and the owner's ``ServeMover``. The READ names the
+mover (``Read.via``); the owner answers with the one it has by that name.
+Planning, relayout, leases and metrics stay in the daemon; the owner's
+decisions come through ``ReadServer`` and ``OpenRead``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvd.core.reads import DataRead
-from kvd.core.session import Hello
+from kvd.core.session import Hello, Read
 from kvd.core.sinks import SegmentSink
+from kvd.transport.framing import FrameSocket
 
 CPU = torch.device("cpu")
 
@@ -117,13 +125,38 @@ class ReadServer(Protocol):
     def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
 
 
-class TransportClient(Protocol):
-    name: str
+class ReadMover(Protocol):
+    """The reader's half of a byte mover."""
 
-    async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-                   local_source: Any = None) -> int:
-        """Move every segment of ``read``; mark ``landed[i]`` as each lands. Returns bytes moved.
-        ``local_source`` is the owner's memory mapped here (same host), if any."""
+    name: str  # what the READ asks for: ``Read.via``
+
+    def request(self, read: DataRead) -> Read:
+        """The READ that opens ``read``, flagged for this mover."""
         ...
 
-    async def close(self) -> None: ...
+    def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+             cancel: threading.Event) -> int:
+        """In the read's thread, once the READ left: land every segment
+        (``landed[i]`` set as each does, never after ``cancel``) and take the
+        owner's END (its ERROR raised). Returns bytes moved."""
+        ...
+
+    def scratch(self) -> list[int]:
+        """The sizes of the buffers it keeps between reads (``Admin.Status`` counts them)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what ``scratch`` holds (the connection is dropped)."""
+        ...
+
+
+class ServeMover(Protocol):
+    """The owner's half of a byte mover: one a data connection."""
+
+    name: str
+
+    def serve(self, fs: FrameSocket, opened: OpenRead, read: DataRead) -> int:
+        """Answer the authorised ``read`` up to its END (which the connection
+        sends): DATA frames, one DESCS frame, or nothing where the reader copies.
+        Returns the bytes the read moves; a KvdError refuses it midway."""
+        ...

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvd.convert import read_from_pb, read_to_pb
+from kvd.convert import descriptors_from_pb, descriptors_to_pb, read_from_pb, read_to_pb
 from kvd.core.session import Ack, Descriptors, End, Error, Event, Hello, HelloOk, Read
 from kvd.core.wire import FLAG_LOCAL, FLAG_NIXL, FrameType, ProtocolError
 from kvd.proto import kvd_pb2 as pb
@@ -21,8 +21,7 @@ class PbCodec:
         if isinstance(event, Error):
             return pb.DataError(code=event.code, message=event.message).SerializeToString()
         if isinstance(event, Descriptors):
-            assert isinstance(event.message, pb.DataDescriptors)
-            return event.message.SerializeToString()
+            return descriptors_to_pb(event).SerializeToString()
         if isinstance(event, (HelloOk, Ack)):
             return b""
         raise ProtocolError(f"{type(event).__name__} has no control body")
@@ -42,7 +41,7 @@ class PbCodec:
                 e = pb.DataError.FromString(body)
                 return Error(e.code, e.message)
             if type_ is FrameType.DESCS:
-                return Descriptors(pb.DataDescriptors.FromString(body))
+                return descriptors_from_pb(pb.DataDescriptors.FromString(body))
             if type_ is FrameType.ACK:
                 return Ack()
         except Exception as e:  # DecodeError and worse: a peer that breaks the protocol

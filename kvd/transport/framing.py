@@ -20,13 +20,17 @@ import socket
 import ssl
 import struct
 from collections.abc import Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from kvd.core.session import HEADER_SIZE, Data, Event, ProtocolError, Session
+from kvd.core import errors
+from kvd.core.session import HEADER_SIZE, Data, Error, Event, ProtocolError, Session
 from kvd.transport import iovec
 from kvd.transport.codec import CODEC
+
+E = TypeVar("E")
 
 # Bigger kernel buffers let one recv_into/send return megabytes, so a read
 # takes far fewer syscalls (per-call cost is what limited earlier versions).
@@ -134,6 +138,15 @@ class FrameSocket:
         body = bytearray(head.length)
         self.recv_into(memoryview(body))
         return self.session.receive_body(bytes(body))
+
+    def expect(self, kind: type[E]) -> E:
+        """The peer's one control answer, of ``kind``; its ERROR raised as the error it names."""
+        ev = self.next_event()
+        if isinstance(ev, Error):
+            raise errors.from_code(ev.code, ev.message)
+        if not isinstance(ev, kind):
+            raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}")
+        return ev
 
     def recv_into(self, view: memoryview) -> None:
         got, flags = 0, 0 if self.tls else socket.MSG_WAITALL

@@ -23,19 +23,22 @@ CMA on one host, TCP or RDMA across hosts. Its traffic is not encrypted, so
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvd.core import errors
+from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, run_copies
+from kvd.core.session import Descriptors, End, Read
 from kvd.core.sinks import SegmentSink
-from kvd.proto import kvd_pb2 as pb
+from kvd.transport.framing import FrameSocket
 
 # NIXL's Python logger prints INFO on stdout; keep the daemon's output its own.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -195,7 +198,7 @@ def descs(ptrs: Sequence[int] | np.ndarray, lengths: Sequence[int] | np.ndarray)
     return out
 
 
-def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: int) -> tuple[pb.DataDescriptors, int]:
+def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: int) -> tuple[Descriptors, int]:
     """Owner side: one descriptor per segment of an authorised read.
 
     A segment that is already a contiguous view of registered memory is
@@ -245,10 +248,8 @@ def expose(agent: NixlAgent, opened: Any, count: int, arena: Arena, max_bytes: i
             in_place_blocks += opened.segment_blocks(i)
     opened.check_alive()
     opened.count_sent(in_place, in_place_blocks, "nixl")
-    msg = pb.DataDescriptors(agent_name=agent.name, addrs=np.concatenate(addrs).tolist(), lengths=np.concatenate(lengths).tolist())
-    if any(c != 1 for c in counts):
-        msg.counts.extend(counts)
-    return msg, sum(sizes)
+    every = np.asarray(counts if any(c != 1 for c in counts) else [], dtype=np.int64)
+    return Descriptors(agent.name, np.concatenate(addrs).astype(np.uint64), np.concatenate(lengths).astype(np.uint64), every), sum(sizes)
 
 
 class _Fixed:
@@ -261,12 +262,12 @@ class _Fixed:
         return self.buf[:nbytes]  # host memory NIXL registered, wherever the source lies
 
 
-def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink], landed: list[bool], arena: Arena,
+def land(agent: NixlAgent, msg: Descriptors, sinks: Sequence[SegmentSink], landed: list[bool], arena: Arena,
          cancel: threading.Event, stall_s: float, on_relayout: Any, run: CopyRunner = run_copies) -> int:
     """Reader side: READ every segment, straight into place where it lands
     as-is, else into the arena and relaid out from there."""
-    counts = np.asarray(msg.counts or [1] * len(sinks), dtype=np.int64)
-    lengths = np.asarray(msg.lengths, dtype=np.uint64)
+    counts = msg.counts if len(msg.counts) else np.ones(len(sinks), dtype=np.int64)
+    lengths = msg.lengths
     if len(counts) != len(sinks) or len(msg.addrs) != len(lengths) or int(counts.sum()) != len(lengths) or (counts < 1).any():
         raise errors.InvalidArgument("descriptors", f"<{len(counts)} segments, {len(lengths)} descriptors>",
                                      f"must describe the read's {len(sinks)} segments")
@@ -313,7 +314,7 @@ def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink]
     local = np.repeat(bases, counts) + within
     for i, addrs in in_place.items():
         local[starts[i]:ends[i]] = addrs
-    agent.read(msg.agent_name, descs(local, lengths), descs(np.asarray(msg.addrs, dtype=np.uint64), lengths), cancel=cancel, stall_s=stall_s)
+    agent.read(msg.agent_name, descs(local, lengths), descs(msg.addrs, lengths), cancel=cancel, stall_s=stall_s)
     t0 = time.perf_counter()
     for i, buf in staged:
         if cancel.is_set():
@@ -324,3 +325,62 @@ def land(agent: NixlAgent, msg: pb.DataDescriptors, sinks: Sequence[SegmentSink]
     for i in range(len(sinks)):
         landed[i] = True
     return int(lengths.sum())
+
+
+class NixlIn:
+    """The reader's half of the NIXL mover, one a data connection: the owner
+    answers where each segment lies (DESCS), one NIXL READ moves them all."""
+
+    name = "nixl"
+
+    def __init__(self, agent: NixlAgent, address: str, peers: dict[str, tuple[str, int]], stall_s: float,
+                 on_relayout: Callable[[float], None], run: CopyRunner) -> None:
+        self.agent, self.address, self.stall_s, self.on_relayout, self.run = agent, address, stall_s, on_relayout, run
+        self.peers = peers  # shared by the client's connections: data address -> (owner's agent, metadata version loaded)
+        self.arena: Arena | None = None  # landing scratch, registered on first use
+
+    def request(self, read: DataRead) -> Read:
+        known = self.peers.get(self.address)
+        return Read(dataclasses.replace(read, nixl_metadata_version=known[1] if known else 0), nixl=True)
+
+    def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+             cancel: threading.Event) -> int:
+        msg = fs.expect(Descriptors)
+        if msg.agent_metadata:
+            name = self.agent.add_remote(msg.agent_metadata)
+            if msg.metadata_version >= self.peers.get(self.address, ("", 0))[1]:
+                self.peers[self.address] = (name, msg.metadata_version)
+        if self.peers.get(self.address, ("", 0))[0] != msg.agent_name:
+            raise errors.FailedPrecondition(f"{self.address} answered for NIXL agent {msg.agent_name!r}, whose metadata we do not hold")
+        if self.arena is None:
+            self.arena = Arena(self.agent)
+        moved = land(self.agent, msg, sinks, landed, self.arena, cancel, self.stall_s, self.on_relayout, self.run)
+        fs.expect(End)  # the owner sends it right after DESCS
+        return int(moved)
+
+    def scratch(self) -> list[int]:
+        return [self.arena.buf.numel()] if self.arena is not None and self.arena.buf.numel() else []
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.release()
+
+
+class NixlOut:
+    """The owner's half, one a data connection: where each segment lies in
+    NIXL-registered memory (in place, or gathered into this connection's
+    arena, kept untouched until the reader's ACK), and our agent's metadata
+    where the reader's copy is stale."""
+
+    name = "nixl"
+
+    def __init__(self, agent: NixlAgent, arena: Arena, max_bytes: int) -> None:
+        self.agent, self.arena, self.max_bytes = agent, arena, max_bytes
+
+    def serve(self, fs: FrameSocket, opened: Any, read: DataRead) -> int:
+        opened.wait_saved()  # the reader copies it all at once: every layer first
+        msg, total = expose(self.agent, opened, len(read.segments), self.arena, self.max_bytes)
+        metadata, version = self.agent.metadata()
+        # The metadata only where the reader's copy lacks some registration (or it has none).
+        fs.send(dataclasses.replace(msg, metadata_version=version, agent_metadata=metadata if read.nixl_metadata_version != version else b""))
+        return total

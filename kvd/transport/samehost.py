@@ -12,7 +12,9 @@ copy).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -21,11 +23,13 @@ import torch
 from kvd.core.pieces import owner_iov, owner_pieces, serve_segment
 from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, GroupTensors, run_copies
+from kvd.core.session import End, Read
 from kvd.core.sinks import SegmentSink
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES
 from kvd.transport import device_pieces, iovec
-from kvd.transport.base import Staging
+from kvd.transport.base import OpenRead, Staging
 from kvd.transport.device import device_copies, thread_stream
+from kvd.transport.framing import FrameSocket
 
 
 class LocalSource:
@@ -123,3 +127,44 @@ def copy_local(read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
         for i in in_place:
             landed[i] = True
     return moved
+
+
+class SameHostIn:
+    """The reader's half of the same-host mover: the owner authorises (END,
+    no DATA), then ``copy_local`` copies from its memory mapped here."""
+
+    name = "samehost"
+
+    def __init__(self, source: LocalSource, copier: iovec.Copier, run: CopyRunner, on_relayout: Callable[[float], None]) -> None:
+        self.source, self.copier, self.run, self.on_relayout = source, copier, run, on_relayout
+
+    def request(self, read: DataRead) -> Read:
+        # The registration we mapped: a worker that registered again since makes the owner refuse it.
+        return Read(dataclasses.replace(read, mapped_registration=self.source.registration), local=True)
+
+    def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+             cancel: threading.Event) -> int:
+        # Authorisation first, then the copy: copying while the owner decides
+        # would save a round trip, but a refused read would already have
+        # written another request's bytes into our memory.
+        fs.expect(End)
+        t0 = time.perf_counter()
+        moved = copy_local(read, sinks, landed, self.source, cancel, self.copier, self.run)
+        self.on_relayout(time.perf_counter() - t0)
+        return moved
+
+    def scratch(self) -> list[int]:
+        return []  # the source's, per thread
+
+    def close(self) -> None:
+        pass
+
+
+class SameHostOut:
+    """The owner's half: nothing crosses; the reader copies once every layer is saved."""
+
+    name = "samehost"
+
+    def serve(self, fs: FrameSocket, opened: OpenRead, read: DataRead) -> int:
+        opened.wait_saved()  # the reader copies it all at once: every layer first
+        return 0

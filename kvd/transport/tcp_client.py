@@ -1,15 +1,16 @@
 """The reader's data plane: reads from peers over a small pool of connections.
 
 A read runs in one worker thread from its READ to its ACK, over a blocking
-``FrameSocket``, plain or TLS alike; the event loop only waits for it. What
-crosses depends on the owner: over TCP, each DATA frame is received straight
-into place (``recvmsg`` with MSG_WAITALL into the segment's pieces) when
-local memory has the wire layout, else into one of two (pinned) staging
-buffers whose relayout runs in another thread, on the GPU for GPU caches,
-while the next frame arrives; on the same host the owner only authorises
-and ``kvd.transport.samehost`` copies; with NIXL the owner answers where the
-bytes lie and ``kvd.transport.nixl`` reads them. The ACK is sent by the
-thread that saw the last byte land.
+``FrameSocket``, plain or TLS alike; the event loop only waits for it. The
+bytes cross by a byte mover (``kvd.transport.base.ReadMover``), chosen by
+what this daemon can do: where the owner's memory is mapped here (same
+host), ``samehost.SameHostIn`` copies it after the owner authorised; else the
+connection's own: ``nixl.NixlIn`` where this daemon has a NIXL agent, else
+``FramesIn``, DATA frames received straight into place (``recvmsg`` with
+MSG_WAITALL into the segment's pieces) when local memory has the wire
+layout, or into one of two (pinned) staging buffers whose relayout runs in
+another thread, on the GPU for GPU caches, while the next frame arrives.
+The ACK is sent by the thread that saw the last byte land.
 """
 
 from __future__ import annotations
@@ -29,29 +30,51 @@ import torch
 
 from kvd.core import errors
 from kvd.core.reads import DataRead
-from kvd.core.session import Ack, Data, Descriptors, End, Error, Event, Hello, ProtocolError, Read
+from kvd.core.session import Ack, Data, End, Error, Hello, ProtocolError, Read
 from kvd.core.sinks import SegmentSink
-from kvd.proto import kvd_pb2 as pb
-from kvd.transport.base import Staging
+from kvd.transport.base import ReadMover, Staging
 from kvd.transport.copy_threads import Batch, CopyThreads
 from kvd.transport.device import device_copies
 from kvd.transport.framing import FrameSocket, as_bytes, split_address, tune
 from kvd.transport.iovec import Copier
-from kvd.transport.nixl import Arena, NixlAgent, land
-from kvd.transport.samehost import LocalSource, copy_local
+from kvd.transport.nixl import NixlAgent, NixlIn
+from kvd.transport.samehost import LocalSource, SameHostIn
+
+
+class FramesIn:
+    """The reader's half of the TCP mover, one a data connection: DATA frames
+    until END (``recv_segments``)."""
+
+    name = "tcp"
+
+    def __init__(self, threads: CopyThreads, land_pool: concurrent.futures.Executor, on_relayout: Callable[[float], None]) -> None:
+        self.threads, self.land_pool, self.on_relayout = threads, land_pool, on_relayout
+        # Received segments awaiting relayout (one lands while the other
+        # fills); pinned where a GPU may take them, for full-speed uploads.
+        self.staging = (Staging(pinned=True), Staging(pinned=True))
+
+    def request(self, read: DataRead) -> Read:
+        return Read(read)
+
+    def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+             cancel: threading.Event) -> int:
+        return recv_segments(fs, sinks, landed, self.staging, self.on_relayout, cancel, self.threads, self.land_pool)
+
+    def scratch(self) -> list[int]:
+        return [b.nbytes for b in self.staging if b.nbytes]
+
+    def close(self) -> None:
+        pass
 
 
 class _Conn:
-    def __init__(self, fs: FrameSocket) -> None:
+    def __init__(self, fs: FrameSocket, mover: ReadMover) -> None:
         self.fs = fs
+        self.mover = mover  # how bytes from this owner cross, unless its memory is mapped here
         # Set when the read is abandoned; worker threads check it before every
         # frame and every landing, so nothing lands after a failure is reported.
         self.cancel = threading.Event()
         self.work: asyncio.Future[Any] | None = None
-        # Received segments awaiting relayout (one lands while the other
-        # fills); pinned where a GPU may take them, for full-speed uploads.
-        self.staging = (Staging(pinned=True), Staging(pinned=True))
-        self.arena: Arena | None = None  # NIXL landing scratch, registered on first use
 
 
 class TcpDataClient:
@@ -100,7 +123,10 @@ class TcpDataClient:
         except BaseException:
             sock.close()
             raise
-        return _Conn(fs)
+        run = self.copy_threads.run_copies
+        mover: ReadMover = (NixlIn(self.nixl, address, self._nixl_peers, self.stall_timeout_s, self.on_relayout, run) if self.nixl is not None
+                            else FramesIn(self.copy_threads, self._land_pool, self.on_relayout))
+        return _Conn(fs, mover)
 
     async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
                    local_source: LocalSource | None = None) -> int:
@@ -112,17 +138,19 @@ class TcpDataClient:
             idle = self._idle.setdefault(address, [])
             conn = idle.pop() if idle else await loop.run_in_executor(self._pool, self._connect, address)
             conn.cancel.clear()
+            # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
+            mover = conn.mover if local_source is None else SameHostIn(local_source, self.copier, self.copy_threads.run_copies, self.on_relayout)
             try:
                 # The READ leaves from here, as far as the socket takes it
                 # without blocking (all of it, unless it is megabytes): the
                 # owner authorises while the thread that reads the answer
                 # wakes, instead of after (0.4 ms of the bench's small request).
-                frame = memoryview(conn.fs.session.send(self._request(address, read, local_source)))
+                frame = memoryview(conn.fs.session.send(mover.request(read)))
                 rest = frame[conn.fs.send_nowait(frame):]
             except BaseException:
                 conn.fs.close()
                 raise
-            conn.work = loop.run_in_executor(self._pool, self._read, conn, address, read, sinks, landed, local_source, rest)
+            conn.work = loop.run_in_executor(self._pool, self._read, conn, address, mover, read, sinks, landed, rest)
             try:
                 # Shielded: a cancelled pull abandons the read (below) and
                 # waits for its thread, so nothing lands after it is reported.
@@ -147,73 +175,28 @@ class TcpDataClient:
                 await asyncio.wait_for(asyncio.shield(work), self.stall_timeout_s + 5)
         conn.fs.close()
 
-    def _request(self, address: str, read: DataRead, source: LocalSource | None) -> Read:
-        """The READ that opens ``read``: flagged LOCAL (same host: authorise
-        only) or NIXL (answer where the bytes lie), else plain."""
-        if source is not None:
-            return Read(dataclasses.replace(read, mapped_registration=source.registration), local=True)
-        if self.nixl is not None:
-            known = self._nixl_peers.get(address)
-            return Read(dataclasses.replace(read, nixl_metadata_version=known[1] if known else 0), nixl=True)
-        return Read(read)
-
-    def _read(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-              source: LocalSource | None, unsent: memoryview) -> int:
+    def _read(self, conn: _Conn, address: str, mover: ReadMover, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+              unsent: memoryview) -> int:
         """One whole read, in a worker thread. A stall is not retried: the
         peer is alive enough to hold the connection, and a retry would only
         wait as long again; the pull fails at the stall, naming the peer."""
+        fs = conn.fs
         try:
-            return self._read_stalling(conn, address, read, sinks, landed, source, unsent)
+            with fs.stall_bound(max(self.stall_timeout_s, self.stream_wait_s) if read.stream else self.stall_timeout_s):
+                fs.sock.sendall(unsent)  # what of the READ the loop could not send
+                moved = mover.land(fs, read, sinks, landed, conn.cancel)
+                # Every byte landed: the owner may end the rank's publication.
+                fs.send(Ack())
+                return moved
         except TimeoutError:
             raise errors.DeadlineExceeded(f"data plane stalled: engine {read.owner_engine_id!r} at {address} sent nothing "
                                           f"for {self.stall_timeout_s:g}s (stall_timeout_seconds)") from None
 
-    def _read_stalling(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-                       source: LocalSource | None, unsent: memoryview) -> int:
-        fs = conn.fs
-        with fs.stall_bound(max(self.stall_timeout_s, self.stream_wait_s) if read.stream else self.stall_timeout_s):
-            fs.sock.sendall(unsent)  # what of the READ the loop could not send
-            if source is not None:
-                # Authorisation first, then the copy: copying while the owner
-                # decides would save a round trip, but a refused read would
-                # already have written another request's bytes into our memory.
-                _expect(fs.next_event(), End)
-                t0 = time.perf_counter()
-                moved = copy_local(read, sinks, landed, source, conn.cancel, self.copier, self.copy_threads.run_copies)
-                self.on_relayout(time.perf_counter() - t0)
-            elif self.nixl is not None:
-                moved = self._read_nixl(conn, address, read, sinks, landed)
-            else:
-                moved = recv_segments(fs, sinks, landed, conn.staging, self.on_relayout, conn.cancel, self.copy_threads,
-                                      self._land_pool)
-            # Every byte landed: the owner may end the rank's publication.
-            fs.send(Ack())
-            return moved
-
-    def _read_nixl(self, conn: _Conn, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool]) -> int:
-        """The owner exposes every segment; one NIXL READ moves them all."""
-        assert self.nixl is not None
-        fs = conn.fs
-        msg = _expect(fs.next_event(), Descriptors).message
-        assert isinstance(msg, pb.DataDescriptors)
-        if msg.agent_metadata:
-            name = self.nixl.add_remote(msg.agent_metadata)
-            if msg.metadata_version >= self._nixl_peers.get(address, ("", 0))[1]:
-                self._nixl_peers[address] = (name, msg.metadata_version)
-        if self._nixl_peers.get(address, ("", 0))[0] != msg.agent_name:
-            raise errors.FailedPrecondition(f"{address} answered for NIXL agent {msg.agent_name!r}, whose metadata we do not hold")
-        if conn.arena is None:
-            conn.arena = Arena(self.nixl)
-        moved = land(self.nixl, msg, sinks, landed, conn.arena, conn.cancel, self.stall_timeout_s, self.on_relayout,
-                     self.copy_threads.run_copies)
-        _expect(fs.next_event(), End)  # the owner sends it right after DESCS
-        return int(moved)
-
     def staging_buffers(self) -> int:
-        return sum(sum(1 for b in c.staging if b.nbytes) + (1 if c.arena and c.arena.buf.numel() else 0) for conns in self._idle.values() for c in conns)
+        return sum(len(c.mover.scratch()) for conns in self._idle.values() for c in conns)
 
     def staging_bytes(self) -> int:
-        return sum(sum(b.nbytes for b in c.staging) + (c.arena.buf.numel() if c.arena else 0) for conns in self._idle.values() for c in conns)
+        return sum(sum(c.mover.scratch()) for conns in self._idle.values() for c in conns)
 
     def set_token(self, address: str, data_token: bytes) -> None:
         """The secret ``address``'s owner issued us in its handshake."""
@@ -224,26 +207,17 @@ class TcpDataClient:
         self._nixl_peers.pop(address, None)
         for c in self._idle.pop(address, []):
             c.fs.close()
-            if c.arena is not None:
-                c.arena.release()
+            c.mover.close()
 
     async def close(self) -> None:
         for conns in self._idle.values():
             for c in conns:
                 c.fs.close()
+                c.mover.close()
         self._idle.clear()
         self.copier.close()
         self.copy_threads.close()
         self._land_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _expect(ev: Event, kind: type) -> Any:
-    """The owner's one control answer, or its ERROR raised as the error it names."""
-    if isinstance(ev, Error):
-        raise errors.from_code(ev.code, ev.message)
-    if not isinstance(ev, kind):
-        raise ProtocolError(f"expected {kind.__name__}, got {type(ev).__name__}")
-    return ev
 
 
 class _Landing:

@@ -4,7 +4,10 @@ The event loop accepts; each connection is then driven by one thread over a
 blocking ``FrameSocket`` for its whole life, plain or TLS alike. Decisions
 (is the HELLO valid, may this read be served, the ACK) are the daemon's and
 run on its event loop (``ReadServer``); the thread only moves bytes and
-frames. A DATA frame leaves straight from registered memory, one
+frames. The bytes cross by the byte mover the READ asks for (``Read.via``,
+one of the connection's ``ServeMover``s): DATA frames (``FramesOut``), nothing
+where the reader copies our memory itself (``samehost.SameHostOut``), or one
+DESCS frame for a NIXL READ (``nixl.NixlOut``). A DATA frame leaves straight from registered memory, one
 ``sendmsg`` over the segment's pieces, or from a per-connection staging
 buffer when those bytes are not dense pieces there (a head slice of an
 interleaved layout). GPU memory is gathered on the GPU and copied to pinned
@@ -36,11 +39,13 @@ from typing import Any
 import numpy as np
 
 from kvd.core import errors
-from kvd.core.session import Ack, Descriptors, End, Error, Hello, HelloOk, ProtocolError, Read
-from kvd.transport.base import OpenRead, ReadServer, Staging
+from kvd.core.reads import DataRead
+from kvd.core.session import Ack, End, Error, Hello, HelloOk, ProtocolError, Read
+from kvd.transport.base import OpenRead, ReadServer, ServeMover, Staging
 from kvd.transport.device import DeviceToHost
 from kvd.transport.framing import FrameSocket, tune
-from kvd.transport.nixl import Arena, NixlAgent, expose
+from kvd.transport.nixl import Arena, NixlAgent, NixlOut
+from kvd.transport.samehost import SameHostOut
 
 log = logging.getLogger("kvd.tcp")
 
@@ -153,7 +158,7 @@ class TcpDataServer:
                     fs.send(Error.of(e))
                     return
                 fs.send(HelloOk())
-            staging, to_host = Staging(), DeviceToHost()
+            movers = self._movers(fs, arena)
             while True:
                 with fs.stall_bound(None):  # idle between reads
                     ev = fs.next_event()  # only READ is admitted here
@@ -166,7 +171,7 @@ class TcpDataServer:
                     continue
                 try:
                     with fs.stall_bound(self.hello_timeout_s * 3):
-                        if not self._answer(fs, opened, ev, staging, to_host, arena):
+                        if not self._answer(fs, opened, ev, movers):
                             continue
                     opened.served(time.perf_counter() - came_in)
                     # A reader that copies our memory itself holds its pin until
@@ -192,23 +197,23 @@ class TcpDataServer:
                 arena.release()
             self._threads.discard(threading.current_thread())
 
-    def _answer(self, fs: FrameSocket, opened: OpenRead, ev: Read, staging: Staging, to_host: DeviceToHost, arena: Arena | None) -> bool:
-        """One authorised read: the DATA (or DESCS) frames, then END, or
-        ERROR. True after END (the reader's ACK follows)."""
-        count = len(ev.read.segments)
+    def _movers(self, fs: FrameSocket, arena: Arena | None) -> dict[str, ServeMover]:
+        """The byte movers this connection offers, by the name a READ asks for."""
+        movers: list[ServeMover] = [FramesOut(Staging(), DeviceToHost()), SameHostOut()]
+        if self.nixl is not None and arena is not None and not fs.tls:
+            movers.append(NixlOut(self.nixl, arena, self.nixl_staging_bytes))
+        return {m.name: m for m in movers}
+
+    def _answer(self, fs: FrameSocket, opened: OpenRead, ev: Read, movers: dict[str, ServeMover]) -> bool:
+        """One authorised read: what its mover sends (DATA frames, one DESCS,
+        or nothing), then END, or ERROR. True after END (the reader's ACK follows)."""
+        mover = movers.get(ev.via)
         failed: errors.KvdError | None = None
         total = 0
         try:
-            if ev.nixl or ev.local:
-                opened.wait_saved()  # the reader copies it all at once: every layer first
-            if ev.nixl:
-                msg, total = self._descriptors(fs, opened, count, arena, ev.read.nixl_metadata_version)
-                fs.send(Descriptors(msg))
-            elif not ev.local:
-                total = send_segments(fs, opened, count, staging, to_host)
-                # Every byte left while the publication was alive: only
-                # then END, as the engine may reuse the blocks once it ends.
-                opened.check_alive()
+            if mover is None:
+                raise errors.FailedPrecondition(self._not_offered(fs, ev.via))
+            total = mover.serve(fs, opened, ev.read)
         except errors.KvdError as e:
             failed = e
         if failed is not None:
@@ -217,19 +222,12 @@ class TcpDataServer:
         fs.send(End(total))
         return True
 
-    def _descriptors(self, fs: FrameSocket, opened: OpenRead, count: int, arena: Arena | None, reader_version: int) -> tuple[object, int]:
-        """Owner side of a NIXL read: where each segment lies, and our agent's
-        metadata when the reader's copy is stale."""
-        if fs.tls:
-            raise errors.FailedPrecondition("transport nixl is not offered over an mTLS data plane (NIXL traffic is not encrypted)")
-        if self.nixl is None or arena is None:
-            raise errors.FailedPrecondition("this daemon's data plane has no NIXL agent (set transport: nixl on both sides)")
-        msg, total = expose(self.nixl, opened, count, arena, self.nixl_staging_bytes)
-        metadata, version = self.nixl.metadata()
-        msg.metadata_version = version
-        if reader_version != version:  # the reader's copy lacks some registration (or it has none)
-            msg.agent_metadata = metadata
-        return msg, total
+    def _not_offered(self, fs: FrameSocket, via: str) -> str:
+        if via == "nixl" and fs.tls:
+            return "transport nixl is not offered over an mTLS data plane (NIXL traffic is not encrypted)"
+        if via == "nixl":
+            return "this daemon's data plane has no NIXL agent (set transport: nixl on both sides)"
+        return f"this data plane offers no {via!r} byte mover"
 
     def _take_slot(self, engine_id: str) -> None:
         """Per-reader connection accounting, always on the loop."""
@@ -254,6 +252,23 @@ class TcpDataServer:
         deadline = asyncio.get_running_loop().time() + 5
         while self._threads and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)  # they hop to the loop on their way out
+
+
+class FramesOut:
+    """The owner's half of the TCP mover, one a data connection: DATA frames
+    (``send_segments``), the publication checked alive once the last left."""
+
+    name = "tcp"
+
+    def __init__(self, staging: Staging, to_host: DeviceToHost) -> None:
+        self.staging, self.to_host = staging, to_host
+
+    def serve(self, fs: FrameSocket, opened: OpenRead, read: DataRead) -> int:
+        total = send_segments(fs, opened, len(read.segments), self.staging, self.to_host)
+        # Every byte left while the publication was alive: only then END,
+        # as the engine may reuse the blocks once it ends.
+        opened.check_alive()
+        return total
 
 
 def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Staging, to_host: DeviceToHost) -> int:
