@@ -215,13 +215,19 @@ def read_from_pb(r: pb.DataRead) -> DataRead:
 
 
 def introduction_from_pb(e: pb.EngineInfo, data_token: bytes = b"") -> Introduction:
-    """A peer's EngineInfo, with the memory of each rank that came with regions (same host)."""
-    memory = tuple(
-        RankMemory(r.tp_rank, r.pp_rank, tuple(region_from_pb(x) for x in r.regions),
-                   tuple(group_from_pb(g, i) for i, g in enumerate(r.groups)), r.registration)
-        for r in e.ranks if r.regions
-    )
-    return Introduction(engine_from_pb(e), e.fingerprint, memory, data_token)
+    """A peer's EngineInfo, with the memory of each rank that came with regions
+    (same host). Memory this daemon cannot use (a tensor view it refuses) is
+    left out, saying why: the engine is still met, and read over TCP."""
+    meta = engine_from_pb(e)
+    try:
+        memory = tuple(
+            RankMemory(r.tp_rank, r.pp_rank, tuple(region_from_pb(x) for x in r.regions),
+                       tuple(group_from_pb(g, i) for i, g in enumerate(r.groups)), r.registration)
+            for r in e.ranks if r.regions
+        )
+    except InvalidArgument as err:
+        return Introduction(meta, e.fingerprint, (), data_token, memory_refused=err.message)
+    return Introduction(meta, e.fingerprint, memory, data_token)
 
 
 # ---------------------------------------------------------------- memory

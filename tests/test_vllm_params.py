@@ -94,6 +94,12 @@ def test_blocks_allocated_past_the_prompt_are_not_written():
     (lambda p: p.pop("kvd_capability"), "kvd_capability"),
     (lambda p: p.__setitem__("kvd_capability", "zz"), "malformed"),
     (lambda p: p.__setitem__("remote_block_ids", [[1], [2]]), "remote_block_ids"),
+    # Out of the wire's uint32 range: refused here, where the scheduler turns it into a failed load,
+    # not when the worker builds its message.
+    (lambda p: p.__setitem__("remote_block_ids", [[3, -1, 5]]), "remote_block_ids[0]"),
+    (lambda p: p.__setitem__("remote_block_ids", [[3, 2**32, 5]]), "remote_block_ids[0]"),
+    (lambda p: p.__setitem__("remote_num_tokens", 2**32), "remote_num_tokens"),
+    (lambda p: p.__setitem__("tp_size", -1), "tp_size"),
 ])
 def test_bad_params_name_the_field(mutate, field):
     params = _params()

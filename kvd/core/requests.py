@@ -177,6 +177,7 @@ class Introduction:
     fingerprint: str
     memory: tuple[RankMemory, ...] = ()
     data_token: bytes = b""  # the callee's: what the reader's HELLO brings
+    memory_refused: str = ""  # why memory that came with it is not usable (the reader then reads over TCP)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class PeerChannels:
     async def handshake(self, address: str, mine: Introduction, timeout: float) -> Introduction:
         resp = await self._stub(address).Handshake(pb.HandshakeRequest(caller=engine_to_pb(mine)), timeout=timeout,
                                                    metadata=self.metadata())
+        if any(r.regions for r in resp.callee.ranks):  # a same-host peer's tensor views: many, checked off the loop
+            return await asyncio.to_thread(introduction_from_pb, resp.callee, resp.data_token)
         return introduction_from_pb(resp.callee, resp.data_token)
 
     async def resolve(self, address: str, engine_id: str, request_id: str, capability: bytes, wait_seconds: float,

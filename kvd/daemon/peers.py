@@ -135,7 +135,10 @@ class Handshakes:
             self.metrics.handshakes.labels("caller", "ok").inc()
             peer = Peer(theirs, params.remote_address, self.registry.version)
             if self.config.same_host != "off" and theirs.host_id == self.registry.host_id:
-                await self._map_same_host(peer, callee.memory)
+                if callee.memory_refused:
+                    log.warning("same-host path to engine=%s unavailable, using TCP: %s", eid, callee.memory_refused)
+                else:
+                    await self._map_same_host(peer, callee.memory)
             self.drop_peer(eid)
             self.data_client.set_token(theirs.data_address, callee.data_token)
             self.peers[eid] = peer

@@ -16,6 +16,8 @@ from typing import Any
 from kvd.core.errors import InvalidArgument
 from kvd.core.requests import Blocks, TransferParams
 
+U32 = 2**32  # block ids, token counts and TP/PP sizes travel as uint32
+
 BlockIds = tuple[tuple[int, ...], ...]  # per KV cache group
 
 
@@ -151,6 +153,8 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         capability = bytes.fromhex(str(params["kvd_capability"]))
         address = f"{params['remote_host']}:{int(params['remote_port'])}"
         engine_id, request_id = str(params["remote_engine_id"]), str(params["remote_request_id"])
+        tp_size, pp_size = int(params.get("tp_size", 1)), int(params.get("pp_size", 1))
+        lease_seconds = float(params.get("kvd_lease_seconds", 0.0))
     except KeyError as e:
         raise InvalidArgument("kv_transfer_params", sorted(params), f"lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -159,9 +163,15 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         raise InvalidArgument("remote_block_ids", f"<{len(remote)} groups>", f"must match the {len(local)} local KV cache groups")
     if len(firsts) != len(remote):
         raise InvalidArgument("kvd_first_tokens", firsts, f"must give one token per group ({len(remote)})")
-    if num_tokens <= 0:
-        raise InvalidArgument("remote_num_tokens", num_tokens, "must be positive")
-    if generation < 0 or (generation > 0) != bool(epoch):
+    if not 0 < num_tokens < U32:
+        raise InvalidArgument("remote_num_tokens", num_tokens, f"must be in (0, {U32})")
+    for g, theirs in enumerate(remote):  # the wire's ids are uint32: caught here, not when the worker sends them
+        if theirs and not (min(theirs) >= 0 and max(theirs) < U32):
+            raise InvalidArgument(f"remote_block_ids[{g}]", theirs, f"must be in [0, {U32})")
+    for name, size in (("tp_size", tp_size), ("pp_size", pp_size)):
+        if not 0 <= size < U32:
+            raise InvalidArgument(name, size, f"must be in [0, {U32})")
+    if not 0 <= generation < 2**64 or (generation > 0) != bool(epoch):
         raise InvalidArgument("kvd_generation", generation, f"must be 0, or positive with a kvd_epoch (got {epoch[:16]!r})")
     for g, first in enumerate(firsts):
         if not 0 <= first < num_tokens:
@@ -186,7 +196,6 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
     tp = TransferParams(
         remote_engine_id=engine_id, remote_address=address, request_id=request_id, capability=capability,
         block_ids=tuple(Blocks(tuple(r), f) for r, f in zip(remote, firsts, strict=True)), num_tokens=loaded,
-        remote_tp_size=int(params.get("tp_size", 1)), remote_pp_size=int(params.get("pp_size", 1)),
-        lease_seconds=float(params.get("kvd_lease_seconds", 0.0)), stream=stream, generation=generation, remote_epoch=epoch,
+        remote_tp_size=tp_size, remote_pp_size=pp_size, lease_seconds=lease_seconds, stream=stream, generation=generation, remote_epoch=epoch,
     )
     return LoadRequest(request_id, tuple(ids), tp, tuple(firsts_local))

@@ -97,43 +97,50 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """As the base: for a kvd load, the prompt P holds past our own prefix, all but the last token (D computes it), always loaded asynchronously."""
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
+        """Beyond the base: on P, a model with state stops one prompt token short, as NixlConnector does."""
         if self._scheduler is not None:
             self._scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """As the base: D queues the load into the blocks vLLM just allocated; P notes a request to stream."""
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """As the base; the metadata also says what to publish, release and end, and whether the step computes nothing (idle)."""
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """As the base, for one group: see ``request_finished_all_groups``."""
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """As the base (HMA): P holds the blocks until finished_sending and returns kvd's params; it also publishes them here, for every rank, when it can."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
     def has_pending_block_frees(self) -> bool:
-        # While a streamed request runs, vLLM waits for blocks rather than
-        # preempting one (its blocks may be being read); it finishes within a step or two.
+        """True while a streamed request runs: vLLM then waits for blocks rather
+        than preempting one (its blocks may be being read); it finishes within a step or two."""
         return self._scheduler is not None and self._scheduler.has_streams
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        # A load restores the request's own blocks in every group.
+        """Every group: a load restores the request's own blocks in each."""
         assert self._scheduler is not None
         return tuple(range(len(self._scheduler.block_sizes)))
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """The workers' tokens, not transport addresses: the scheduler publishes for the engine with them."""
         self.set_xfer_handshake_metadata_pp_aware({(0, tp): m for tp, m in metadata.items()})
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
-        # Every rank's, pipeline stages included: kvd moves PP ranks like any other.
+        """Every rank's token, pipeline stages included: kvd moves PP ranks like any other."""
         if self._scheduler is not None:
             self._scheduler.publish_for_engine([bytes.fromhex(m.worker_token) for _, m in sorted(metadata.items())
                                                 if isinstance(m, KvdHandshakeMetadata) and m.worker_token])
@@ -150,14 +157,17 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """As the base, but the caches are registered with the local daemon, which maps them itself (adopted into shared memory on CPU)."""
         assert self._worker is not None
         self._worker.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """This worker's daemon token (for the scheduler), not a transport address: peers meet through the daemons."""
         client = self._worker.client if self._worker is not None else None
         return KvdHandshakeMetadata(client.worker_token.hex()) if client is not None and client.worker_token else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """As the base, and before the forward: streams are published, and GPU loads start."""
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KvdConnectorMetadata):
             # Before the forward: what streams must be published before its first layer is saved.
@@ -167,27 +177,30 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 self._worker.start_loads(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """As the base, but host-cache loads start after the forward and GPU ones at bind; P's workers publish what the scheduler could not."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvdConnectorMetadata)
         self._worker.start(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are whole-request and asynchronous: vLLM schedules a request
-        # only after finished_recving named it, so there is nothing to wait for.
+        """Nothing to wait for: loads are whole-request and asynchronous, and vLLM
+        schedules a request only after finished_recving named it."""
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        # The daemon reads the registered cache in place; nothing is copied.
-        # A streaming prefill says the layer is saved, without waiting.
+        """Nothing is copied (the daemon reads the registered cache in place); a
+        streaming prefill says the layer is saved, without waiting."""
         if self._worker is not None:
             self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
+        """Nothing is copied (the daemon reads the cache in place); a streaming prefill says every layer is saved."""
         if self._worker is not None:
             self._worker.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """As the base: the daemon's pushed outcomes, with no round trip; see ``get_transfer_results`` for an idle step."""
         assert self._worker is not None
         r = self._worker.poll(self._idle_step())
         return (r.finished_sending or None), (r.finished_recving or None)
@@ -203,9 +216,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return isinstance(meta, KvdConnectorMetadata) and meta.idle
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """As the base: exactly the blocks that did not land (every block of a load the daemon refused)."""
         assert self._worker is not None
         return self._worker.take_invalid()
 
     def shutdown(self) -> None:
+        """As the base, and the worker unregisters from its daemon, which unmaps its memory."""
         if self._worker is not None:
             self._worker.shutdown()

@@ -73,7 +73,7 @@ def control_path(blocks: int, *, layers: int, heads: int, head_size: int, block_
     reader = owner.reader_joined(d.meta)
     t0 = time.perf_counter()
     # P's worker publishes: its message, as the daemon's edge converts it, then the lease table's checks.
-    msg = publish_to_pb(PublishOrder("r", (Blocks(tuple(p_ids)),), num_tokens, capability=b"c" * 32))
+    msg = publish_to_pb(PublishOrder("r", (Blocks(tuple(p_ids)),), num_tokens, capability=b"c" * 32, worker=WorkerId("P")))
     got = publish_from_pb(type(msg).FromString(msg.SerializeToString()))
     pub, _ = owner.publish((0, 0), got.request_id, [np.asarray(b.ids, dtype=np.int64) for b in got.block_ids], [p_rank.tensors],
                            got.num_tokens, 0.0, capability=got.capability)

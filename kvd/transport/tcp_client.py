@@ -174,6 +174,8 @@ class TcpDataClient:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(work), self.stall_timeout_s + 5)
         conn.fs.close()
+        if work is None or work.done():  # a thread still in it may yet use its scratch
+            conn.mover.close()
 
     def _read(self, conn: _Conn, address: str, mover: ReadMover, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
               unsent: memoryview) -> int:
