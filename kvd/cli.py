@@ -122,6 +122,8 @@ SERVE_FLAGS = {
     "tls-ca-file": "auth=mtls: the CA that signs every peer's certificate",
     "worker-api": "local (default): Worker RPCs only from this host; any: from anywhere",
     "worker-socket": "also serve the Worker API on this Unix socket path",
+    "verify": "off (default), sampled or full: digest what is published, check what lands against it (docs/verification.md)",
+    "verify-keep-seconds": "how long a publication's digests are kept for its readers (default 60)",
     "log-format": "text (key=value) or json",
     "log-level": "DEBUG, INFO, WARNING or ERROR",
 }

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvd.core.aggregate import Outcome, WorkerFinished
+from kvd.core.digest import DigestAnswer, DigestQuery, DigestRows, RowSample
 from kvd.core.errors import InvalidArgument
 from kvd.core.groups import FULL, GroupKind
 from kvd.core.reads import DataRead, DataSegment
@@ -333,6 +334,35 @@ def peer_abort_from_pb(r: pb.PeerAbortRequest) -> PeerAbort:
 def peer_abort_to_pb(a: PeerAbort) -> pb.PeerAbortRequest:
     return pb.PeerAbortRequest(engine_id=a.engine_id, request_id=a.request_id, generation=a.generation, capability=a.capability,
                                reason=a.reason)
+
+
+def digest_query_to_pb(q: DigestQuery) -> pb.DigestRequest:
+    return pb.DigestRequest(engine_id=q.engine_id, request_id=q.request_id, generation=q.generation, capability=q.capability, rows=[
+        pb.DigestRows(group_id=r.group_id, layers=r.layers, head_start=r.heads.start, head_stop=r.heads.stop,
+                      token_start=r.token_start, token_stop=r.token_stop, bin_tokens=r.bin_tokens) for r in q.rows])
+
+
+def digest_query_from_pb(q: pb.DigestRequest) -> DigestQuery:
+    rows = tuple(DigestRows(r.group_id, tuple(r.layers), range(r.head_start, r.head_stop), r.token_start, r.token_stop, r.bin_tokens)
+                 for r in q.rows)
+    return DigestQuery(q.engine_id, q.request_id, q.generation, q.capability, rows)
+
+
+def digest_answer_to_pb(a: DigestAnswer, query: DigestQuery) -> pb.DigestResponse:
+    return pb.DigestResponse(seed=a.sample.seed, rate_log2=a.sample.rate_log2, groups=[
+        pb.GroupDigest(group_id=r.group_id, sums=s.ravel().tolist()) for r, s in zip(query.rows, a.sums, strict=True)])
+
+
+def digest_answer_from_pb(a: pb.DigestResponse, query: DigestQuery) -> DigestAnswer:
+    """The owner's sums as the reader asked them; refused if their shape is not what was asked."""
+    if len(a.groups) != len(query.rows):
+        raise InvalidArgument("digest.groups", f"<{len(a.groups)} groups>", f"must answer the {len(query.rows)} asked")
+    sums = []
+    for rows, g in zip(query.rows, a.groups, strict=True):
+        if g.group_id != rows.group_id or len(g.sums) != rows.shape[0] * rows.shape[1]:
+            raise InvalidArgument(f"digest.groups[{rows.group_id}].sums", f"<{len(g.sums)} sums>", f"must be {rows.shape[0]} x {rows.shape[1]}")
+        sums.append(np.asarray(g.sums, dtype=np.uint64).reshape(rows.shape))
+    return DigestAnswer(RowSample(a.seed, a.rate_log2), tuple(sums))
 
 
 def leases_from_pb(r: pb.RenewLeasesRequest) -> tuple[LeaseRef, ...]:

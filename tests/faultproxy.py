@@ -11,7 +11,8 @@ import threading
 class FaultProxy:
     """Forwards 127.0.0.1:port -> target. ``stall_after`` / ``reset_after`` set a
     byte budget for the server->client direction; past it the proxy stops
-    forwarding (stall) or sends a TCP RST (reset, once)."""
+    forwarding (stall) or sends a TCP RST (reset, once). ``flip_at`` corrupts
+    one byte of that direction in transit."""
 
     def __init__(self) -> None:
         self.sock = socket.socket()
@@ -26,6 +27,7 @@ class FaultProxy:
         self.resets = 0
         self.stalled = threading.Event()
         self.refuse = False  # close new connections at once (the target looks down)
+        self.flip_at: int | None = None  # flip the low bit of the server->client byte at this offset (once)
         self._release = threading.Event()
         self._closed = False
         self._open: list[socket.socket] = []
@@ -87,6 +89,9 @@ class FaultProxy:
                     if self.stall_after is not None and self.forwarded + len(data) > self.stall_after:
                         self.stalled.set()
                         self._release.wait(timeout=60)
+                    if self.flip_at is not None and self.forwarded <= self.flip_at < self.forwarded + len(data):
+                        i, self.flip_at = self.flip_at - self.forwarded, None
+                        data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :]
                     self.forwarded += len(data)
                 dst.sendall(data)
         except OSError:

@@ -114,7 +114,8 @@ def test_other_tp_and_block_size_on_each_side_match_one_engine(vllm_python, mode
     # Named if the count is off: D's failed pulls, and what D's workers logged of kvd (a lost link re-registers, ending its pulls).
     failures = [line for line in d.log().splitlines() if "pull failed" in line or "registered worker" in line]
     failures += [line for line in log.splitlines() if "kvd:" in line and ("lost" in line or "again" in line or "refused" in line)]
-    assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp, failures  # that load, on each D rank; nothing else failed
+    # (A string, not a list: pytest shows a string message whole.)
+    assert scrape(d.metrics_url, "kvd_pull_failures_total") == d_tp, "\n".join(failures)  # that load, on each D rank; nothing else failed
     # Its invalid blocks were exact: D recomputed them and still gives one engine's tokens.
     assert failed["tokens"] == baseline_f32[0]
     # A pull D's daemon refused (its answer not awaited by the step): reported

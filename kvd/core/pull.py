@@ -37,7 +37,7 @@ class PullProgress:
     reads: list[RankRead] = field(default_factory=list)  # the current attempt's plan
     landed: list[list[bool]] = field(default_factory=list)  # per read, per segment
     done: dict[ReadKey, int] = field(default_factory=dict)  # reads that landed whole, with their bytes
-    # Where the pull is (queued, resolve, handshake, plan, data, copy): a pull
+    # Where the pull is (queued, resolve, handshake, plan, data, copy, verify): a pull
     # that fails says where it stopped, and how much had landed.
     phase: str = "queued"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from kvd.core.digest import VerifyMismatch
 from kvd.core.errors import KvdError
 from kvd.core.pull import PullProgress
 from kvd.core.requests import PullOrder, TransferParams
@@ -48,6 +49,8 @@ def failure_reason(e: BaseException) -> tuple[str, str]:
         return "aborted", "pull aborted"
     if isinstance(e, asyncio.TimeoutError):
         return "timeout", "pull timed out"
+    if isinstance(e, VerifyMismatch):
+        return "verify_mismatch", e.message
     if isinstance(e, KvdError):
         return e.status.name.lower(), e.message
     if isinstance(e, (ConnectionError, OSError)):

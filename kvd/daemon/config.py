@@ -79,6 +79,11 @@ class DaemonConfig:
     # idle daemon used ~1% of a core, and reads moved as fast as at 0 over
     # shared memory and over UCX's TCP (benchmarks: kvd over NIXL, 128 MiB).
     nixl_progress_delay_us: int = 10_000
+    # End-to-end verification (daemon/verifier.py): off, sampled (a few rows
+    # of each block) or full (every row). As owner: digest what is published;
+    # as reader: check what landed against the owner's digest.
+    verify: str = "off"
+    verify_keep_seconds: float = 60.0  # how long an owner keeps a publication's digests for its readers
 
 
 ENV_PREFIX = "KVD_"
@@ -114,6 +119,8 @@ _RULES: dict[str, tuple[Any, str]] = {
     "transport": (lambda v: v in ("tcp", "nixl"), "tcp or nixl"),
     "nixl_staging_bytes": (lambda v: v >= 1 << 20, ">= 1 MiB"),
     "nixl_progress_delay_us": (lambda v: 0 <= v <= 1_000_000, "in [0, 1000000]"),
+    "verify": (lambda v: v in ("off", "sampled", "full"), "off, sampled or full"),
+    "verify_keep_seconds": (lambda v: v > 0, "> 0"),
     "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
 }
 

@@ -32,6 +32,7 @@ from kvd.daemon.reaper import GONE_GRACE_SECONDS, Reaper, remove_orphans
 from kvd.daemon.registration import host_id
 from kvd.daemon.registry import Registry
 from kvd.daemon.reports import AggregatorReports
+from kvd.daemon.verifier import Verifier
 from kvd.daemon.watchdog import LoopWatchdog
 from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
@@ -58,7 +59,9 @@ class Daemon:
                                          tls=self.auth.data_plane_context(server=False), nixl=self.nixl)
         self.publisher = Publisher(config, self.registry, self.publications, self.finished, self.metrics, self.auth)
         self.handshakes = Handshakes(config, self.registry, self.publisher, self.metrics, self.channels, self.data_client)
-        self.puller = Puller(config, self.registry, self.finished, self.handshakes, self.data_client, self.channels, self.tasks, self.metrics)
+        self.verifier = Verifier(config.verify, config.verify_keep_seconds, self.metrics)
+        self.puller = Puller(config, self.registry, self.finished, self.handshakes, self.data_client, self.channels, self.tasks, self.metrics,
+                             self.verifier)
         # A rank that ends takes its pulls, its publications and its finished-set streams with it.
         self.registry.rank_joined.append(self.finished.rank_joined)
         self.registry.rank_ended += [lambda rank, _why: self.puller.cancel_rank(rank), self.publisher.abort_rank, self.finished.rank_ended]

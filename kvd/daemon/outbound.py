@@ -13,6 +13,8 @@ import grpc
 
 from kvd.auth import AuthConfig
 from kvd.convert import (
+    digest_answer_from_pb,
+    digest_query_to_pb,
     engine_to_pb,
     introduction_from_pb,
     peer_abort_to_pb,
@@ -20,6 +22,7 @@ from kvd.convert import (
     report_to_pb,
     resolution_from_pb,
 )
+from kvd.core.digest import DigestAnswer, DigestQuery
 from kvd.core.requests import FinishedReport, Introduction, LeaseRef, PeerAbort, Resolution
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
@@ -70,6 +73,10 @@ class PeerChannels:
 
     async def report(self, address: str, report: FinishedReport, timeout: float) -> None:
         await self._stub(address).ReportFinished(report_to_pb(report), timeout=timeout, metadata=self.metadata())
+
+    async def digest(self, address: str, query: DigestQuery, timeout: float) -> DigestAnswer:
+        resp = await self._stub(address).Digest(digest_query_to_pb(query), timeout=timeout, metadata=self.metadata())
+        return digest_answer_from_pb(resp, query)
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -22,6 +22,7 @@ import numpy as np
 
 from kvd.core import errors
 from kvd.core.aggregate import Outcome
+from kvd.core.digest import VerifyMismatch
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
 from kvd.core.leases import RankKey, check_block_ids, check_disjoint
@@ -40,6 +41,7 @@ from kvd.daemon.outbound import PeerChannels, Tasks
 from kvd.daemon.peers import Handshakes, Peer
 from kvd.daemon.registration import Registration
 from kvd.daemon.registry import Registry
+from kvd.daemon.verifier import Verifier
 from kvd.transport.tcp_client import TcpDataClient
 
 log = logging.getLogger("kvd.daemon")
@@ -49,7 +51,7 @@ PLAN_IN_THREAD_BLOCKS = 2048  # about 1 ms of planning
 
 class Puller:
     def __init__(self, config: DaemonConfig, registry: Registry, finished: FinishedSets, handshakes: Handshakes,
-                 data_client: TcpDataClient, channels: PeerChannels, tasks: Tasks, metrics: Metrics) -> None:
+                 data_client: TcpDataClient, channels: PeerChannels, tasks: Tasks, metrics: Metrics, verifier: Verifier) -> None:
         self.config = config
         self.registry = registry
         self.finished = finished
@@ -58,6 +60,7 @@ class Puller:
         self.channels = channels
         self.tasks = tasks
         self.metrics = metrics
+        self.verifier = verifier
         self.active_clock = ActiveClock(metrics.active_seconds)
         self.draining = False  # set by the daemon: nothing new is pulled
         self.pulls: dict[tuple[RankKey, str], ActivePull] = {}
@@ -143,6 +146,9 @@ class Puller:
                 # of its own, a turn of the loop before its first step.
                 async with asyncio.timeout(self.config.pull_timeout_seconds):
                     total = await self._with_retries(reg, active, rank, local_ids, progress)
+                    if self.verifier.mode != "off":
+                        progress.phase = "verify"
+                        await self.verifier.verify_landed(self.channels, reg, req, active.params)
             landed_at = time.perf_counter()
             landed = self._replica_future(active.params, rank)
             if not landed.done():
@@ -162,7 +168,7 @@ class Puller:
             # Which peer, where it stopped and what landed: the one line an operator needs.
             p = active.params
             message = f"{message} [engine {p.remote_engine_id!r} at {p.remote_address}, {progress.where()}]"
-            invalid = progress.invalid_blocks(sorted({i for ids in local_ids for i in ids}))
+            invalid = e.invalid if isinstance(e, VerifyMismatch) else progress.invalid_blocks(sorted({i for ids in local_ids for i in ids}))
             # Replicas copying from us fail now, even those that ask later.
             fut = self._replica_future(p, rank)
             if not fut.done():

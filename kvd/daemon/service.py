@@ -18,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvd import __version__
 from kvd.auth import WORKER_TOKEN_HEADER, TokenInterceptor, is_local_peer
 from kvd.convert import (
+    digest_answer_to_pb,
+    digest_query_from_pb,
     engine_to_pb,
     finished_to_pb,
     introduction_from_pb,
@@ -135,14 +137,22 @@ class WorkerService(pbg.WorkerServicer):
         return pb.UnregisterResponse()
 
     @rpc
-    def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
+    async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
         token = self._local(context)
-        return pb.PublishResponse(params=params_to_pb(self.d.publisher.publish(publish_from_pb(request), token)))
+        order = publish_from_pb(request)
+        params = self.d.publisher.publish(order, token)
+        assert order.worker is not None
+        # Verification: digested as published, before the worker hears it is.
+        await self.d.verifier.take([self.d.registry.by_rank[(order.worker.tp_rank, order.worker.pp_rank)]], order, params)
+        return pb.PublishResponse(params=params_to_pb(params))
 
     @rpc
-    def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
+    async def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
         token = self._local(context)
-        return pb.PublishResponse(params=params_to_pb(self.d.publisher.publish_engine(publish_engine_from_pb(request), token)))
+        order = publish_engine_from_pb(request)
+        params = self.d.publisher.publish_engine(order, token)
+        await self.d.verifier.take([self.d.registry.by_rank[k] for k in sorted(self.d.registry.by_rank)], order, params)
+        return pb.PublishResponse(params=params_to_pb(params))
 
     @rpc
     def LayersSaved(self, request: pb.LayersSavedRequest, context: Any) -> pb.LayersSavedResponse:
@@ -259,6 +269,12 @@ class PeerService(pbg.PeerServicer):
     @rpc
     def Abort(self, request: pb.PeerAbortRequest, context: Any) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.d.publisher.peer_abort(peer_abort_from_pb(request)))
+
+    @rpc
+    def Digest(self, request: pb.DigestRequest, context: Any) -> pb.DigestResponse:
+        query = digest_query_from_pb(request)
+        self.d.registry.check_peer_engine(query.engine_id)
+        return digest_answer_to_pb(self.d.verifier.answer(query), query)
 
     @rpc
     def RenewLeases(self, request: pb.RenewLeasesRequest, context: Any) -> pb.RenewLeasesResponse:

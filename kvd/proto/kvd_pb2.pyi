@@ -496,6 +496,56 @@ class ResolveResponse(_message.Message):
     stream: bool
     def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[str] = ..., ranks_published: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
 
+class DigestRows(_message.Message):
+    __slots__ = ("group_id", "layers", "head_start", "head_stop", "token_start", "token_stop", "bin_tokens")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STOP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STOP_FIELD_NUMBER: _ClassVar[int]
+    BIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    head_start: int
+    head_stop: int
+    token_start: int
+    token_stop: int
+    bin_tokens: int
+    def __init__(self, group_id: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_stop: _Optional[int] = ..., token_start: _Optional[int] = ..., token_stop: _Optional[int] = ..., bin_tokens: _Optional[int] = ...) -> None: ...
+
+class DigestRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "generation", "capability", "rows")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    generation: int
+    capability: bytes
+    rows: _containers.RepeatedCompositeFieldContainer[DigestRows]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., rows: _Optional[_Iterable[_Union[DigestRows, _Mapping]]] = ...) -> None: ...
+
+class GroupDigest(_message.Message):
+    __slots__ = ("group_id", "sums")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SUMS_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    sums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[int] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DigestResponse(_message.Message):
+    __slots__ = ("seed", "rate_log2", "groups")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RATE_LOG2_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    rate_log2: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupDigest]
+    def __init__(self, seed: _Optional[int] = ..., rate_log2: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupDigest, _Mapping]]] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

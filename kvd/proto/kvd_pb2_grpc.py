@@ -610,6 +610,11 @@ class PeerStub:
                 request_serializer=kvd_dot_proto_dot_kvd__pb2.ResolveRequest.SerializeToString,
                 response_deserializer=kvd_dot_proto_dot_kvd__pb2.ResolveResponse.FromString,
                 _registered_method=True)
+        self.Digest = channel.unary_unary(
+                '/kvd.v1.Peer/Digest',
+                request_serializer=kvd_dot_proto_dot_kvd__pb2.DigestRequest.SerializeToString,
+                response_deserializer=kvd_dot_proto_dot_kvd__pb2.DigestResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -645,6 +650,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Digest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -672,6 +683,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Resolve,
                     request_deserializer=kvd_dot_proto_dot_kvd__pb2.ResolveRequest.FromString,
                     response_serializer=kvd_dot_proto_dot_kvd__pb2.ResolveResponse.SerializeToString,
+            ),
+            'Digest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Digest,
+                    request_deserializer=kvd_dot_proto_dot_kvd__pb2.DigestRequest.FromString,
+                    response_serializer=kvd_dot_proto_dot_kvd__pb2.DigestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -809,6 +825,33 @@ class Peer:
             '/kvd.v1.Peer/Resolve',
             kvd_dot_proto_dot_kvd__pb2.ResolveRequest.SerializeToString,
             kvd_dot_proto_dot_kvd__pb2.ResolveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Digest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/Digest',
+            kvd_dot_proto_dot_kvd__pb2.DigestRequest.SerializeToString,
+            kvd_dot_proto_dot_kvd__pb2.DigestResponse.FromString,
             options,
             channel_credentials,
             insecure,

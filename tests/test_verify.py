@@ -1,0 +1,118 @@
+"""End-to-end verification between real daemons (``kvd serve --verify``):
+P digests what it publishes, D checks what landed against it, and a load
+whose bytes differ fails exactly the blocks that differ."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from kvd.testing import pattern
+from kvd.testing.metrics import scrape
+from tests.conftest import make_worker
+
+NTOK = 150  # P: 5 blocks of 32; D: 10 of 16, across a TP split and a relayout
+
+
+def start(daemons, p_mode: str = "sampled", d_mode: str = "sampled"):
+    p = daemons.start("prefill", "--verify", p_mode)
+    d = daemons.start("decode", "--verify", d_mode)
+    ps = [make_worker(p.grpc, "prefill", block_size=32, layout="HND")]
+    ds = [make_worker(d.grpc, "decode", tp_rank=r, tp_size=2, block_size=16) for r in range(2)]
+    return p, d, ps, ds
+
+
+def publish(ps, rid: str, p_ids: list[int], seed: int = 7):
+    cap = secrets.token_bytes(32)
+    params = None
+    for w in ps:
+        w.fill(seed, p_ids)
+        params = w.client.publish(rid, [p_ids], NTOK, capability=cap)
+    return params
+
+
+def pull(ds, rid: str, params, d_ids: list[int]):
+    for w in ds:
+        w.client.pull(rid, params, [d_ids])
+    return [w.client.wait_finished(recving={rid}, timeout=30) for w in ds]
+
+
+P_IDS, D_IDS = [7, 2, 11, 4, 9], [3, 17, 5, 9, 12, 1, 20, 8, 14, 6]
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_a_verified_load_lands_and_is_counted_ok(daemons, mode):
+    p, d, ps, ds = start(daemons, mode, mode)
+    params = publish(ps, "r1", P_IDS)
+    finished = pull(ds, "r1", params, D_IDS)
+    assert all(f.details[("recving", "r1")].outcome == "done" and not f.invalid_block_ids for f in finished), finished
+    assert all(w.mismatch(7, D_IDS, NTOK) is None for w in ds)
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 2
+    assert scrape(p.metrics_url, "kvd_verify_digests_total") == 1
+
+
+def test_p_cache_altered_after_publishing_fails_exactly_the_blocks_that_hold_it(daemons):
+    """The negative control: P reuses one published block for another
+    request's tokens before D reads it. D lands those bytes, and the check
+    fails exactly D's two blocks over that P block, on both D ranks; the rest
+    of the load stands."""
+    _p, d, ps, ds = start(daemons)
+    params = publish(ps, "r2", P_IDS)
+    for w in ps:
+        pattern.fill(w.tensors, 8, [P_IDS[3]], w.coords, first_token=96)  # P's 4th block: tokens 96..127
+    finished = pull(ds, "r2", params, D_IDS)
+    for f in finished:
+        assert f.details[("recving", "r2")].outcome == "failed"
+        assert "differs from what 'prefill' published" in f.details[("recving", "r2")].reason
+        assert f.invalid_block_ids == {D_IDS[6], D_IDS[7]}, f
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="mismatch") == 2
+    assert scrape(d.metrics_url, "kvd_verify_mismatches_total") == 4
+    assert scrape(d.metrics_url, "kvd_pull_failures_total", reason="verify_mismatch") == 2
+    # Without verification the same alteration lands silently: the check is what caught it.
+    d2 = daemons.start("decode2", "--verify", "off")
+    plain = [make_worker(d2.grpc, "decode2", tp_rank=r, tp_size=2, block_size=16) for r in range(2)]
+    params = publish(ps, "r3", P_IDS)
+    for w in ps:
+        pattern.fill(w.tensors, 8, [P_IDS[3]], w.coords, first_token=96)
+    assert all(f.details[("recving", "r3")].outcome == "done" for f in pull(plain, "r3", params, D_IDS))
+
+
+def test_an_owner_that_does_not_verify_leaves_the_load_unverified_not_failed(daemons):
+    _p, d, ps, ds = start(daemons, p_mode="off")
+    finished = pull(ds, "r4", publish(ps, "r4", P_IDS), D_IDS)
+    assert all(f.details[("recving", "r4")].outcome == "done" for f in finished)
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="unverified") == 2
+    assert "gave no digest: NOT_FOUND" in d.log()
+
+
+def test_an_unknown_mode_is_refused_naming_the_key():
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x", "--verify", "sometimes"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "verify" in r.stderr and "sometimes" in r.stderr and "off, sampled or full" in r.stderr, r.stderr
+
+
+def test_a_byte_flipped_in_transit_fails_exactly_the_block_it_landed_in(daemons):
+    """TCP's own checksum passes what a faulty NIC, switch or proxy changed:
+    a proxy flips one bit of P's data stream, D lands it, and the full check
+    fails exactly the one block that differs from P's pattern."""
+    from tests.faultproxy import prefill_behind_proxy
+
+    p, proxy = prefill_behind_proxy(daemons, "--verify", "full")
+    d = daemons.start("decode", "--verify", "full")
+    big = dict(layers=4, heads=4, head_size=64, num_blocks=256)  # 16 KiB a block a layer
+    pw, dw = make_worker(p.grpc, "prefill", **big), make_worker(d.grpc, "decode", **big)
+    ids, ntok = list(range(1, 101)), 100 * 16
+    pw.fill(5, ids)
+    params = pw.client.publish("r5", [ids], ntok)
+    proxy.flip_at = 3_000_000  # well inside the 6.4 MB of KV, past any header
+    dw.client.pull("r5", params, [ids])
+    f = dw.client.wait_finished(recving={"r5"}, timeout=30)
+    proxy.close()
+    assert proxy.flip_at is None, "the proxy flipped its bit"
+    wrong = {b for i, b in enumerate(ids) if pattern.mismatch(dw.tensors, 5, [b], dw.coords, ntok, first_token=16 * i) is not None}
+    assert len(wrong) == 1, wrong  # the flip landed in one block: the control that the check is not vacuous
+    assert f.details[("recving", "r5")].outcome == "failed" and f.invalid_block_ids == wrong, f
+    assert scrape(d.metrics_url, "kvd_verify_mismatches_total") == 1
