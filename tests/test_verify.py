@@ -116,3 +116,10 @@ def test_a_byte_flipped_in_transit_fails_exactly_the_block_it_landed_in(daemons)
     assert len(wrong) == 1, wrong  # the flip landed in one block: the control that the check is not vacuous
     assert f.details[("recving", "r5")].outcome == "failed" and f.invalid_block_ids == wrong, f
     assert scrape(d.metrics_url, "kvd_verify_mismatches_total") == 1
+
+
+def test_the_demo_verifies_end_to_end():
+    r = subprocess.run([sys.executable, "-m", "kvd", "demo", "--requests", "24", "--layers", "2", "--num-blocks", "512", "--max-tokens", "256",
+                        "--verify", "full", "--prefill-tp", "1", "--decode-block-size", "32"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "decode's daemon checked 48 reads clean against prefill's digests, 0 mismatched, 0 unverified" in r.stdout, r.stdout[-2000:]

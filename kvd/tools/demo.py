@@ -24,6 +24,7 @@ from typing import Any
 
 from kvd.core.spec import WorkerId
 from kvd.testing.daemons import DaemonDidNotStart, DaemonProc, start_daemon
+from kvd.testing.metrics import scrape
 from kvd.tools.demo_worker import EngineConfig, ModelConfig, Prefill, worker_main
 
 # ---------------------------------------------------------------- driver
@@ -118,6 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
         same_host = ["--same-host", "auto" if args.transport == "samehost" else "off"]
         if args.transport == "nixl":
             same_host += ["--transport", "nixl"]
+        same_host += ["--verify", args.verify]
         # Existing daemons (docker-compose, a cluster) or our own.
         p_info = {"grpc": args.prefill_address, "data": "(theirs)"} if args.prefill_address else daemons.start("prefill", same_host)
         d_info = {"grpc": args.decode_address, "data": "(theirs)"} if args.decode_address else daemons.start("decode", same_host)
@@ -214,6 +216,11 @@ def run_demo(args: argparse.Namespace) -> int:
         say(f"  failures       {len(failures)}" + (f" (first: {next(iter(failures.values()))})" if failures else ""))
         say(f"  finished_sending reported by all {len(sent)} prefill ranks for {len(sent_everywhere)} of {args.requests} requests")
         ok = first_mismatch is None and not failures and len(sent_everywhere) >= args.requests
+        if args.verify != "off" and d_info.get("metrics"):
+            checks = {r: scrape(f"http://{d_info['metrics']}/metrics", "kvd_verify_checks_total", result=r) for r in ("ok", "mismatch", "unverified")}
+            say(f"  --verify {args.verify:<8} decode's daemon checked {checks['ok']:.0f} reads clean against prefill's digests, "
+                f"{checks['mismatch']:.0f} mismatched, {checks['unverified']:.0f} unverified")
+            ok = ok and checks["mismatch"] == 0 and checks["ok"] > 0
         if first_mismatch:
             say(f"  MISMATCH       {first_mismatch}")
         elif ok:
@@ -313,6 +320,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layer-wise streaming: prefill publishes first and each layer crosses once saved, while the next computes")
     p.add_argument("--layer-ms", type=float, default=0.0,
                    help="simulate prefill compute: this many ms a layer (with --stream, or alone for pull mode after it)")
+    p.add_argument("--verify", choices=["off", "sampled", "full"], default="off",
+                   help="the daemons' end-to-end verification: prefill digests what it publishes, decode checks what landed against it")
     p.add_argument("--transport", choices=["tcp", "samehost", "nixl"], default="tcp",
                    help="tcp: the cross-host data plane over loopback; samehost: direct copies between mapped regions; "
                         "nixl: NIXL/UCX moves the bytes (pip install 'kvd[nixl]')")
