@@ -199,3 +199,45 @@ def test_any_state_pairing_lands_each_rank_its_own_heads_exactly(p_tp, d_tp, p_l
             others[spare] = False
             for _i, _c, view in t.layer_runs(0, tuple(range(len(LAYERS)))):
                 assert not view[:, :, others].any()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 4)])
+def test_verification_digests_of_moved_state_agree_and_a_missing_part_is_caught(p_tp, d_tp):
+    """Verification (core/digest.py) on state parts: P's digest of its
+    running state equals D's of what landed, across TP, conv layouts and
+    Granite-style replicated B and C; a part that never landed (D's conv
+    state zeroed, as where a part goes missing) differs, in that part only."""
+    from kvd.core.digest import DigestQuery, DigestRows, RowDigests, RowSample, answer, compare
+
+    def shape(layout):
+        return mamba2(num_heads=8, head_dim=4, n_groups=1, d_state=8, conv_kernel=4, dtype="bfloat16", ssm_dtype="float32", conv_layout=layout)
+
+    p_meta, p_ranks = _engine("p", shape(SD), p_tp)
+    d_meta, d_ranks = _engine("d", shape(DS), d_tp)
+    for tp, (_b, groups, tensors) in enumerate(p_ranks):
+        for t, c in zip(tensors, _coords(groups, tp, p_tp), strict=True):
+            pattern.fill(t, 7, [3], c)
+    _move(p_meta, p_ranks, d_meta, d_ranks, 3, 5)
+    sample = RowSample(5)
+
+    def differ(tp: int) -> list[int]:
+        """The groups where D rank ``tp`` differs from P's answer."""
+        _b, groups, tensors = d_ranks[tp]
+        bad = []
+        for gi, (g, t, c) in enumerate(zip(groups, tensors, _coords(groups, tp, d_tp), strict=True)):
+            bs = g.spec.block_size
+            mine = RowDigests.of(t, g.group_id, [5], 0, bs, c.head_start, sample)
+            heads = range(c.head_start, c.head_start + g.spec.num_kv_heads)
+            query = DigestQuery("p", "req", 1, b"", (DigestRows(g.group_id, LAYERS, heads, 0, bs, bs),))
+            held = [[RowDigests.of(pt[gi], pg[gi].group_id, [3], 0, bs, pc[gi].head_start, sample) if i == gi else None
+                     for i in range(len(pg))] for r, (_pb, pg, pt) in enumerate(p_ranks) for pc in [_coords(pg, r, p_tp)]]
+            theirs = answer(query, sample, held).sums[0]
+            if compare(LAYERS, mine.bins(LAYERS, heads, 0, bs, bs), theirs) is not None:
+                bad.append(g.group_id)
+        return bad
+
+    assert all(differ(tp) == [] for tp in range(d_tp))
+    _b, groups, tensors = d_ranks[0]
+    for _i, _c, view in tensors[0].layer_runs(0, (0, 1)):
+        view[:, :, 5] = 0  # the first conv part never landed
+    assert differ(0) == [groups[0].group_id]

@@ -119,7 +119,8 @@ def test_a_byte_flipped_in_transit_fails_exactly_the_block_it_landed_in(daemons)
 
 
 def test_the_demo_verifies_end_to_end():
+    """Attention and Mamba2 state parts, TP1 to TP2, block size 16 to 32."""
     r = subprocess.run([sys.executable, "-m", "kvd", "demo", "--requests", "24", "--layers", "2", "--num-blocks", "512", "--max-tokens", "256",
-                        "--verify", "full", "--prefill-tp", "1", "--decode-block-size", "32"], capture_output=True, text=True, timeout=300)
+                        "--verify", "full", "--prefill-tp", "1", "--decode-block-size", "32", "--mamba-every", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "decode's daemon checked 48 reads clean against prefill's digests, 0 mismatched, 0 unverified" in r.stdout, r.stdout[-2000:]

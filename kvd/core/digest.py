@@ -129,8 +129,9 @@ class RowDigests:
                 kv_of_part = group.kv_of_part[part]
                 for li, layer in enumerate(group.layer_indices):
                     v = view[li] if isinstance(view, torch.Tensor) else view[li][0]  # (kv, block, token, head, dim)
-                    gathered = v[:, blocks, slots].contiguous()  # (kv, tokens, heads, dim)
-                    rows = gathered.view(torch.uint8).view(word_dtype).to(torch.int64).numpy().view(np.uint64)  # (kv, tokens, heads, words)
+                    gathered = v[:, blocks, slots]  # (kv, tokens, heads, dim), a new tensor
+                    words = gathered.reshape(-1).view(torch.uint8).view(word_dtype).reshape(*gathered.shape[:3], -1)  # one flat view: a size-1 dim's stride is free
+                    rows = words.to(torch.int64).numpy().view(np.uint64)  # (kv, tokens, heads, words)
                     hashed = (rows * elem_keys).sum(axis=-1, dtype=np.uint64)
                     planes = [kv_of_part] if kv_of_part is not None else range(rows.shape[0])
                     kv = np.asarray(planes, dtype=np.uint64).reshape(-1, 1, 1)

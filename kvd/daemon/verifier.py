@@ -9,7 +9,8 @@ whose sums differ, so vLLM recomputes them.
 
 A streaming publication is published before its layers are written, and
 an opaque group hides its tokens: neither is digested, and a reader's
-question about them is answered NOT_FOUND, counted as unverified.
+question about them is answered NOT_FOUND, counted as unverified. A state
+part's rows are its blocks' rows (it holds no tokens), split by its own heads.
 """
 
 from __future__ import annotations
@@ -64,8 +65,14 @@ def group_heads(spec_group: GroupSpec, worker: WorkerId, model: ModelInfo) -> He
 
 
 def verifiable(group: GroupSpec) -> bool:
-    """Groups whose rows are tokens kvd can name (not opaque spans, not state parts yet)."""
-    return not group.spec.opaque and not group.spec.state
+    """Groups whose rows kvd can name: not an opaque span (it hides its tokens)."""
+    return not group.spec.opaque
+
+
+def rows_stop(group: GroupSpec, first_token: int, num_ids: int, num_tokens: int) -> int:
+    """Where a group's digested rows end: the request's tokens, or every row of a state part's blocks (it holds no tokens)."""
+    end = first_token + num_ids * group.spec.block_size
+    return end if group.spec.state else min(num_tokens, end)
 
 
 @dataclasses.dataclass
@@ -116,8 +123,8 @@ class Verifier:
             groups: list[RowDigests | None] = []
             for g, tensors, blocks in zip(reg.groups, reg.tensors, order.block_ids, strict=True):
                 start = group_heads(g, reg.worker, reg.model).start
-                groups.append(RowDigests.of(tensors, g.group_id, blocks.ids, blocks.first_token, order.num_tokens, start, sample)
-                              if verifiable(g) else None)
+                stop = rows_stop(g, blocks.first_token, len(blocks.ids), order.num_tokens)
+                groups.append(RowDigests.of(tensors, g.group_id, blocks.ids, blocks.first_token, stop, start, sample) if verifiable(g) else None)
             out.append(groups)
         return out
 
@@ -149,7 +156,7 @@ class Verifier:
             if not verifiable(g) or not len(ids):
                 continue
             heads = group_heads(g, reg.worker, reg.model)
-            stop = min(params.num_tokens, first + len(ids) * g.spec.block_size)
+            stop = rows_stop(g, first, len(ids), params.num_tokens)
             rows.append(DigestRows(g.group_id, g.layer_indices, range(heads.start, heads.stop), first, stop, g.spec.block_size))
         if not rows:
             return None
