@@ -349,7 +349,7 @@ def digest_query_from_pb(q: pb.DigestRequest) -> DigestQuery:
 
 
 def digest_answer_to_pb(a: DigestAnswer, query: DigestQuery) -> pb.DigestResponse:
-    return pb.DigestResponse(seed=a.sample.seed, rate_log2=a.sample.rate_log2, groups=[
+    return pb.DigestResponse(seed=a.sample.seed, per_window=a.sample.per_window, groups=[
         pb.GroupDigest(group_id=r.group_id, sums=s.ravel().tolist()) for r, s in zip(query.rows, a.sums, strict=True)])
 
 
@@ -362,7 +362,7 @@ def digest_answer_from_pb(a: pb.DigestResponse, query: DigestQuery) -> DigestAns
         if g.group_id != rows.group_id or len(g.sums) != rows.shape[0] * rows.shape[1]:
             raise InvalidArgument(f"digest.groups[{rows.group_id}].sums", f"<{len(g.sums)} sums>", f"must be {rows.shape[0]} x {rows.shape[1]}")
         sums.append(np.asarray(g.sums, dtype=np.uint64).reshape(rows.shape))
-    return DigestAnswer(RowSample(a.seed, a.rate_log2), tuple(sums))
+    return DigestAnswer(RowSample(a.seed, a.per_window), tuple(sums))
 
 
 def leases_from_pb(r: pb.RenewLeasesRequest) -> tuple[LeaseRef, ...]:

@@ -72,17 +72,17 @@ def d_rank_check(p, p_ids, d, d_ids, sample: RowSample, first: int = 0) -> dict[
     return out
 
 
-@pytest.mark.parametrize("rate_log2", [0, 2])
-def test_a_relaid_out_copy_digests_as_the_original_on_every_rank(pd, rate_log2):
+@pytest.mark.parametrize("per_window", [0, 2])
+def test_a_relaid_out_copy_digests_as_the_original_on_every_rank(pd, per_window):
     """P TP1 HND 32-token blocks, memory in shuffled dim order; D TP2 x PP2 NHD 16-token blocks, layers unstacked."""
     p, p_ids, d, d_ids = pd
-    sample = RowSample(seed=0xC0FFEE, rate_log2=rate_log2)
+    sample = RowSample(seed=0xC0FFEE, per_window=per_window)
     assert all(m is None for m in d_rank_check(p, p_ids, d, d_ids, sample).values())
     assert all(m is None for m in d_rank_check(p, p_ids, d, d_ids, sample, first=64).values())  # a reader's prefix hit
     # Not vacuous: the sums are not zero, and another seed gives others.
     rank = d.ranks[(0, 0)]
     a = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, sample).bins((0, 1), range(0, 2), 0, TOKENS, 16)
-    b = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, RowSample(1, rate_log2)).bins((0, 1), range(0, 2), 0, TOKENS, 16)
+    b = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, RowSample(1, per_window)).bins((0, 1), range(0, 2), 0, TOKENS, 16)
     assert np.all(a != 0) and np.any(a != b)
 
 
@@ -112,13 +112,13 @@ def test_a_block_p_reused_after_publishing_is_caught_by_the_sample(pd):
     p, p_ids, d, d_ids = pd
     for r in p.ranks.values():
         pattern.fill(r.tensors, 6, [p_ids[3]], r.coords, first_token=96)
-    bad = d_rank_check(p, p_ids, d, d_ids, RowSample(11, rate_log2=2))
+    bad = d_rank_check(p, p_ids, d, d_ids, RowSample(11, per_window=1))
     assert all(m is not None and m.bins == (6, 7) for m in bad.values())  # P's 4th block is D's 7th and 8th
 
 
 def test_bad_input_is_refused_naming_the_field():
-    with pytest.raises(InvalidArgument, match=r"verify\.rate_log2"):
-        RowSample(1, rate_log2=40)
+    with pytest.raises(InvalidArgument, match=r"verify\.per_window"):
+        RowSample(1, per_window=16)
     with pytest.raises(InvalidArgument, match=r"verify\.seed"):
         RowSample(-1)
     with pytest.raises(InvalidArgument, match=r"verify\.digests"):
@@ -136,7 +136,7 @@ def test_replicated_heads_and_stages_count_once():
             pattern.fill(r.tensors, 5, [1, 2, 3, 4, 5], r.coords)
         return e
 
-    sample = RowSample(77, 1)
+    sample = RowSample(77, 3)
     query = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1, 2, 3), range(0, 2), 0, TOKENS, 64),))
 
     def ask(e):
@@ -146,3 +146,15 @@ def test_replicated_heads_and_stages_count_once():
 
     one, many = ask(filled(1, 1, 1)), ask(filled(4, 2, 2))
     assert np.all(one != 0) and np.array_equal(one, many)
+
+
+def test_a_sample_takes_exactly_its_tokens_of_every_window_whatever_the_range():
+    """Both sides pick the same tokens from the seed alone, for any range
+    that holds them; every aligned 16 positions give exactly per_window."""
+    s = RowSample(123, per_window=2)
+    whole = s.tokens(0, 160)
+    assert np.array_equal(np.bincount(whole // 16, minlength=10), [2] * 10)
+    part = s.tokens(37, 150)
+    assert np.array_equal(part, whole[(whole >= 37) & (whole < 150)])
+    assert not np.array_equal(whole, RowSample(124, per_window=2).tokens(0, 160))  # the seed decides
+    assert np.array_equal(RowSample(1).tokens(5, 9), [5, 6, 7, 8])  # full: every token

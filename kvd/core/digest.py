@@ -14,11 +14,12 @@ heads, binned by its own block size -- is answered by adding, over as many
 ranks as hold the rows, with no rank talking to another. A reader's
 mismatch then names its own layer and block.
 
-Rows are every token's (``rate_log2=0``, full) or a seeded sample: a token
-is in it when a hash of its position and the seed falls under the rate, so
-both sides pick the same tokens from the seed alone. The seed is the
-daemon's, drawn when it takes the digest, so the engine whose bytes are
-checked cannot know which rows count.
+Rows are every token's (full) or a seeded sample: exactly ``per_window``
+tokens of every aligned 16 positions, chosen by a hash of the position and
+the seed, so both sides pick the same tokens from the seed alone and every
+reader block of 16 tokens or more is checked. The seed is the daemon's,
+drawn when it takes the digest, so the engine whose bytes are checked
+cannot know which rows count.
 """
 
 from __future__ import annotations
@@ -54,34 +55,39 @@ def _key(seed: int, salt: int) -> np.uint64:
     return np.uint64(mix(np.array([(seed ^ (salt * 0x9E3779B97F4A7C15)) & (2**64 - 1)], dtype=np.uint64))[0])
 
 
+WINDOW = 16  # sampled tokens are chosen within each aligned window of this many positions
+
+
 @dataclass(frozen=True)
 class RowSample:
-    """Which tokens' rows to digest: about one in ``2 ** rate_log2`` (0: all), chosen by ``seed``."""
+    """Which tokens' rows to digest: every one (``per_window=0``), or exactly
+    ``per_window`` tokens of each aligned window of ``WINDOW`` positions,
+    chosen by ``seed``. Exactly, not about: every reader block of 16 tokens
+    or more holds sampled rows, whatever its size and wherever a range ends."""
 
     seed: int
-    rate_log2: int = 0
+    per_window: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed < 2**64:
             raise InvalidArgument("verify.seed", self.seed, "must be an unsigned 64-bit integer")
-        if not 0 <= self.rate_log2 <= 16:
-            raise InvalidArgument("verify.rate_log2", self.rate_log2, "must be 0 (every row) to 16")
-
-    @classmethod
-    def for_block_size(cls, seed: int, block_size: int, rows_per_block: int = 4) -> RowSample:
-        """About ``rows_per_block`` tokens of each block of ``block_size``."""
-        return cls(seed, max(0, (block_size // max(1, rows_per_block)).bit_length() - 1))
+        if not 0 <= self.per_window < WINDOW:
+            raise InvalidArgument("verify.per_window", self.per_window, f"must be 0 (every row) to {WINDOW - 1}")
 
     def describe(self) -> str:
-        return "every row" if self.rate_log2 == 0 else f"about 1 token in {2 ** self.rate_log2} sampled"
+        return "every row" if self.per_window == 0 else f"{self.per_window} tokens of every {WINDOW} sampled"
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """The sampled positions in ``[start, stop)``, ascending."""
-        t = np.arange(start, stop, dtype=np.int64)
-        if self.rate_log2 == 0 or not len(t):
-            return t
-        h = mix(t.astype(np.uint64) ^ _key(self.seed, 1))
-        return t[(h >> np.uint64(64 - self.rate_log2)) == 0]
+        """The sampled positions in ``[start, stop)``, ascending: a token's
+        place among its whole window's hashes decides, so the choice is the
+        same for any range that holds it."""
+        if self.per_window == 0 or stop <= start:
+            return np.arange(start, stop, dtype=np.int64)
+        lo, hi = start // WINDOW * WINDOW, -(-stop // WINDOW) * WINDOW
+        t = np.arange(lo, hi, dtype=np.int64).reshape(-1, WINDOW)
+        rank = np.argsort(np.argsort(mix(t.astype(np.uint64) ^ _key(self.seed, 1)), axis=1), axis=1)
+        picked = t[rank < self.per_window]
+        return np.sort(picked[(picked >= start) & (picked < stop)])
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from kvd.daemon.registration import Registration
 log = logging.getLogger("kvd.daemon")
 
 MODES = ("off", "sampled", "full")
-ROWS_PER_BLOCK = 4  # sampled: about this many tokens of each of the owner's blocks
+SAMPLED_PER_WINDOW = 2  # sampled: 2 tokens of every 16 (an eighth of the rows), every layer and head of each
 
 
 def check_mode(field: str, mode: str) -> str:
@@ -107,9 +107,8 @@ class Verifier:
         key = (params.request_id, params.generation)
         taken = self._taken.get(key)
         if taken is None:
-            block = min((g.spec.block_size for g in regs[0].groups if verifiable(g)), default=16)
-            rate = RowSample(0) if self.mode == "full" else RowSample.for_block_size(0, block, ROWS_PER_BLOCK)
-            taken = self._taken[key] = _Taken(RowSample(secrets.randbits(64), rate.rate_log2), params.capability, now)
+            sample = RowSample(secrets.randbits(64), 0 if self.mode == "full" else SAMPLED_PER_WINDOW)
+            taken = self._taken[key] = _Taken(sample, params.capability, now)
         digests = await asyncio.to_thread(self._digest_ranks, regs, order, taken.sample)
         for reg, groups in zip(regs, digests, strict=True):
             taken.held[(reg.worker.tp_rank, reg.worker.pp_rank)] = groups

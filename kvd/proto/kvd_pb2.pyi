@@ -537,14 +537,14 @@ class GroupDigest(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., sums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DigestResponse(_message.Message):
-    __slots__ = ("seed", "rate_log2", "groups")
+    __slots__ = ("seed", "per_window", "groups")
     SEED_FIELD_NUMBER: _ClassVar[int]
-    RATE_LOG2_FIELD_NUMBER: _ClassVar[int]
+    PER_WINDOW_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     seed: int
-    rate_log2: int
+    per_window: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupDigest]
-    def __init__(self, seed: _Optional[int] = ..., rate_log2: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupDigest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seed: _Optional[int] = ..., per_window: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupDigest, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
