@@ -158,3 +158,16 @@ def test_a_sample_takes_exactly_its_tokens_of_every_window_whatever_the_range():
     assert np.array_equal(part, whole[(whole >= 37) & (whole < 150)])
     assert not np.array_equal(whole, RowSample(124, per_window=2).tokens(0, 160))  # the seed decides
     assert np.array_equal(RowSample(1).tokens(5, 9), [5, 6, 7, 8])  # full: every token
+
+
+def test_an_answer_missing_a_rank_is_no_answer(pd):
+    """A rank that holds asked heads and has not been digested (not yet
+    published) makes no partial sum: a reader would fail good blocks."""
+    p, p_ids, _d, _d_ids = pd
+    rank = p.ranks[(0, 0)]
+    full = [RowDigests.of(rank.tensors, 0, p_ids, 0, TOKENS, 0, RowSample(3))]
+    query = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1), range(0, 4), 0, TOKENS, 16),))
+    assert answer(query, RowSample(3), [full]) is not None
+    assert answer(query, RowSample(3), []) is None
+    narrow = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1), range(0, 6), 0, TOKENS, 16),))  # heads 4, 5 held nowhere
+    assert answer(narrow, RowSample(3), [full]) is None

@@ -124,3 +124,36 @@ def test_the_demo_verifies_end_to_end():
                         "--verify", "full", "--prefill-tp", "1", "--decode-block-size", "32", "--mamba-every", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "decode's daemon checked 48 reads clean against prefill's digests, 0 mismatched, 0 unverified" in r.stdout, r.stdout[-2000:]
+
+
+def test_a_digest_question_out_of_bounds_is_refused_by_name_and_the_daemon_serves_on(daemons):
+    """A reader asking for 2^32 one-token bins would have the owner allocate
+    terabytes: refused, naming the field; the next good question is answered."""
+    import grpc
+
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.proto import kvd_pb2_grpc as pbg
+
+    p, _d, ps, ds = start(daemons)
+    params = publish(ps, "r6", P_IDS)
+    with grpc.insecure_channel(p.grpc) as ch:
+        stub = pbg.PeerStub(ch)
+
+        def ask(**rows):
+            req = pb.DigestRequest(engine_id="prefill", request_id="r6", generation=params.generation, capability=params.capability,
+                                   rows=[pb.DigestRows(**{"group_id": 0, "layers": [0, 1], "head_start": 0, "head_stop": 4,
+                                                          "token_start": 0, "token_stop": NTOK, "bin_tokens": 16, **rows})])
+            return stub.Digest(req, timeout=10)
+
+        with pytest.raises(grpc.RpcError) as e:
+            ask(token_stop=2**32 - 1, bin_tokens=1)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows[0].token_stop" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            ask(layers=[0, 0])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows[0].layers" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            ask(bin_tokens=0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rows.bin_tokens" in e.value.details()
+        assert len(ask().groups[0].sums) == 2 * 10  # 2 layers x 10 bins of 16
+    finished = pull(ds, "r6", params, D_IDS)  # and the reader's own check still passes
+    assert all(f.details[("recving", "r6")].outcome == "done" for f in finished)

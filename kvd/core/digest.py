@@ -99,6 +99,7 @@ class RowDigests:
     tokens: np.ndarray  # sampled positions, ascending
     head_start: int  # global head of the last axis's 0
     values: np.ndarray  # uint64 (layers, tokens, heads)
+    sample: RowSample
 
     @classmethod
     def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
@@ -118,6 +119,8 @@ class RowDigests:
                             ("head", head_start + spec.num_kv_heads - 1), ("token", num_tokens - 1)):
             if value >= _LIMITS[name]:
                 raise InvalidArgument(f"verify.{name}", value, f"is past what a row's name holds ({_LIMITS[name] - 1})")
+        if spec.state:
+            sample = RowSample(sample.seed)  # a state part is a few rows a block: every one counts
         tokens = sample.tokens(first_token, min(num_tokens, first_token + len(block_ids) * bs))
         values = np.zeros((len(group.layer_indices), len(tokens), spec.num_kv_heads), dtype=np.uint64)
         if len(tokens):
@@ -137,13 +140,13 @@ class RowDigests:
                     v = view[li] if isinstance(view, torch.Tensor) else view[li][0]  # (kv, block, token, head, dim)
                     gathered = v[:, blocks, slots]  # (kv, tokens, heads, dim), a new tensor
                     words = gathered.reshape(-1).view(torch.uint8).view(word_dtype).reshape(*gathered.shape[:3], -1)  # one flat view: a size-1 dim's stride is free
-                    rows = words.to(torch.int64).numpy().view(np.uint64)  # (kv, tokens, heads, words)
+                    rows = words.to(torch.int64).cpu().numpy().view(np.uint64)  # (kv, tokens, heads, words); a GPU cache's sampled rows come to the host
                     hashed = (rows * elem_keys).sum(axis=-1, dtype=np.uint64)
                     planes = [kv_of_part] if kv_of_part is not None else range(rows.shape[0])
                     kv = np.asarray(planes, dtype=np.uint64).reshape(-1, 1, 1)
                     named = names | (np.uint64(layer) << np.uint64(44)) | (kv << np.uint64(43))
                     values[li] += mix(hashed ^ mix(named ^ seed_key)).sum(axis=0, dtype=np.uint64)
-        return cls(tuple(group.layer_indices), tokens, head_start, values)
+        return cls(tuple(group.layer_indices), tokens, head_start, values, sample)
 
     @property
     def nbytes(self) -> int:
@@ -233,10 +236,11 @@ class DigestAnswer:
     sums: tuple[np.ndarray, ...]  # uint64, DigestRows.shape each
 
 
-def answer(query: DigestQuery, sample: RowSample, held: Sequence[Sequence[RowDigests | None]]) -> DigestAnswer:
+def answer(query: DigestQuery, sample: RowSample, held: Sequence[Sequence[RowDigests | None]]) -> DigestAnswer | None:
     """Sum the owner's ranks' digests for each asked group, each (layer,
     global head) once: a replica's heads count on the first rank that holds
-    them. ``held``: per rank, its digests by group id (None: not digested)."""
+    them. ``held``: per rank, its digests by group id (None: not digested).
+    None unless every asked (layer, head) is held: a partial sum is no answer."""
     sums = []
     for rows in query.rows:
         total = np.zeros(rows.shape, dtype=np.uint64)
@@ -251,6 +255,8 @@ def answer(query: DigestQuery, sample: RowSample, held: Sequence[Sequence[RowDig
                 counted.update((layer, h) for h in fresh)
                 for run in _runs(fresh):
                     total[i] += digests.bins((layer,), run, rows.token_start, rows.token_stop, rows.bin_tokens)[0]
+        if len(counted) != len(rows.layers) * len(rows.heads):
+            return None
         sums.append(total)
     return DigestAnswer(sample, tuple(sums))
 

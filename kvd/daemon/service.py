@@ -140,18 +140,23 @@ class WorkerService(pbg.WorkerServicer):
     async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PublishResponse:
         token = self._local(context)
         order = publish_from_pb(request)
-        params = self.d.publisher.publish(order, token)
         assert order.worker is not None
-        # Verification: digested as published, before the worker hears it is.
-        await self.d.verifier.take([self.d.registry.by_rank[(order.worker.tp_rank, order.worker.pp_rank)]], order, params)
+        reg = self.d.registry.by_rank.get((order.worker.tp_rank, order.worker.pp_rank))
+        # Verification: the blocks as published, digested before any reader can see them.
+        digests = await self.d.verifier.digest([reg], order) if reg is not None and self.d.verifier.wants(order) else None
+        params = self.d.publisher.publish(order, token)
+        if reg is not None:
+            self.d.verifier.keep([reg], digests, params)
         return pb.PublishResponse(params=params_to_pb(params))
 
     @rpc
     async def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
         token = self._local(context)
         order = publish_engine_from_pb(request)
+        regs = [self.d.registry.by_rank[k] for k in sorted(self.d.registry.by_rank)]
+        digests = await self.d.verifier.digest(regs, order) if regs and self.d.verifier.wants(order) else None
         params = self.d.publisher.publish_engine(order, token)
-        await self.d.verifier.take([self.d.registry.by_rank[k] for k in sorted(self.d.registry.by_rank)], order, params)
+        self.d.verifier.keep(regs, digests, params)
         return pb.PublishResponse(params=params_to_pb(params))
 
     @rpc
@@ -271,10 +276,10 @@ class PeerService(pbg.PeerServicer):
         return pb.AbortResponse(found=self.d.publisher.peer_abort(peer_abort_from_pb(request)))
 
     @rpc
-    def Digest(self, request: pb.DigestRequest, context: Any) -> pb.DigestResponse:
+    async def Digest(self, request: pb.DigestRequest, context: Any) -> pb.DigestResponse:
         query = digest_query_from_pb(request)
         self.d.registry.check_peer_engine(query.engine_id)
-        return digest_answer_to_pb(self.d.verifier.answer(query), query)
+        return digest_answer_to_pb(await self.d.verifier.answer(query), query)
 
     @rpc
     def RenewLeases(self, request: pb.RenewLeasesRequest, context: Any) -> pb.RenewLeasesResponse:

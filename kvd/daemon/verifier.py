@@ -9,7 +9,8 @@ whose sums differ, so vLLM recomputes them.
 
 A streaming publication is published before its layers are written, and
 an opaque group hides its tokens: neither is digested, and a reader's
-question about them is answered NOT_FOUND, counted as unverified. A state
+question about them is answered NOT_FOUND, counted as unverified, as is
+every other way a check can fail to be made. A state
 part's rows are its blocks' rows (it holds no tokens), split by its own heads.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hmac
 import logging
 import secrets
 import time
@@ -41,6 +43,7 @@ from kvd.core.errors import InvalidArgument, NotFound
 from kvd.core.requests import PublishOrder, PullOrder, TransferParams
 from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 from kvd.core.topology import HeadSlice, heads_of_rank
+from kvd.core.transfer import needed_from
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.outbound import PeerChannels
 from kvd.daemon.registration import Registration
@@ -48,6 +51,8 @@ from kvd.daemon.registration import Registration
 log = logging.getLogger("kvd.daemon")
 
 MODES = ("off", "sampled", "full")
+# Bounds on a reader's question: a row's name holds 4096 layers; a state part's rows per block.
+MAX_LAYERS, MAX_STATE_ROWS, MAX_SUMS = 4096, 1 << 16, 1 << 24
 SAMPLED_PER_WINDOW = 2  # sampled: 2 tokens of every 16 (an eighth of the rows), every layer and head of each
 
 
@@ -69,51 +74,80 @@ def verifiable(group: GroupSpec) -> bool:
     return not group.spec.opaque
 
 
-def rows_stop(group: GroupSpec, first_token: int, num_ids: int, num_tokens: int) -> int:
-    """Where a group's digested rows end: the request's tokens, or every row of a state part's blocks (it holds no tokens)."""
-    end = first_token + num_ids * group.spec.block_size
-    return end if group.spec.state else min(num_tokens, end)
+def rows_of(group: GroupSpec, ids: Sequence[int], first_token: int, num_tokens: int) -> tuple[list[int], int, int] | None:
+    """The blocks, first row and end row a pull lands of ``group`` (as
+    ``core.transfer`` plans it): a state part's last block, whole (it holds
+    no tokens); else the tokens from ``first_token`` to the request's end or
+    its blocks' (None: decode needs none of them, as a chunk past them)."""
+    bs = group.spec.block_size
+    if group.spec.state:
+        return (list(ids[-1:]), 0, bs) if len(ids) else None
+    if not len(ids) or needed_from(group, num_tokens, first_token) >= num_tokens:
+        return None
+    return list(ids), first_token, min(num_tokens, first_token + len(ids) * bs)
 
 
 @dataclasses.dataclass
 class _Taken:
     sample: RowSample
     capability: bytes
-    at: float
+    num_tokens: int
+    until: float  # kept to the lease's end and verify_keep_seconds past it
     held: dict[tuple[int, int], list[RowDigests | None]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.nbytes for groups in self.held.values() for d in groups if d is not None)
+    nbytes: int = 0
 
 
 class Verifier:
-    def __init__(self, mode: str, keep_seconds: float, metrics: Metrics, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, mode: str, keep_seconds: float, metrics: Metrics, max_bytes: int = 1 << 30) -> None:
         self.mode = check_mode("verify", mode)
         self.keep_seconds = keep_seconds
         self.metrics = metrics
         self.max_bytes = max_bytes
         self._taken: collections.OrderedDict[tuple[str, int], _Taken] = collections.OrderedDict()
         self._bytes = 0
+        # A request's seed: keyed by a secret of this daemon's, so every rank's
+        # digest of one request agrees and its engine cannot know the rows.
+        self._secret = secrets.token_bytes(32)
 
     # ------------------------------------------------------------ owner
 
-    async def take(self, regs: Sequence[Registration], order: PublishOrder, params: TransferParams) -> None:
-        """Digest what ``regs`` just published (off the loop); kept for readers to ask."""
-        if self.mode == "off" or params.stream:
+    def wants(self, order: PublishOrder) -> bool:
+        return self.mode != "off" and not order.stream
+
+    async def digest(self, regs: Sequence[Registration], order: PublishOrder) -> list[list[RowDigests | None]] | None:
+        """Before ``order`` is published (its blocks are final): each rank's
+        digests, off the loop. None where digesting failed (logged): the
+        publication goes on, unverified."""
+        seed = int.from_bytes(hmac.digest(self._secret, order.request_id.encode(), "sha256")[:8], "little")
+        sample = RowSample(seed, 0 if self.mode == "full" else SAMPLED_PER_WINDOW)
+        try:
+            return await asyncio.to_thread(self._digest_ranks, regs, order, sample)
+        except Exception as e:  # a bad order is the publish's to refuse, by name
+            log.warning("not digested request_id=%s: %s: %s", order.request_id, type(e).__name__, e)
+            return None
+
+    def keep(self, regs: Sequence[Registration], digests: list[list[RowDigests | None]] | None, params: TransferParams) -> None:
+        """Keep what ``digest`` made, now that ``params`` name the publication (on the loop: no await between)."""
+        if digests is None:
             return
         now = time.monotonic()
-        self._expire(now)
         key = (params.request_id, params.generation)
         taken = self._taken.get(key)
         if taken is None:
-            sample = RowSample(secrets.randbits(64), 0 if self.mode == "full" else SAMPLED_PER_WINDOW)
-            taken = self._taken[key] = _Taken(sample, params.capability, now)
-        digests = await asyncio.to_thread(self._digest_ranks, regs, order, taken.sample)
+            first = next((d for groups in digests for d in groups if d is not None), None)
+            sample = RowSample(0) if first is None else first.sample
+            until = now + (params.lease_seconds or 120.0) + self.keep_seconds
+            taken = self._taken[key] = _Taken(sample, params.capability, params.num_tokens, until)
         for reg, groups in zip(regs, digests, strict=True):
-            taken.held[(reg.worker.tp_rank, reg.worker.pp_rank)] = groups
-            self._bytes += sum(d.nbytes for d in groups if d is not None)
+            rank = (reg.worker.tp_rank, reg.worker.pp_rank)
+            size = sum(d.nbytes for d in groups if d is not None)
+            old = taken.held.get(rank)
+            taken.held[rank] = groups
+            delta = size - (sum(d.nbytes for d in old if d is not None) if old else 0)
+            taken.nbytes += delta
+            self._bytes += delta
         self.metrics.verify_digests.inc(len(regs))
+        self._expire(now)
 
     @staticmethod
     def _digest_ranks(regs: Sequence[Registration], order: PublishOrder, sample: RowSample) -> list[list[RowDigests | None]]:
@@ -121,30 +155,39 @@ class Verifier:
         for reg in regs:
             groups: list[RowDigests | None] = []
             for g, tensors, blocks in zip(reg.groups, reg.tensors, order.block_ids, strict=True):
+                rows = rows_of(g, blocks.ids, blocks.first_token, order.num_tokens) if verifiable(g) else None
                 start = group_heads(g, reg.worker, reg.model).start
-                stop = rows_stop(g, blocks.first_token, len(blocks.ids), order.num_tokens)
-                groups.append(RowDigests.of(tensors, g.group_id, blocks.ids, blocks.first_token, stop, start, sample) if verifiable(g) else None)
+                groups.append(RowDigests.of(tensors, g.group_id, rows[0], rows[1], rows[2], start, sample) if rows else None)
             out.append(groups)
         return out
 
-    def answer(self, query: DigestQuery) -> DigestAnswer:
-        self._expire(time.monotonic())
+    async def answer(self, query: DigestQuery) -> DigestAnswer:
+        """A reader's question, checked against what is held (on the loop),
+        summed off it (over a snapshot: the loop may keep more meanwhile)."""
         taken = self._taken.get((query.request_id, query.generation))
-        if taken is None or taken.capability != query.capability:
+        if taken is None or not hmac.compare_digest(taken.capability, query.capability):
             raise NotFound(f"no digest of request_id={query.request_id!r} generation {query.generation} is held "
-                           f"(verify={self.mode}, kept {self.keep_seconds:g}s past publication)")
-        for rows in query.rows:
-            if any(rows.group_id >= len(groups) or groups[rows.group_id] is None for groups in taken.held.values()):
-                raise NotFound(f"group {rows.group_id} of request_id={query.request_id!r} was not digested (opaque or state part)")
-        return answer(query, taken.sample, [taken.held[k] for k in sorted(taken.held)])
+                           f"(verify={self.mode}; kept to its lease's end and {self.keep_seconds:g}s past it)")
+        for i, rows in enumerate(query.rows):
+            if len(set(rows.layers)) != len(rows.layers) or len(rows.layers) > MAX_LAYERS:
+                raise InvalidArgument(f"rows[{i}].layers", f"<{len(rows.layers)} layers>", f"must be distinct, at most {MAX_LAYERS}")
+            if rows.token_stop > max(taken.num_tokens, MAX_STATE_ROWS):
+                raise InvalidArgument(f"rows[{i}].token_stop", rows.token_stop, f"is past the publication's {taken.num_tokens} tokens")
+            if rows.shape[0] * rows.shape[1] > MAX_SUMS:
+                raise InvalidArgument(f"rows[{i}].bin_tokens", rows.bin_tokens, f"makes over {MAX_SUMS} sums; use the reader's block size")
+        found = await asyncio.to_thread(answer, query, taken.sample, [taken.held[k] for k in sorted(taken.held)])
+        if found is None:
+            raise NotFound(f"the digests held of request_id={query.request_id!r} do not cover every row asked "
+                           "(a rank that holds them has not published, or a group was not digested)")
+        return found
 
     def _expire(self, now: float) -> None:
-        while self._taken:
-            key, oldest = next(iter(self._taken.items()))
-            if now - oldest.at < self.keep_seconds and self._bytes <= self.max_bytes:
-                break
+        """Drop what is past its time, then the oldest while over ``max_bytes``."""
+        for key in [k for k, t in self._taken.items() if t.until <= now]:
+            self._bytes -= self._taken.pop(key).nbytes
+        while self._bytes > self.max_bytes and len(self._taken) > 1:
+            _key, oldest = self._taken.popitem(last=False)
             self._bytes -= oldest.nbytes
-            del self._taken[key]
 
     # ------------------------------------------------------------ reader
 
@@ -152,11 +195,11 @@ class Verifier:
         """What this rank asks of its read (None: no group can be verified)."""
         rows = []
         for g, ids, first in zip(reg.groups, local, first_tokens, strict=True):
-            if not verifiable(g) or not len(ids):
+            landed = rows_of(g, ids, first, params.num_tokens) if verifiable(g) else None
+            if landed is None:
                 continue
             heads = group_heads(g, reg.worker, reg.model)
-            stop = rows_stop(g, first, len(ids), params.num_tokens)
-            rows.append(DigestRows(g.group_id, g.layer_indices, range(heads.start, heads.stop), first, stop, g.spec.block_size))
+            rows.append(DigestRows(g.group_id, g.layer_indices, range(heads.start, heads.stop), landed[1], landed[2], g.spec.block_size))
         if not rows:
             return None
         return DigestQuery(params.remote_engine_id, params.request_id, params.generation, params.capability, tuple(rows))
@@ -169,18 +212,21 @@ class Verifier:
         out = []
         for rows, sums in zip(query.rows, theirs.sums, strict=True):
             g = next(i for i, spec in enumerate(reg.groups) if spec.group_id == rows.group_id)
+            ids, first, stop = rows_of(reg.groups[g], local[g], first_tokens[g], rows.token_stop) or ([], 0, 0)
             heads = group_heads(reg.groups[g], reg.worker, reg.model)
-            mine = RowDigests.of(reg.tensors[g], rows.group_id, local[g], first_tokens[g], rows.token_stop, heads.start, theirs.sample)
+            mine = RowDigests.of(reg.tensors[g], rows.group_id, ids, first, stop, heads.start, theirs.sample)
             ours = mine.bins(rows.layers, rows.heads, rows.token_start, rows.token_stop, rows.bin_tokens)
             found = compare(rows.layers, ours, np.asarray(sums, dtype=np.uint64).reshape(rows.shape))
             if found is not None:
-                first_bin = first_tokens[g] // rows.bin_tokens
-                out.append((rows, found, [int(local[g][b - first_bin]) for b in found.bins]))
+                first_bin = first // rows.bin_tokens
+                out.append((rows, found, [int(ids[b - first_bin]) for b in found.bins]))
         return out
 
     async def verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams) -> None:
         """After a pull landed: ask its owner for the digests of what was read
-        and compare; raise ``VerifyMismatch`` naming the local blocks that differ."""
+        and compare; raise ``VerifyMismatch`` naming the local blocks that
+        differ. Anything else leaves the load unverified, never failed: the
+        bytes landed, and only a digest that differs says they are wrong."""
         local = [list(b.ids) for b in req.local]
         firsts = [b.first_token for b in req.local]
         query = self.query(reg, params, local, firsts)
@@ -189,12 +235,16 @@ class Verifier:
             return
         try:
             theirs = await channels.digest(params.remote_address, query, timeout=10)
+            found = await asyncio.to_thread(self.check, reg, query, theirs, local, firsts)
         except grpc.aio.AioRpcError as e:
-            # Not a failure of the pull: the owner does not verify, or no longer holds the digests.
+            # The owner does not verify, or no longer holds the digests.
             self.metrics.verify_checks.labels("unverified").inc()
             log.info("not verified request_id=%s: %s gave no digest: %s %s", req.request_id, params.remote_engine_id, e.code().name, e.details())
             return
-        found = await asyncio.to_thread(self.check, reg, query, theirs, local, firsts)
+        except Exception as e:  # an answer of another shape (another version), or a digest that could not be taken
+            self.metrics.verify_checks.labels("unverified").inc()
+            log.warning("not verified request_id=%s: %s: %s", req.request_id, type(e).__name__, e)
+            return
         if not found:
             self.metrics.verify_checks.labels("ok").inc()
             return
