@@ -99,7 +99,6 @@ class RowDigests:
     tokens: np.ndarray  # sampled positions, ascending
     head_start: int  # global head of the last axis's 0
     values: np.ndarray  # uint64 (layers, tokens, heads)
-    sample: RowSample
 
     @classmethod
     def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
@@ -120,7 +119,7 @@ class RowDigests:
             if value >= _LIMITS[name]:
                 raise InvalidArgument(f"verify.{name}", value, f"is past what a row's name holds ({_LIMITS[name] - 1})")
         if spec.state:
-            sample = RowSample(sample.seed)  # a state part is a few rows a block: every one counts
+            sample = RowSample(sample.seed)  # a state part is a few rows a block: every one counts (both sides apply this)
         tokens = sample.tokens(first_token, min(num_tokens, first_token + len(block_ids) * bs))
         values = np.zeros((len(group.layer_indices), len(tokens), spec.num_kv_heads), dtype=np.uint64)
         if len(tokens):
@@ -146,7 +145,7 @@ class RowDigests:
                     kv = np.asarray(planes, dtype=np.uint64).reshape(-1, 1, 1)
                     named = names | (np.uint64(layer) << np.uint64(44)) | (kv << np.uint64(43))
                     values[li] += mix(hashed ^ mix(named ^ seed_key)).sum(axis=0, dtype=np.uint64)
-        return cls(tuple(group.layer_indices), tokens, head_start, values, sample)
+        return cls(tuple(group.layer_indices), tokens, head_start, values)
 
     @property
     def nbytes(self) -> int:

@@ -42,7 +42,7 @@ def _engine_shape(meta: EngineMeta) -> EngineShape:
             if g.spec.state:
                 prev = state.get(g.group_id)
                 layers = frozenset(g.layer_indices) | (prev.layers if prev else frozenset())
-                state[g.group_id] = StateSplit(g.spec.total_heads or g.spec.num_kv_heads * meta.tp_size, layers)
+                state[g.group_id] = StateSplit(g.spec.heads_over_tp(meta.tp_size, meta.model.total_num_kv_heads), layers)
     attention = frozenset(idx for r in meta.ranks for g in r.groups if not g.spec.state for idx in g.layer_indices)
     return EngineShape(meta.tp_size, meta.pp_size, meta.model.total_num_kv_heads, use_mla, stages, state, attention)
 

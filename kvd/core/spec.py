@@ -188,6 +188,11 @@ class KVCacheSpec:
         """Logical K/V planes per layer: 2, or 1 for MLA, opaque spans and state parts."""
         return 1 if (self.use_mla or self.opaque or self.state) else 2
 
+    def heads_over_tp(self, tp_size: int, model_heads: int) -> int:
+        """The group's distinct heads over all ``tp_size`` ranks: the model's KV
+        heads, or a state part's own (fewer than the ranks where replicated)."""
+        return (self.total_heads or self.num_kv_heads * tp_size) if self.state else model_heads
+
     @property
     def parts_per_layer(self) -> int:
         """Registered tensors per layer: 2 when K and V are separate tensors."""

@@ -39,7 +39,9 @@ from kvd.convert import (
 )
 from kvd.core.aggregate import WorkerFinished
 from kvd.core.errors import KvdError, PermissionDenied, ResourceExhausted
+from kvd.core.requests import PublishOrder, TransferParams
 from kvd.daemon.daemon import Daemon
+from kvd.daemon.registration import Registration
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
@@ -142,20 +144,20 @@ class WorkerService(pbg.WorkerServicer):
         order = publish_from_pb(request)
         assert order.worker is not None
         reg = self.d.registry.by_rank.get((order.worker.tp_rank, order.worker.pp_rank))
-        # Verification: the blocks as published, digested before any reader can see them.
-        digests = await self.d.verifier.digest([reg], order) if reg is not None and self.d.verifier.wants(order) else None
-        params = self.d.publisher.publish(order, token)
-        if reg is not None:
-            self.d.verifier.keep([reg], digests, params)
-        return pb.PublishResponse(params=params_to_pb(params))
+        return await self._publish([reg] if reg is not None else [], order, lambda: self.d.publisher.publish(order, token))
 
     @rpc
     async def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
         token = self._local(context)
         order = publish_engine_from_pb(request)
         regs = [self.d.registry.by_rank[k] for k in sorted(self.d.registry.by_rank)]
-        digests = await self.d.verifier.digest(regs, order) if regs and self.d.verifier.wants(order) else None
-        params = self.d.publisher.publish_engine(order, token)
+        return await self._publish(regs, order, lambda: self.d.publisher.publish_engine(order, token))
+
+    async def _publish(self, regs: list[Registration], order: PublishOrder, publish: Callable[[], TransferParams]) -> pb.PublishResponse:
+        """Publish ``order`` on ``regs``; with verification on, their blocks as
+        published are digested first, before any reader can see them."""
+        digests = await self.d.verifier.digest(regs, order)
+        params = publish()
         self.d.verifier.keep(regs, digests, params)
         return pb.PublishResponse(params=params_to_pb(params))
 

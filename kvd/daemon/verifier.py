@@ -65,8 +65,7 @@ def check_mode(field: str, mode: str) -> str:
 def group_heads(spec_group: GroupSpec, worker: WorkerId, model: ModelInfo) -> HeadSlice:
     """The global heads a rank holds of a group: the model's KV heads, or a state part's own."""
     spec = spec_group.spec
-    total = (spec.total_heads or spec.num_kv_heads * worker.tp_size) if spec.state else model.total_num_kv_heads
-    return heads_of_rank(worker.tp_rank, worker.tp_size, total, spec.use_mla)
+    return heads_of_rank(worker.tp_rank, worker.tp_size, spec.heads_over_tp(worker.tp_size, model.total_num_kv_heads), spec.use_mla)
 
 
 def verifiable(group: GroupSpec) -> bool:
@@ -111,17 +110,20 @@ class Verifier:
 
     # ------------------------------------------------------------ owner
 
-    def wants(self, order: PublishOrder) -> bool:
-        return self.mode != "off" and not order.stream
+    def _sample(self, request_id: str) -> RowSample:
+        """A request's sample: its seed keyed by this daemon's secret, so every rank's digest of it agrees."""
+        seed = int.from_bytes(hmac.digest(self._secret, request_id.encode(), "sha256")[:8], "little")
+        return RowSample(seed, 0 if self.mode == "full" else SAMPLED_PER_WINDOW)
 
     async def digest(self, regs: Sequence[Registration], order: PublishOrder) -> list[list[RowDigests | None]] | None:
         """Before ``order`` is published (its blocks are final): each rank's
-        digests, off the loop. None where digesting failed (logged): the
-        publication goes on, unverified."""
-        seed = int.from_bytes(hmac.digest(self._secret, order.request_id.encode(), "sha256")[:8], "little")
-        sample = RowSample(seed, 0 if self.mode == "full" else SAMPLED_PER_WINDOW)
+        digests, off the loop. None where verification is off, for a stream
+        (published before its layers are written), or where digesting failed
+        (logged): the publication goes on, unverified."""
+        if self.mode == "off" or order.stream or not regs:
+            return None
         try:
-            return await asyncio.to_thread(self._digest_ranks, regs, order, sample)
+            return await asyncio.to_thread(self._digest_ranks, regs, order, self._sample(order.request_id))
         except Exception as e:  # a bad order is the publish's to refuse, by name
             log.warning("not digested request_id=%s: %s: %s", order.request_id, type(e).__name__, e)
             return None
@@ -134,10 +136,8 @@ class Verifier:
         key = (params.request_id, params.generation)
         taken = self._taken.get(key)
         if taken is None:
-            first = next((d for groups in digests for d in groups if d is not None), None)
-            sample = RowSample(0) if first is None else first.sample
             until = now + (params.lease_seconds or 120.0) + self.keep_seconds
-            taken = self._taken[key] = _Taken(sample, params.capability, params.num_tokens, until)
+            taken = self._taken[key] = _Taken(self._sample(params.request_id), params.capability, params.num_tokens, until)
         for reg, groups in zip(regs, digests, strict=True):
             rank = (reg.worker.tp_rank, reg.worker.pp_rank)
             size = sum(d.nbytes for d in groups if d is not None)
