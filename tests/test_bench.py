@@ -70,6 +70,12 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     for key in ("socket_scattered_16k_vs_1m", "skeleton_p50_vs_floor", "skeleton_p99_vs_floor", "small_request_p99_vs_floor"):
         floor = verdict[key]
         assert floor["limit"] == "-" and floor["met"] is None and floor["rounds"] == [r[key] for r in out["rounds"]]
+    # Verification: sampled's added time over the transfer, full's CPU per GB over off's, beside the floor of a read pass a side.
+    for path in ("tcp", "samehost"):
+        assert 0 < last[f"verify_sampled_cost_{path}"] < 1 and last[f"verify_{path}_sampled_gbps"] > 0
+        assert last[f"verify_full_cpu_vs_off_{path}"] == last[f"verify_{path}_full_cpu_s_per_gb"] / last[f"verify_{path}_off_cpu_s_per_gb"]
+        assert last[f"verify_full_floor_{path}"] > 1
+        assert verdict[f"verify_sampled_cost_{path}"]["limit"] == "<= 0.02" and verdict[f"verify_full_cpu_vs_off_{path}"]["limit"] == "<= 1.3"
     # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
     last = out["rounds"][-1]
     assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())

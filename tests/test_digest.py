@@ -36,7 +36,7 @@ def engine(name: str, tp: int, pp: int, block: int, layout: str, seed: int, **kw
 
 def side_bins(e: SimEngine, ids: list[int], first: int, heads: range, layers: Sequence[int], sample: RowSample, bin_tokens: int) -> np.ndarray:
     """An engine's answer to a reader asking for the rows ``heads`` x ``layers`` (each counted once)."""
-    held = [[RowDigests.of(rank.tensors, 0, ids, 0, TOKENS, heads_of_rank(tp, e.meta.tp_size, MODEL.total_num_kv_heads, False).start, sample)]
+    held = [[RowDigests.of(rank.tensors, 0, ids, 0, TOKENS, heads_of_rank(tp, e.meta.tp_size, MODEL.total_num_kv_heads, False).start, sample, 4, 4)]
             for (tp, _pp), rank in sorted(e.ranks.items())]
     query = DigestQuery("P", "r", 1, b"", (DigestRows(0, tuple(layers), heads, first, TOKENS, bin_tokens),))
     return answer(query, sample, held).sums[0]
@@ -67,12 +67,12 @@ def d_rank_check(p, p_ids, d, d_ids, sample: RowSample, first: int = 0) -> dict[
         mine = heads_of_rank(tp, 2, 4, False)
         layers = rank.group.layer_indices
         theirs = side_bins(p, p_ids, first, range(mine.start, mine.stop), layers, sample, 16)
-        ours = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, mine.start, sample).bins(layers, range(0, 4), first, TOKENS, 16)
+        ours = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, mine.start, sample, 4, 4).bins(layers, range(0, 4), first, TOKENS, 16)
         out[(tp, pp)] = compare(layers, ours, theirs)
     return out
 
 
-@pytest.mark.parametrize("per_window", [0, 2])
+@pytest.mark.parametrize("per_window", [0, 2, 8])
 def test_a_relaid_out_copy_digests_as_the_original_on_every_rank(pd, per_window):
     """P TP1 HND 32-token blocks, memory in shuffled dim order; D TP2 x PP2 NHD 16-token blocks, layers unstacked."""
     p, p_ids, d, d_ids = pd
@@ -81,9 +81,9 @@ def test_a_relaid_out_copy_digests_as_the_original_on_every_rank(pd, per_window)
     assert all(m is None for m in d_rank_check(p, p_ids, d, d_ids, sample, first=64).values())  # a reader's prefix hit
     # Not vacuous: the sums are not zero, and another seed gives others.
     rank = d.ranks[(0, 0)]
-    a = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, sample).bins((0, 1), range(0, 2), 0, TOKENS, 16)
-    b = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, RowSample(1, per_window)).bins((0, 1), range(0, 2), 0, TOKENS, 16)
-    assert np.all(a != 0) and np.any(a != b)
+    a = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, sample, 4, 4).bins((0, 1), range(0, 2), 0, TOKENS, 16)
+    b = RowDigests.of(rank.tensors, 0, d_ids, 0, TOKENS, 0, RowSample(1, per_window), 4, 4).bins((0, 1), range(0, 2), 0, TOKENS, 16)
+    assert a.any() and np.any(a != b)
 
 
 def test_a_flipped_byte_marks_exactly_its_readers_block(pd):
@@ -108,17 +108,43 @@ def test_two_heads_swapped_by_a_relayout_bug_are_caught(pd):
 
 
 def test_a_block_p_reused_after_publishing_is_caught_by_the_sample(pd):
-    """P writes another request's tokens into a published block after D read it."""
+    """P writes another request's tokens into a published block after D read
+    it: a sample of 16 rows a window finds it on every D rank, in those
+    blocks only (P's 4th block is D's 7th and 8th)."""
     p, p_ids, d, d_ids = pd
     for r in p.ranks.values():
         pattern.fill(r.tensors, 6, [p_ids[3]], r.coords, first_token=96)
-    bad = d_rank_check(p, p_ids, d, d_ids, RowSample(11, per_window=1))
-    assert all(m is not None and m.bins == (6, 7) for m in bad.values())  # P's 4th block is D's 7th and 8th
+    bad = d_rank_check(p, p_ids, d, d_ids, RowSample(11, per_window=16))
+    assert all(m is not None and set(m.bins) <= {6, 7} for m in bad.values()), bad
+    assert set().union(*(m.bins for m in bad.values() if m is not None)) == {6, 7}
+
+
+def test_a_systematic_relayout_bug_is_caught_by_the_default_sample_on_the_first_request():
+    """A relayout that swaps two heads in every block (the bug sampled mode
+    is for) is caught by the daemon's sample (2 rows a window) for every
+    seed tried: every one of 20 requests finds it, on every D rank."""
+    p = engine("P", 1, 1, 16, "NHD", 1)
+    ids = list(range(1, 11))
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, 5, ids, r.coords)
+    d = engine("D", 2, 1, 16, "NHD", 2)
+    transfer(p, d, "r", ids, ids, TOKENS)
+    for rank in d.ranks.values():
+        for li in range(len(rank.group.layer_indices)):
+            view = layer_view(rank, li)
+            view[:, :, :, [0, 1]] = view[:, :, :, [1, 0]].clone()
+    for seed in range(20):
+        found = d_rank_check(p, ids, d, ids, RowSample(1000 + seed, per_window=2))
+        assert all(m is not None for m in found.values()), (seed, found)
+    # The control: the same check of an untouched copy finds nothing.
+    clean = engine("D", 2, 1, 16, "NHD", 2)
+    transfer(p, clean, "r", ids, ids, TOKENS)
+    assert all(m is None for m in d_rank_check(p, ids, clean, ids, RowSample(1000, per_window=2)).values())
 
 
 def test_bad_input_is_refused_naming_the_field():
     with pytest.raises(InvalidArgument, match=r"verify\.per_window"):
-        RowSample(1, per_window=16)
+        RowSample(1, per_window=256)
     with pytest.raises(InvalidArgument, match=r"verify\.seed"):
         RowSample(-1)
     with pytest.raises(InvalidArgument, match=r"verify\.digests"):
@@ -136,28 +162,36 @@ def test_replicated_heads_and_stages_count_once():
             pattern.fill(r.tensors, 5, [1, 2, 3, 4, 5], r.coords)
         return e
 
-    sample = RowSample(77, 3)
     query = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1, 2, 3), range(0, 2), 0, TOKENS, 64),))
 
-    def ask(e):
-        held = [[RowDigests.of(r.tensors, 0, [1, 2, 3, 4, 5], 0, TOKENS, heads_of_rank(tp, e.meta.tp_size, 2, False).start, sample)]
+    def ask(e, sample):
+        held = [[RowDigests.of(r.tensors, 0, [1, 2, 3, 4, 5], 0, TOKENS, heads_of_rank(tp, e.meta.tp_size, 2, False).start, sample, 2, 4)]
                 for (tp, _pp), r in sorted(e.ranks.items())]
         return answer(query, sample, held).sums[0]
 
-    one, many = ask(filled(1, 1, 1)), ask(filled(4, 2, 2))
-    assert np.all(one != 0) and np.array_equal(one, many)
+    one, many = filled(1, 1, 1), filled(4, 2, 2)
+    for sample in (RowSample(77), RowSample(77, 3)):
+        assert np.array_equal(ask(one, sample), ask(many, sample))
+    assert np.all(ask(one, RowSample(77)) != 0) and ask(one, RowSample(77, 3)).any()
 
 
-def test_a_sample_takes_exactly_its_tokens_of_every_window_whatever_the_range():
-    """Both sides pick the same tokens from the seed alone, for any range
-    that holds them; every aligned 16 positions give exactly per_window."""
-    s = RowSample(123, per_window=2)
-    whole = s.tokens(0, 160)
-    assert np.array_equal(np.bincount(whole // 16, minlength=10), [2] * 10)
-    part = s.tokens(37, 150)
-    assert np.array_equal(part, whole[(whole >= 37) & (whole < 150)])
-    assert not np.array_equal(whole, RowSample(124, per_window=2).tokens(0, 160))  # the seed decides
-    assert np.array_equal(RowSample(1).tokens(5, 9), [5, 6, 7, 8])  # full: every token
+def test_a_sample_draws_its_rows_of_every_window_whatever_the_range():
+    """Both sides draw the same rows from the seed alone, for any range and
+    layers and heads that hold them; every aligned 16 positions draw exactly
+    per_window rows; full takes every row."""
+    s = RowSample(123, per_window=3)
+    lpos, tokens, heads = s.rows(0, range(12), 0, 160, range(0, 8), 8, 12)  # every layer and head: every draw
+    assert np.array_equal(np.bincount(tokens // 16, minlength=10), [3] * 10) and np.all(np.diff(lpos) >= 0)
+    assert len(set(lpos.tolist())) > 6 and len(set(heads.tolist())) > 4  # layers and heads are drawn
+    part = s.rows(0, (5, 9), 37, 150, range(2, 6), 8, 12)  # another rank's layers, tokens and heads
+    keep = np.isin(lpos, (5, 9)) & (tokens >= 37) & (tokens < 150) & (heads >= 2) & (heads < 6)
+    order = np.argsort(lpos[keep], kind="stable")
+    assert np.array_equal(part[1], tokens[keep][order]) and np.array_equal(part[2], heads[keep][order])
+    assert np.array_equal(part[0], np.searchsorted([5, 9], lpos[keep][order]))
+    other = RowSample(124, per_window=3).rows(0, range(12), 0, 160, range(0, 8), 8, 12)
+    assert not (np.array_equal(other[1], tokens) and np.array_equal(other[2], heads))  # the seed decides
+    lpos, tokens, heads = RowSample(1).rows(0, (3,), 5, 7, range(2, 4), 4, 4)  # full: every row, (token, head) order
+    assert lpos.tolist() == [0] * 4 and tokens.tolist() == [5, 5, 6, 6] and heads.tolist() == [2, 3, 2, 3]
 
 
 def test_an_answer_missing_a_rank_is_no_answer(pd):
@@ -165,7 +199,7 @@ def test_an_answer_missing_a_rank_is_no_answer(pd):
     published) makes no partial sum: a reader would fail good blocks."""
     p, p_ids, _d, _d_ids = pd
     rank = p.ranks[(0, 0)]
-    full = [RowDigests.of(rank.tensors, 0, p_ids, 0, TOKENS, 0, RowSample(3))]
+    full = [RowDigests.of(rank.tensors, 0, p_ids, 0, TOKENS, 0, RowSample(3), 4, 4)]
     query = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1), range(0, 4), 0, TOKENS, 16),))
     assert answer(query, RowSample(3), [full]) is not None
     assert answer(query, RowSample(3), []) is None

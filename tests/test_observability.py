@@ -30,7 +30,7 @@ def test_each_pull_is_timed_by_phase_and_resolve_only_when_params_predate_the_pu
     transfer([pw], [dw], "r1", 1, [1, 2], [3, 4], 32)
     counts = _phases(d.metrics_url, "count")
     # Published params carry their generation: nothing to resolve.
-    assert counts == {**dict.fromkeys(PHASES, 1.0), "resolve": 0.0}, counts
+    assert counts == {**dict.fromkeys(PHASES, 1.0), "resolve": 0.0, "verify": 0.0}, counts  # verification is off by default
     assert scrape(p.metrics_url, "kvd_read_serve_seconds_count") == 1
     # The phases are parts of the pull: together no longer than it, and the transfer its larger part.
     sums = _phases(d.metrics_url, "sum")
@@ -47,7 +47,7 @@ def test_each_pull_is_timed_by_phase_and_resolve_only_when_params_predate_the_pu
     f = dw.client.wait_finished(recving={"r2"}, timeout=30)
     assert f.details[("recving", "r2")].outcome == "done" and dw.mismatch(2, [6], 16) is None
     counts = _phases(d.metrics_url, "count")
-    assert counts == dict.fromkeys(PHASES, 2.0) | {"resolve": 1.0}, counts
+    assert counts == dict.fromkeys(PHASES, 2.0) | {"resolve": 1.0, "verify": 0.0}, counts
     assert scrape(d.metrics_url, "kvd_pull_phase_seconds_sum", phase="resolve") >= 0.2  # it waited for the publish
 
 

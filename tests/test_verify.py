@@ -56,10 +56,10 @@ def test_a_verified_load_lands_and_is_counted_ok(daemons, mode):
 
 def test_p_cache_altered_after_publishing_fails_exactly_the_blocks_that_hold_it(daemons):
     """The negative control: P reuses one published block for another
-    request's tokens before D reads it. D lands those bytes, and the check
-    fails exactly D's two blocks over that P block, on both D ranks; the rest
-    of the load stands."""
-    _p, d, ps, ds = start(daemons)
+    request's tokens before D reads it. D lands those bytes, and the full
+    check fails exactly D's two blocks over that P block, on both D ranks;
+    the rest of the load stands."""
+    _p, d, ps, ds = start(daemons, "full", "full")
     params = publish(ps, "r2", P_IDS)
     for w in ps:
         pattern.fill(w.tensors, 8, [P_IDS[3]], w.coords, first_token=96)  # P's 4th block: tokens 96..127
@@ -78,6 +78,24 @@ def test_p_cache_altered_after_publishing_fails_exactly_the_blocks_that_hold_it(
     for w in ps:
         pattern.fill(w.tensors, 8, [P_IDS[3]], w.coords, first_token=96)
     assert all(f.details[("recving", "r3")].outcome == "done" for f in pull(plain, "r3", params, D_IDS))
+
+
+def test_the_sample_catches_a_request_whose_blocks_p_reused(daemons):
+    """Sampled mode (one row of every 16 tokens of each layer) against a
+    systematic fault: every block P published is rewritten with another
+    request's tokens before D reads them. Both D ranks fail the load, only
+    in blocks of it; with nothing rewritten, the same sample passes."""
+    _p, d, ps, ds = start(daemons)
+    params = publish(ps, "r7", P_IDS)
+    for w in ps:
+        pattern.fill(w.tensors, 8, P_IDS, w.coords)
+    for f in pull(ds, "r7", params, D_IDS):
+        assert f.details[("recving", "r7")].outcome == "failed", f
+        assert f.invalid_block_ids and f.invalid_block_ids <= set(D_IDS), f
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="mismatch") == 2
+    clean = pull(ds, "r8", publish(ps, "r8", P_IDS), D_IDS)
+    assert all(f.details[("recving", "r8")].outcome == "done" for f in clean)
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 2
 
 
 def test_an_owner_that_does_not_verify_leaves_the_load_unverified_not_failed(daemons):

@@ -14,16 +14,19 @@ heads, binned by its own block size -- is answered by adding, over as many
 ranks as hold the rows, with no rank talking to another. A reader's
 mismatch then names its own layer and block.
 
-Rows are every token's (full) or a seeded sample: exactly ``per_window``
-tokens of every aligned 16 positions, chosen by a hash of the position and
-the seed, so both sides pick the same tokens from the seed alone and every
-reader block of 16 tokens or more is checked. The seed is the daemon's,
-drawn when it takes the digest, so the engine whose bytes are checked
-cannot know which rows count.
+Rows are every one (full) or a seeded sample: ``per_window`` rows of each
+aligned window of 16 positions, each a (layer, token, head) drawn by a hash
+of the window and the seed, so both sides pick the same rows from the seed
+alone, whatever range, layers and heads they hold. A few rows a block, not
+a share of its bytes: their cost is a cache miss each, whatever the model. A row's bytes are
+read once as 8-byte words and summed against keys by one ``dot``; its name
+enters through one mix. The seed is the daemon's, drawn when it takes the
+digest, so the engine whose bytes are checked cannot know which rows count.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +36,8 @@ import numpy as np
 from kvd.core.errors import InvalidArgument, KvdError
 
 if TYPE_CHECKING:  # torch is loaded only to digest: the requests here travel without it (kvd status stays light)
+    import torch
+
     from kvd.core.relayout import GroupTensors
 
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -55,15 +60,16 @@ def _key(seed: int, salt: int) -> np.uint64:
     return np.uint64(mix(np.array([(seed ^ (salt * 0x9E3779B97F4A7C15)) & (2**64 - 1)], dtype=np.uint64))[0])
 
 
-WINDOW = 16  # sampled tokens are chosen within each aligned window of this many positions
+WINDOW = 16  # sampled rows are drawn per aligned window of this many positions (and per layer)
 
 
 @dataclass(frozen=True)
 class RowSample:
-    """Which tokens' rows to digest: every one (``per_window=0``), or exactly
-    ``per_window`` tokens of each aligned window of ``WINDOW`` positions,
-    chosen by ``seed``. Exactly, not about: every reader block of 16 tokens
-    or more holds sampled rows, whatever its size and wherever a range ends."""
+    """Which rows to digest: every one (``per_window=0``), or ``per_window``
+    rows of each aligned window of ``WINDOW`` positions, each a (layer,
+    token, head) drawn by ``seed`` (with replacement: a row drawn twice
+    counts twice on both sides). A systematic error is found within a few
+    requests; a single changed row is found by ``full``."""
 
     seed: int
     per_window: int = 0
@@ -71,105 +77,187 @@ class RowSample:
     def __post_init__(self) -> None:
         if not 0 <= self.seed < 2**64:
             raise InvalidArgument("verify.seed", self.seed, "must be an unsigned 64-bit integer")
-        if not 0 <= self.per_window < WINDOW:
-            raise InvalidArgument("verify.per_window", self.per_window, f"must be 0 (every row) to {WINDOW - 1}")
+        if not 0 <= self.per_window <= MAX_PER_WINDOW:
+            raise InvalidArgument("verify.per_window", self.per_window, f"must be 0 (every row) to {MAX_PER_WINDOW}")
 
     def describe(self) -> str:
-        return "every row" if self.per_window == 0 else f"{self.per_window} tokens of every {WINDOW} sampled"
+        return "every row" if self.per_window == 0 else f"{self.per_window} rows of every {WINDOW} tokens sampled"
 
-    def tokens(self, start: int, stop: int) -> np.ndarray:
-        """The sampled positions in ``[start, stop)``, ascending: a token's
-        place among its whole window's hashes decides, so the choice is the
-        same for any range that holds it."""
-        if self.per_window == 0 or stop <= start:
-            return np.arange(start, stop, dtype=np.int64)
-        lo, hi = start // WINDOW * WINDOW, -(-stop // WINDOW) * WINDOW
-        t = np.arange(lo, hi, dtype=np.int64).reshape(-1, WINDOW)
-        rank = np.argsort(np.argsort(mix(t.astype(np.uint64) ^ _key(self.seed, 1)), axis=1), axis=1)
-        picked = t[rank < self.per_window]
-        return np.sort(picked[(picked >= start) & (picked < stop)])
+    def rows(self, group_id: int, layers: Sequence[int], start: int, stop: int, heads: range, total_heads: int,
+             total_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows to digest of ``layers`` (global indices) x tokens ``[start,
+        stop)`` x global ``heads``, as (position in ``layers``, token, head),
+        int64, layer by layer. Every row, each layer's in (token, head) order;
+        or the sample's draws: ``per_window`` a window, each a (layer of
+        ``total_layers``, token, head of ``total_heads``), kept where held."""
+        nl, nt, nh = len(layers), max(stop - start, 0), len(heads)
+        if self.per_window == 0:
+            return (np.repeat(np.arange(nl, dtype=np.int64), nt * nh), np.tile(np.repeat(np.arange(start, start + nt, dtype=np.int64), nh), nl),
+                    np.tile(np.arange(heads.start, heads.stop, dtype=np.int64), nl * nt))
+        windows = np.arange(start // WINDOW, -(-stop // WINDOW), dtype=np.uint64)
+        h = mix((windows.reshape(-1, 1) << np.uint64(8) | np.arange(self.per_window, dtype=np.uint64)).reshape(-1)
+                ^ _key(self.seed, 1) ^ np.uint64(group_id << 52))
+        tokens = np.repeat(windows, self.per_window).astype(np.int64) * WINDOW + (h & np.uint64(WINDOW - 1)).astype(np.int64)
+        head = ((h >> np.uint64(4)) % np.uint64(max(total_heads, 1))).astype(np.int64)
+        layer = (mix(h) % np.uint64(max(total_layers, 1))).astype(np.int64)
+        position = np.full(max(max(layers, default=0), total_layers) + 1, -1, dtype=np.int64)
+        position[np.asarray(layers, dtype=np.int64)] = np.arange(nl)
+        lpos = position[layer]
+        keep = (lpos >= 0) & (tokens >= start) & (tokens < stop) & (head >= heads.start) & (head < heads.stop)
+        order = np.argsort(lpos[keep], kind="stable")
+        return lpos[keep][order], tokens[keep][order], head[keep][order]
+
+
+MAX_PER_WINDOW = 255  # a window's draws pack into 8 bits of the hash's input
+
+
+def _row_keys(seed: int, words: int) -> np.ndarray:
+    """The multilinear hash's key per word: odd, so a change to any one word always changes the sum."""
+    return mix(np.arange(words, dtype=np.uint64) ^ _key(seed, 2)) | np.uint64(1)
+
+
+_CHUNK_BYTES = 2 << 20  # blocks are hashed a cache-sized chunk at a time: gathered, then read again from cache
+
+
+def _layer(view: torch.Tensor | list[torch.Tensor], li: int) -> torch.Tensor:
+    """One layer's (kv, block, token, head, dim) view of a part, layers stacked or not."""
+    return view[li] if not isinstance(view, list) else view[li][0]
+
+
+def _gather_rows(t: torch.Tensor, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``t[at]``: rows of ``t``'s last dim. Where every row starts a whole row
+    into memory (the dim innermost: any NHD or HND cache), one index_select
+    of rows (a memcpy each), not an element-wise gather."""
+    import torch
+
+    d, strides = t.shape[-1], t.stride()
+    if (t.stride(-1) != 1 and d > 1) or any(s % d for s in strides[:-1]) or t.numel() == 0:
+        return t[at]
+    span = sum((n - 1) * s for n, s in zip(t.shape[:-1], strides[:-1], strict=True)) // d + 1
+    flat = torch.as_strided(t, (span, d), (d, 1))
+    row = sum((i * (s // d) for i, s in zip(at, strides[:-1], strict=True)), torch.zeros((), dtype=torch.int64))
+    return flat.index_select(0, row.reshape(-1))
+
+
+def _hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) -> np.ndarray:
+    """Each row's multilinear hash: its bytes as words, dotted with ``keys``
+    (one pass, wrapping modulo 2^64). ``rows``: (n, head_size)."""
+    import torch
+
+    words = rows.contiguous().view(torch.uint8).view(word_dtype).reshape(len(rows), -1)
+    if word_dtype != torch.int64:
+        words = words.to(torch.int64)
+    return np.asarray(words.cpu().numpy().view(np.uint64).dot(keys))  # a GPU cache's rows come to the host
+
+
+def _hash_blocks(plane: torch.Tensor, ids: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype, scratch: list[torch.Tensor]) -> np.ndarray:
+    """The hashes of every row of blocks ``ids`` of one plane ``(block, token, head, dim)``,
+    in (block, token, head) order; ``scratch`` keeps the chunk's buffer for the next call
+    (a fresh one costs its first touch)."""
+    import torch
+
+    per_block = plane[0].numel()
+    chunk = max(1, _CHUNK_BYTES // max(per_block * plane.element_size(), 1))
+    if not scratch or scratch[0].device != plane.device or scratch[0].numel() < chunk * per_block * plane.element_size():
+        scratch[:] = [torch.empty(chunk * per_block * plane.element_size(), dtype=torch.uint8, device=plane.device)]
+    buf = scratch[0]
+    out = []
+    for at in range(0, len(ids), chunk):
+        take = ids[at: at + chunk]
+        part = buf[: len(take) * per_block * plane.element_size()].view(plane.dtype).view(len(take), *plane.shape[1:])
+        torch.index_select(plane, 0, take, out=part)
+        out.append(_hash_rows(part.view(-1, plane.shape[-1]), keys, word_dtype))
+    return np.concatenate(out) if out else np.zeros(0, np.uint64)
 
 
 @dataclass(frozen=True)
 class RowDigests:
-    """One rank's row digests of one group: ``values[layer, token, head]``
-    (K and V summed) for ``layers`` x ``tokens`` x heads from ``head_start``."""
+    """One rank's row digests of one group: ``values[i]`` (K and V summed) of
+    the row (``layers[layer_pos[i]]``, ``tokens[i]``, global ``heads[i]``).
+    ``head_start`` and ``num_heads``: the global heads this rank holds."""
 
     layers: tuple[int, ...]  # global layer indices
-    tokens: np.ndarray  # sampled positions, ascending
-    head_start: int  # global head of the last axis's 0
-    values: np.ndarray  # uint64 (layers, tokens, heads)
+    layer_pos: np.ndarray  # int64, into ``layers``
+    tokens: np.ndarray  # int64
+    heads: np.ndarray  # int64, global
+    values: np.ndarray  # uint64
+    head_start: int
+    num_heads: int
 
     @classmethod
     def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
-           head_start: int, sample: RowSample) -> RowDigests:
+           head_start: int, sample: RowSample, total_heads: int = 0, total_layers: int = 0) -> RowDigests:
         """Digest the rows of tokens ``[first_token, num_tokens)`` held in
         ``block_ids`` (the first holding ``first_token``), local head ``h``
-        being global head ``head_start + h``."""
+        being global head ``head_start + h`` of the group's ``total_heads``,
+        of a model of ``total_layers`` (a sample draws from both)."""
         import torch
 
         spec = group.spec
-        bs = spec.block_size
+        bs, nh = spec.block_size, spec.num_kv_heads
         if spec.opaque:
             raise InvalidArgument("verify", "opaque", "an opaque span hides its tokens: its rows cannot be digested")
         if first_token % bs:
             raise InvalidArgument("first_token", first_token, f"must be a multiple of the block size {bs}")
-        for name, value in (("group", group_id), ("layer", max(group.layer_indices, default=0)),
-                            ("head", head_start + spec.num_kv_heads - 1), ("token", num_tokens - 1)):
-            if value >= _LIMITS[name]:
-                raise InvalidArgument(f"verify.{name}", value, f"is past what a row's name holds ({_LIMITS[name] - 1})")
+        for name, at_most in (("group", group_id), ("layer", max(group.layer_indices, default=0)),
+                            ("head", head_start + nh - 1), ("token", num_tokens - 1)):
+            if at_most >= _LIMITS[name]:
+                raise InvalidArgument(f"verify.{name}", at_most, f"is past what a row's name holds ({_LIMITS[name] - 1})")
         if spec.state:
             sample = RowSample(sample.seed)  # a state part is a few rows a block: every one counts (both sides apply this)
-        tokens = sample.tokens(first_token, min(num_tokens, first_token + len(block_ids) * bs))
-        values = np.zeros((len(group.layer_indices), len(tokens), spec.num_kv_heads), dtype=np.uint64)
+        elif sample.per_window and total_heads < head_start + nh:
+            raise InvalidArgument("verify.total_heads", total_heads, f"must hold this rank's heads [{head_start}, {head_start + nh})")
+        elif sample.per_window and total_layers < 1:
+            raise InvalidArgument("verify.total_layers", total_layers, "must be the model's layer count, at least 1")
+        stop = min(num_tokens, first_token + len(block_ids) * bs)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        row_bytes = spec.head_size * spec.itemsize
+        word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)  # the widest words a row makes: 8 bytes needs no widening
+        word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        keys = _row_keys(sample.seed, row_bytes // word)
+        layers = group.layer_indices
+        lpos, tokens, heads = sample.rows(group_id, layers, first_token, stop, range(head_start, head_start + nh), total_heads, total_layers)
+        value = np.zeros(len(tokens), dtype=np.uint64)
         if len(tokens):
+            names = (tokens.astype(np.uint64) | heads.astype(np.uint64) << np.uint64(32) | np.uint64(group_id) << np.uint64(56)
+                     | np.asarray(layers, dtype=np.uint64)[lpos] << np.uint64(44))
+            named = mix(names ^ _key(sample.seed, 3))  # once a row: K and V add a key of their plane's
             rel = torch.from_numpy(tokens - first_token)
-            blocks, slots = torch.as_tensor(list(block_ids), dtype=torch.int64)[rel // bs], rel % bs
-            # A row hashed as the widest words its bytes make (8 bytes: no widening, 4x fewer products than bf16 elements).
-            row_bytes = spec.head_size * spec.itemsize
-            word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)
-            word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-            elem_keys = mix(np.arange(row_bytes // word, dtype=np.uint64) ^ _key(sample.seed, 2)) | np.uint64(1)
-            seed_key = _key(sample.seed, 3)
-            heads = np.arange(head_start, head_start + spec.num_kv_heads, dtype=np.uint64).reshape(1, 1, -1)
-            names = tokens.astype(np.uint64).reshape(1, -1, 1) | (heads << np.uint64(32)) | (np.uint64(group_id) << np.uint64(56))
+            at = (torch.from_numpy(lpos), ids[rel // bs], rel % bs, torch.from_numpy(heads - head_start))
+            per_layer = len(tokens) // max(len(layers), 1)  # every row: each layer's are a slice
+            bounds = np.searchsorted(lpos, np.arange(len(layers) + 1))  # rows come layer by layer
+            scratch: list[torch.Tensor] = []
             for part, view in enumerate(group.parts):
                 kv_of_part = group.kv_of_part[part]
-                for li, layer in enumerate(group.layer_indices):
-                    v = view[li] if isinstance(view, torch.Tensor) else view[li][0]  # (kv, block, token, head, dim)
-                    gathered = v[:, blocks, slots]  # (kv, tokens, heads, dim), a new tensor
-                    words = gathered.reshape(-1).view(torch.uint8).view(word_dtype).reshape(*gathered.shape[:3], -1)  # one flat view: a size-1 dim's stride is free
-                    rows = words.to(torch.int64).cpu().numpy().view(np.uint64)  # (kv, tokens, heads, words); a GPU cache's sampled rows come to the host
-                    hashed = (rows * elem_keys).sum(axis=-1, dtype=np.uint64)
-                    planes = [kv_of_part] if kv_of_part is not None else range(rows.shape[0])
-                    kv = np.asarray(planes, dtype=np.uint64).reshape(-1, 1, 1)
-                    named = names | (np.uint64(layer) << np.uint64(44)) | (kv << np.uint64(43))
-                    values[li] += mix(hashed ^ mix(named ^ seed_key)).sum(axis=0, dtype=np.uint64)
-        return cls(tuple(group.layer_indices), tokens, head_start, values)
+                for plane in range((view if isinstance(view, torch.Tensor) else view[0]).shape[1]):
+                    if sample.per_window == 0:  # whole blocks, a layer at a time, gathered at copy speed
+                        hashed = np.concatenate([_hash_blocks(_layer(view, li)[plane], ids, keys, word_dtype, scratch)[:per_layer] for li in range(len(layers))])
+                    elif isinstance(view, torch.Tensor):  # a few rows of every layer: one gather
+                        hashed = _hash_rows(_gather_rows(view.select(1, plane), at), keys, word_dtype)
+                    else:
+                        hashed = np.concatenate([_hash_rows(_gather_rows(_layer(view, li)[plane], tuple(i[lo:hi] for i in at[1:])), keys, word_dtype)
+                                                 for li, (lo, hi) in enumerate(itertools.pairwise(bounds))])
+                    value += mix(hashed ^ named ^ _key(sample.seed, 4 + (kv_of_part if kv_of_part is not None else plane)))
+        return cls(tuple(layers), lpos, tokens, heads, value, head_start=head_start, num_heads=nh)
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.tokens.nbytes
+        return self.values.nbytes + self.tokens.nbytes + self.heads.nbytes + self.layer_pos.nbytes
 
     def bins(self, layers: Sequence[int], heads: range, start: int, stop: int, bin_tokens: int) -> np.ndarray:
         """Sums per (layer of ``layers``, bin of ``bin_tokens`` positions) over
         ``heads`` (global) and tokens in ``[start, stop)``, as uint64
         ``(len(layers), ceil(stop / bin_tokens))``: 0 where this rank holds none.
         Add such arrays over ranks that hold disjoint rows."""
-        out = np.zeros((len(layers), -(-stop // bin_tokens)), dtype=np.uint64)
-        lo, hi = max(heads.start - self.head_start, 0), min(heads.stop - self.head_start, self.values.shape[2])
-        keep = (self.tokens >= start) & (self.tokens < stop)
-        if lo >= hi or not keep.any():
-            return out
-        tokens = self.tokens[keep]
-        starts = np.flatnonzero(np.r_[True, np.diff(tokens // bin_tokens) != 0])
-        at = tokens[starts] // bin_tokens
-        index = {layer: i for i, layer in enumerate(self.layers)}
-        for i, layer in enumerate(layers):
-            if layer in index:
-                per_token = self.values[index[layer]][keep, lo:hi].sum(axis=1, dtype=np.uint64)
-                out[i, at] = np.add.reduceat(per_token, starts, dtype=np.uint64)
-        return out
+        nbins = -(-stop // bin_tokens)
+        out = np.zeros(len(layers) * nbins, dtype=np.uint64)
+        asked = np.full(len(self.layers) + 1, -1, dtype=np.int64)  # this rank's layer position -> row of ``out``
+        where = {layer: i for i, layer in enumerate(layers)}
+        asked[:-1] = [where.get(layer, -1) for layer in self.layers]
+        row = asked[self.layer_pos]
+        keep = (row >= 0) & (self.tokens >= start) & (self.tokens < stop) & (self.heads >= heads.start) & (self.heads < heads.stop)
+        np.add.at(out, row[keep] * nbins + self.tokens[keep] // bin_tokens, self.values[keep])
+        return out.reshape(len(layers), nbins)
 
 
 @dataclass(frozen=True)
@@ -248,12 +336,15 @@ def answer(query: DigestQuery, sample: RowSample, held: Sequence[Sequence[RowDig
             digests = groups[rows.group_id] if rows.group_id < len(groups) else None
             if digests is None:
                 continue
-            mine = range(max(rows.heads.start, digests.head_start), min(rows.heads.stop, digests.head_start + digests.values.shape[2]))
+            mine = range(max(rows.heads.start, digests.head_start), min(rows.heads.stop, digests.head_start + digests.num_heads))
+            by_runs: dict[tuple[range, ...], list[int]] = {}  # the layers whose uncounted heads are these runs: one sum each
             for i, layer in enumerate(rows.layers):
                 fresh = [h for h in mine if (layer, h) not in counted] if layer in digests.layers else []
                 counted.update((layer, h) for h in fresh)
-                for run in _runs(fresh):
-                    total[i] += digests.bins((layer,), run, rows.token_start, rows.token_stop, rows.bin_tokens)[0]
+                by_runs.setdefault(tuple(_runs(fresh)), []).append(i)
+            for runs, at in by_runs.items():
+                for run in runs:
+                    total[at] += digests.bins([rows.layers[i] for i in at], run, rows.token_start, rows.token_stop, rows.bin_tokens)
         if len(counted) != len(rows.layers) * len(rows.heads):
             return None
         sums.append(total)

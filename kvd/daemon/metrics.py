@@ -12,7 +12,7 @@ from kvd import __version__
 # From 100 us (a 16-block same-host request) to 30 s (a long prompt on a slow link).
 DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
-PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "report")  # kvd_pull_phase_seconds{phase}
+PULL_PHASES = ("queued", "resolve", "handshake", "plan", "transfer", "verify", "report")  # kvd_pull_phase_seconds{phase}
 
 
 class Metrics:
@@ -37,6 +37,8 @@ class Metrics:
         self.failures = Counter("kvd_pull_failures", "Failed pulls by reason", ["reason"], registry=r)
         self.verify_digests = Counter("kvd_verify_digests", "Published ranks digested for readers to verify against (owner side)", registry=r)
         self.verify_checks = Counter("kvd_verify_checks", "Landed reads checked against the owner's digest, by result (ok, mismatch, unverified)", ["result"], registry=r)
+        self.verify_digest_seconds = Histogram("kvd_verify_digest_seconds", "An owner's digest of one publication, every rank (before it is published)",
+                                               buckets=DURATION_BUCKETS, registry=r)
         self.verify_mismatches = Counter("kvd_verify_mismatches", "Local blocks failed because what landed differs from what the owner published", registry=r)
         self.data_reads = Counter("kvd_data_reads", "Data-plane reads sent (one per remote rank, or one per stripe of a striped read)", ["transport"], registry=r)
         self.refused_reads = Counter("kvd_refused_reads", "Data-plane reads refused, by reason", ["reason"], registry=r)
@@ -56,7 +58,7 @@ class Metrics:
         self.active_seconds = Counter("kvd_transfer_active_seconds", "Wall time during which at least one pull was in flight", registry=r)
         self.pull_phase_seconds = Histogram("kvd_pull_phase_seconds", "Where D's pulls spend their time, by phase: queued (for a pull slot), "
                                             "resolve (params made before P published), handshake, plan, transfer (the data plane, "
-                                            "bytes moved and landed), report (landed to the worker's finished set)", ["phase"],
+                                            "bytes moved and landed), verify (checking what landed against the owner's digest), report (landed to the worker's finished set)", ["phase"],
                                             buckets=DURATION_BUCKETS, registry=r)
         for phase in PULL_PHASES:  # scraped from the start, as 0
             self.pull_phase_seconds.labels(phase)

@@ -145,10 +145,18 @@ class Puller:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for runs the pull as a task
                 # of its own, a turn of the loop before its first step.
                 async with asyncio.timeout(self.config.pull_timeout_seconds):
-                    total = await self._with_retries(reg, active, rank, local_ids, progress)
-                    if self.verifier.mode != "off":
+                    asked = self.verifier.ask_early(self.channels, reg, req, active.params)
+                    try:
+                        total = await self._with_retries(reg, active, rank, local_ids, progress)
+                    except BaseException:
+                        if asked is not None and asked.task is not None:
+                            asked.task.cancel()
+                        raise
+                    if asked is not None:
                         progress.phase = "verify"
-                        await self.verifier.verify_landed(self.channels, reg, req, active.params)
+                        t = time.perf_counter()
+                        await self.verifier.verify_landed(self.channels, reg, req, active.params, asked)
+                        phase.labels("verify").observe(time.perf_counter() - t)
             landed_at = time.perf_counter()
             landed = self._replica_future(active.params, rank)
             if not landed.done():

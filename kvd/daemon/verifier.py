@@ -53,7 +53,7 @@ log = logging.getLogger("kvd.daemon")
 MODES = ("off", "sampled", "full")
 # Bounds on a reader's question: a row's name holds 4096 layers; a state part's rows per block.
 MAX_LAYERS, MAX_STATE_ROWS, MAX_SUMS = 4096, 1 << 16, 1 << 24
-SAMPLED_PER_WINDOW = 2  # sampled: 2 tokens of every 16 (an eighth of the rows), every layer and head of each
+SAMPLED_PER_WINDOW = 2  # sampled: 2 rows of every 16 tokens, each of a drawn layer and head (32 layers x 8 heads: 1 row in 2048)
 
 
 def check_mode(field: str, mode: str) -> str:
@@ -66,6 +66,12 @@ def group_heads(spec_group: GroupSpec, worker: WorkerId, model: ModelInfo) -> He
     """The global heads a rank holds of a group: the model's KV heads, or a state part's own."""
     spec = spec_group.spec
     return heads_of_rank(worker.tp_rank, worker.tp_size, spec.heads_over_tp(worker.tp_size, model.total_num_kv_heads), spec.use_mla)
+
+
+def total_heads(spec_group: GroupSpec, worker: WorkerId, model: ModelInfo) -> int:
+    """The group's heads over all ranks, which a sample draws from (MLA's latent: one)."""
+    spec = spec_group.spec
+    return 1 if spec.use_mla else spec.heads_over_tp(worker.tp_size, model.total_num_kv_heads)
 
 
 def verifiable(group: GroupSpec) -> bool:
@@ -123,7 +129,10 @@ class Verifier:
         if self.mode == "off" or order.stream or not regs:
             return None
         try:
-            return await asyncio.to_thread(self._digest_ranks, regs, order, self._sample(order.request_id))
+            t = time.perf_counter()
+            digests = await asyncio.to_thread(self._digest_ranks, regs, order, self._sample(order.request_id))
+            self.metrics.verify_digest_seconds.observe(time.perf_counter() - t)
+            return digests
         except Exception as e:  # a bad order is the publish's to refuse, by name
             log.warning("not digested request_id=%s: %s: %s", order.request_id, type(e).__name__, e)
             return None
@@ -157,7 +166,8 @@ class Verifier:
             for g, tensors, blocks in zip(reg.groups, reg.tensors, order.block_ids, strict=True):
                 rows = rows_of(g, blocks.ids, blocks.first_token, order.num_tokens) if verifiable(g) else None
                 start = group_heads(g, reg.worker, reg.model).start
-                groups.append(RowDigests.of(tensors, g.group_id, rows[0], rows[1], rows[2], start, sample) if rows else None)
+                groups.append(RowDigests.of(tensors, g.group_id, rows[0], rows[1], rows[2], start, sample, total_heads(g, reg.worker, reg.model),
+                                                            reg.model.num_layers) if rows else None)
             out.append(groups)
         return out
 
@@ -214,7 +224,8 @@ class Verifier:
             g = next(i for i, spec in enumerate(reg.groups) if spec.group_id == rows.group_id)
             ids, first, stop = rows_of(reg.groups[g], local[g], first_tokens[g], rows.token_stop) or ([], 0, 0)
             heads = group_heads(reg.groups[g], reg.worker, reg.model)
-            mine = RowDigests.of(reg.tensors[g], rows.group_id, ids, first, stop, heads.start, theirs.sample)
+            mine = RowDigests.of(reg.tensors[g], rows.group_id, ids, first, stop, heads.start, theirs.sample,
+                                 total_heads(reg.groups[g], reg.worker, reg.model), reg.model.num_layers)
             ours = mine.bins(rows.layers, rows.heads, rows.token_start, rows.token_stop, rows.bin_tokens)
             found = compare(rows.layers, ours, np.asarray(sums, dtype=np.uint64).reshape(rows.shape))
             if found is not None:
@@ -222,19 +233,37 @@ class Verifier:
                 out.append((rows, found, [int(ids[b - first_bin]) for b in found.bins]))
         return out
 
-    async def verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams) -> None:
-        """After a pull landed: ask its owner for the digests of what was read
-        and compare; raise ``VerifyMismatch`` naming the local blocks that
-        differ. Anything else leaves the load unverified, never failed: the
-        bytes landed, and only a digest that differs says they are wrong."""
+    def ask_early(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams) -> _Asked | None:
+        """Ask the owner for its digests as the pull starts (it took them
+        before it published), so the answer travels while the bytes do."""
+        if self.mode == "off":
+            return None
         local = [list(b.ids) for b in req.local]
         firsts = [b.first_token for b in req.local]
         query = self.query(reg, params, local, firsts)
         if query is None:
+            return _Asked(None, None, local, firsts)
+        task = asyncio.ensure_future(channels.digest(params.remote_address, query, timeout=10))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here: a failed pull may never await it
+        return _Asked(query, task, local, firsts)
+
+    async def verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
+        """After a pull landed: take the owner's digests of what was read
+        (asked again if the early answer found a rank not yet published) and
+        compare; raise ``VerifyMismatch`` naming the local blocks that
+        differ. Anything else leaves the load unverified, never failed: the
+        bytes landed, and only a digest that differs says they are wrong."""
+        query, local, firsts = asked.query, asked.local, asked.firsts
+        if query is None or asked.task is None:
             self.metrics.verify_checks.labels("unverified").inc()
             return
         try:
-            theirs = await channels.digest(params.remote_address, query, timeout=10)
+            try:
+                theirs = await asked.task
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                theirs = await channels.digest(params.remote_address, query, timeout=10)
             found = await asyncio.to_thread(self.check, reg, query, theirs, local, firsts)
         except grpc.aio.AioRpcError as e:
             # The owner does not verify, or no longer holds the digests.
@@ -256,3 +285,13 @@ class Verifier:
             f"what landed differs from what {params.remote_engine_id!r} published ({theirs.sample.describe()}): "
             f"group {rows.group_id}, first at layer {m.first_layer} in tokens [{m.first_bin * rows.bin_tokens}, "
             f"{(m.first_bin + 1) * rows.bin_tokens}) (local block {ids[0]}); {len(invalid)} local blocks failed", invalid)
+
+
+@dataclasses.dataclass
+class _Asked:
+    """A reader's question, put as its pull started, and the answer on its way."""
+
+    query: DigestQuery | None  # None: no group of the read can be verified
+    task: asyncio.Future[DigestAnswer] | None
+    local: list[list[int]]
+    firsts: list[int]

@@ -18,6 +18,8 @@ Sections:
 * ``stream``: what the transfer adds to TTFT, from 256 to 32k tokens,
   pulled after prefill against streamed layer by layer while prefill
   computes (``bench_stream``).
+* ``verify``: what end-to-end verification costs, sampled and full, over
+  TCP and same-host, against the same pairs with it off (``bench_verify``).
 * ``load`` (once a run, after the rounds): the daemons' own memory over
   ``--load-seconds`` of requests of mixed sizes (``bench_load``).
 * ``gpu`` (where CUDA is available): GPU caches on both sides, over TCP
@@ -43,6 +45,7 @@ from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_state import state_work
 from kvd.tools.bench_stream import TOKENS, bench_stream
 from kvd.tools.bench_transport import bench_transport
+from kvd.tools.bench_verify import bench_verify
 
 TRIES_PER_ROUND = 3  # the CPU per GB is the median of a round's tries: at least 3
 
@@ -119,6 +122,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
     if "stream" in args.sections:
         results.update(bench_stream(layers=args.stream_layers, heads=args.stream_kv_heads, head_size=args.head_size,
                                     us_per_token=args.stream_us_per_token, repeat=args.repeat, tokens=tuple(args.stream_tokens), say=say))
+    if "verify" in args.sections:
+        results.update(bench_verify(args, say))
     if "gpu" in args.sections:
         results.update(bench_gpu(args, say))
     return results
@@ -126,8 +131,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "load", "gpu"],
-                   choices=["relayout", "transport", "control", "stream", "load", "gpu"],
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "verify", "load", "gpu"],
+                   choices=["relayout", "transport", "control", "stream", "verify", "load", "gpu"],
                    help="gpu is measured only where CUDA is available; load runs once, after the rounds")
     p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
     p.add_argument("--latency-requests", type=int, default=200)

@@ -29,7 +29,7 @@ def best_seconds(fn: Callable[[], object], repeat: int) -> float:
 class BenchPair:
     """A P and a D daemon, and one worker of each in this process."""
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, flags: tuple[str, ...] = ()) -> None:
         from kvd.tools.demo import Daemons
 
         self.daemons = Daemons()
@@ -38,8 +38,8 @@ class BenchPair:
             flag += ["--transport", "nixl"]
         # Workers reach their daemon over its Unix socket, as in the sidecar
         # deployment: a gRPC call there costs about 2/3 of one over loopback TCP.
-        self.p = self.daemons.start("bench-p", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
-        self.d = self.daemons.start("bench-d", [*flag, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
+        self.p = self.daemons.start("bench-p", [*flag, *flags, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
+        self.d = self.daemons.start("bench-d", [*flag, *flags, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
         self.done: dict[str, float] = {}
         self._block_size = self._blocks = self._bytes = self._tries = 0
         self._name, self._rng = "", random.Random(0)
