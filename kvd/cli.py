@@ -124,6 +124,10 @@ SERVE_FLAGS = {
     "worker-socket": "also serve the Worker API on this Unix socket path",
     "verify": "off (default), sampled or full: digest what is published, check what lands against it (docs/verification.md)",
     "verify-keep-seconds": "how long a publication's digests are kept for its readers (default 60)",
+    "qos": "off (default): pulls share the wire first come, first served; on: by class, deadline and tenant (docs/qos.md)",
+    "tenants": "name=share,... : each tenant's share of a contended wire (naming any turns qos on)",
+    "qos-chunk-bytes": "qos on: what a read moves between two looks at the wire's order (default 1 MiB)",
+    "qos-slots": "qos on: chunks of each lane (interactive; the rest) on the wire at once (default 2)",
     "log-format": "text (key=value) or json",
     "log-level": "DEBUG, INFO, WARNING or ERROR",
 }
@@ -186,6 +190,10 @@ def _status(address: str, as_json: bool, auth: Any) -> int:
     _table(f"pulls in flight ({r.pulls_in_flight})", ["request", "worker", "from", "age", "phase", "landed"],
            [(x.request_id, x.worker, x.remote_engine_id, f"{x.age_seconds:.1f}s", x.phase,
              f"{x.landed_bytes / 1e6:,.1f} of {x.planned_bytes / 1e6:,.1f} MB" if x.planned_bytes else "-") for x in r.pulls])
+    if r.queues:  # --qos on
+        _table("the wire's queues", ["side", "class", "tenant", "waiting", "moving", "sent"],
+               [(x.side, x.priority, x.tenant or "(default)", x.waiting, x.moving, f"{x.granted_bytes / 1e6:,.1f} MB" if x.side == "send" else "-")
+                for x in r.queues])
     _table("recent failures", ["request", "reason", "ago", "message"],
            [(x.request_id, x.reason, f"{x.age_seconds:.0f}s", x.message[:80]) for x in r.recent_failures])
     return 0

@@ -200,7 +200,7 @@ def read_to_pb(r: DataRead) -> pb.DataRead:
         tp_rank=r.tp_rank, pp_rank=r.pp_rank, head_start=r.head_start, head_count=r.head_count,
         segments=[segment_to_pb(s) for s in r.segments], reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank,
         nixl_metadata_version=r.nixl_metadata_version, stripe=r.stripe, stripes=r.stripes, stream=r.stream,
-        mapped_registration=r.mapped_registration,
+        mapped_registration=r.mapped_registration, priority=r.priority, tenant=r.tenant, deadline_ms=r.deadline_ms,
     )
 
 
@@ -212,6 +212,7 @@ def read_from_pb(r: pb.DataRead) -> DataRead:
                                    s.kv_start, s.kv_count, tuple(s.block_ids), s.head_start, s.head_count) for s in r.segments),
         reader_tp_rank=r.reader_tp_rank, reader_pp_rank=r.reader_pp_rank, nixl_metadata_version=r.nixl_metadata_version,
         stripe=r.stripe, stripes=r.stripes, stream=r.stream, mapped_registration=r.mapped_registration,
+        priority=r.priority, tenant=r.tenant, deadline_ms=r.deadline_ms,
     )
 
 
@@ -294,7 +295,8 @@ def params_to_pb(p: TransferParams) -> pb.TransferParams:
 
 
 def pull_from_pb(req: pb.PullRequest) -> PullOrder:
-    return PullOrder(worker_from_pb(req.worker), req.request_id, params_from_pb(req.params), blocks_from_pb(req.local_block_ids))
+    return PullOrder(worker_from_pb(req.worker), req.request_id, params_from_pb(req.params), blocks_from_pb(req.local_block_ids),
+                     req.priority, req.tenant, req.deadline_ms)
 
 
 def pull_to_pb(order: PullOrder) -> pb.PullRequest:

@@ -39,6 +39,7 @@ from tests.vllm_support import (
     engine_env,
     kill_group,
     nixl_pd,
+    openai_pd_servers,
     received_bytes,
     serve,
     wait_http,
@@ -193,25 +194,8 @@ def test_a_sliding_window_model_from_tp2_moves_only_the_window_and_matches_one_e
 @pytest.fixture(scope="module")
 def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
     """A prefill and a decode OpenAI server, each beside its own kvd daemon."""
-    tmp = tmp_path_factory.mktemp("openai-pd")
-    ds = Daemons(tmp)
-    procs: list[subprocess.Popen] = []  # the servers, then any proxy a test starts
-    try:
-        p, d = ds.start("prefill"), ds.start("decode")
-        servers = {}
-        for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):
-            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
-                      "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            servers[name] = serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
-            procs.append(servers[name].proc)
-        for s in servers.values():
-            wait_http(f"{s.url}/health", s.proc, 300, s.log)
-        logs = [s.log for s in servers.values()] + [daemon.log_path for daemon in (p, d)]
-        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs, logs)
-    finally:
-        for proc in procs:
-            kill_group(proc)
-        ds.kill_all()
+    with openai_pd_servers(vllm_python, model_dir, tmp_path_factory.mktemp("openai-pd")) as pd:
+        yield pd
 
 
 def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):

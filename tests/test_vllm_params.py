@@ -126,6 +126,21 @@ def test_proxy_asks_prefill_for_one_token_and_hands_its_params_to_decode():
     assert dec["max_tokens"] == 16 and dec["stream"] is True and dec["min_tokens"] == 4
 
 
+def test_the_clients_qos_keys_pass_through_the_proxy_into_the_pull():
+    """kv_transfer_params' kvd_priority, kvd_tenant and kvd_deadline_ms: the
+    proxy hands the client's to decode beside P's, the connector to its pull."""
+    qos = {"kvd_priority": "interactive", "kvd_tenant": "gold", "kvd_deadline_ms": 250}
+    dec = decode_request({"prompt": [1, 2], "kv_transfer_params": {**qos, "other": 1}}, {"kv_transfer_params": _params()})
+    assert {k: dec["kv_transfer_params"][k] for k in qos} == qos and "other" not in dec["kv_transfer_params"]
+    load = load_request("d-req", dec["kv_transfer_params"], [GroupBlocks(0, (7, 8, 9))], [128])
+    assert (load.priority, load.tenant, load.deadline_ms) == ("interactive", "gold", 250.0)
+    plain = load_request("d-req", _params(), [GroupBlocks(0, (7, 8, 9))], [128])
+    assert (plain.priority, plain.tenant, plain.deadline_ms) == ("", "", 0.0)  # the defaults: today's order
+    assert decode_request({"kv_transfer_params": "junk"}, {"kv_transfer_params": _params()})["kv_transfer_params"] == _params()
+    with pytest.raises(InvalidArgument, match="kv_transfer_params"):
+        load_request("d-req", {**_params(), "kvd_deadline_ms": "soon"}, [GroupBlocks(0, (7, 8, 9))], [128])
+
+
 def test_check_params_refuses_what_load_request_would():
     from kvd.integrations.kv_params import check_params
 

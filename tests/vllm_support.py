@@ -19,6 +19,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,9 +181,36 @@ class OpenAIPD:
         return f"http://127.0.0.1:{port}"
 
 
-def complete(url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
+@contextlib.contextmanager
+def openai_pd_servers(vllm_python: Path, model_dir: Path, tmp: Path, *daemon_flags: str) -> Iterator[OpenAIPD]:
+    """A prefill and a decode OpenAI server, each beside its own kvd daemon (started with ``daemon_flags``)."""
+    from tests.conftest import Daemons
+
+    ds = Daemons(tmp)
+    procs: list[subprocess.Popen] = []  # the servers, then any proxy a test starts
+    try:
+        p, d = ds.start("prefill", *daemon_flags), ds.start("decode", *daemon_flags)
+        servers = {}
+        for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):
+            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
+                      "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
+            servers[name] = serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
+            procs.append(servers[name].proc)
+        for s in servers.values():
+            wait_http(f"{s.url}/health", s.proc, 300, s.log)
+        logs = [s.log for s in servers.values()] + [daemon.log_path for daemon in (p, d)]
+        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs, logs)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+        ds.kill_all()
+
+
+def complete(url: str, model: Path, prompt: list[int], *, stream: bool = False, kv_transfer_params: dict | None = None) -> list[int]:
     body = {"model": str(model), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "stream": stream}
+    if kv_transfer_params is not None:  # the client's own (kvd proxy passes its QoS keys to decode)
+        body["kv_transfer_params"] = kv_transfer_params
     req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         if not stream:
@@ -202,11 +230,11 @@ class StreamError(Exception):
     """A streamed answer carried an error event (the HTTP status was 200 already)."""
 
 
-def complete_pd(pd: OpenAIPD, url: str, model: Path, prompt: list[int], *, stream: bool = False) -> list[int]:
+def complete_pd(pd: OpenAIPD, url: str, model: Path, prompt: list[int], *, stream: bool = False, kv_transfer_params: dict | None = None) -> list[int]:
     """``complete`` through a P/D pair; a refused request fails with its answer
     and where each process's log ends, as CI keeps no files."""
     try:
-        return complete(url, model, prompt, stream=stream)
+        return complete(url, model, prompt, stream=stream, kv_transfer_params=kv_transfer_params)
     except (urllib.error.HTTPError, StreamError) as e:
         answer = f"{e.code}: {e.read()[:2000]!r}" if isinstance(e, urllib.error.HTTPError) else f"an error event: {e}"
         tails = "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in pd.logs if log.exists())

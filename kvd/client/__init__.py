@@ -203,15 +203,20 @@ class KvdClient:
             except grpc.RpcError as e:
                 raise from_code(e.code().name, e.details() or "") from None
 
-    def pull(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]], *, first_tokens: Sequence[int] = ()) -> None:
+    def pull(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]], *, first_tokens: Sequence[int] = (),
+             priority: str = "", tenant: str = "", deadline_ms: float = 0.0) -> None:
         """Read ``params``' blocks into ours, per group from its ``first_tokens``
-        entry on (0 if none); each group moves only what decode needs of it."""
+        entry on (0 if none); each group moves only what decode needs of it.
+        ``priority``, ``tenant`` and ``deadline_ms`` place it on a contended
+        wire (a daemon with ``--qos on``; see ``kvd.core.qos``)."""
         self._call(self._worker.Pull, pb.PullRequest(
             worker=self._wid, request_id=request_id, params=params, local_block_ids=_block_ids(local_block_ids, first_tokens),
+            priority=priority, tenant=tenant, deadline_ms=deadline_ms,
         ))
 
     def pull_nowait(self, request_id: str, params: pb.TransferParams, local_block_ids: Sequence[Sequence[int]], *,
-                    first_tokens: Sequence[int] = (), answered: Callable[[KvdError | None], None]) -> None:
+                    first_tokens: Sequence[int] = (), answered: Callable[[KvdError | None], None],
+                    priority: str = "", tenant: str = "", deadline_ms: float = 0.0) -> None:
         """``pull`` without waiting for the daemon's answer: ``answered`` is
         called (on a gRPC thread) with None once the daemon accepted it, or
         with why it did not. The caller (a thread an engine step hands its
@@ -219,6 +224,7 @@ class KvdClient:
         stuck) holds nothing up: the load fails at the call's timeout."""
         future = self._worker.Pull.future(pb.PullRequest(
             worker=self._wid, request_id=request_id, params=params, local_block_ids=_block_ids(local_block_ids, first_tokens),
+            priority=priority, tenant=tenant, deadline_ms=deadline_ms,
         ), timeout=self.timeout, metadata=self._metadata())
 
         def done(f: Any) -> None:

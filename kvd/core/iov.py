@@ -61,6 +61,27 @@ def head(iov: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
+def chunks(iov: np.ndarray, chunk_bytes: int) -> list[np.ndarray]:
+    """``iov`` in consecutive parts of ``chunk_bytes`` (the last may be
+    less), a piece cut where a part ends: what moves between two looks at
+    the wire's order (``--qos on``)."""
+    total = nbytes(iov)
+    if total <= chunk_bytes:
+        return [iov]
+    ends = np.cumsum(iov[:, 1].astype(np.int64))
+    starts = ends - iov[:, 1].astype(np.int64)
+    out = []
+    for lo in range(0, total, chunk_bytes):
+        hi = min(lo + chunk_bytes, total)
+        first, last = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left"))
+        part = iov[first:last].copy()
+        part[0, 0] += np.uint64(lo - starts[first])
+        part[0, 1] -= np.uint64(lo - starts[first])
+        part[-1, 1] -= np.uint64(ends[last - 1] - hi)
+        out.append(part)
+    return out
+
+
 def align(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Cut two iovec lists of the same total at the union of their piece
     boundaries, so that row i of one pairs with row i of the other."""

@@ -61,6 +61,11 @@ class DataRead:
     # A same-host read: the owner rank's registration whose memory the reader
     # mapped. The owner refuses a stale one (the worker registered again).
     mapped_registration: int = 0
+    # The pull's place on a contended wire (core/qos.py), for the owner's
+    # sends: class, tenant, and its deadline as ms left when the READ left.
+    priority: str = ""
+    tenant: str = ""
+    deadline_ms: float = 0.0
 
     def heads_of(self, seg: DataSegment) -> tuple[int, int]:
         """The owner-rank heads ``seg`` reads: its own, else the read's."""

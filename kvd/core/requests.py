@@ -78,6 +78,9 @@ class PullOrder:
     request_id: str
     params: TransferParams
     local: tuple[Blocks, ...]
+    priority: str = ""  # the wire's order (core/qos.py): class, tenant, deadline in ms from now (0: none)
+    tenant: str = ""
+    deadline_ms: float = 0.0
 
 
 @dataclass(frozen=True)

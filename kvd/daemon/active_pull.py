@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kvd.core.digest import VerifyMismatch
 from kvd.core.errors import KvdError
 from kvd.core.pull import PullProgress
+from kvd.core.qos import QosTag
 from kvd.core.requests import PullOrder, TransferParams
 from kvd.core.spec import WorkerId
 
@@ -29,6 +30,7 @@ class ActivePull:
     cancel_outcome: str = "failed"  # "aborted" when the local worker asked
     accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
     progress: PullProgress = field(default_factory=PullProgress)  # what has landed: Admin.Status shows it
+    qos: QosTag = field(default_factory=QosTag)  # its place on a contended wire
 
     def cancel(self, reason: str, outcome: str = "failed") -> None:
         if self.task is not None and not self.task.done():

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.qos import parse_shares
 from kvd.core.spec import WorkerId
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES, IN_PLACE_SEGMENT_BYTES, STRIPE_MIN_BYTES
 
@@ -84,6 +85,24 @@ class DaemonConfig:
     # as reader: check what landed against the owner's digest.
     verify: str = "off"
     verify_keep_seconds: float = 60.0  # how long an owner keeps a publication's digests for its readers
+    # Transfers ordered on the wire (core/qos.py): off, first come first served;
+    # on, every read's segments by class, deadline and tenant. Tenants are
+    # name=share pairs; naming any turns qos on.
+    qos: str = "off"
+    tenants: str = ""
+    # With qos on, what a read moves between two looks at the wire's order:
+    # what a read that arrives waits for, per chunk moving (1 MiB: 0.25 ms at 4 GB/s).
+    qos_chunk_bytes: int = 1 << 20
+    qos_slots: int = 2  # chunks of each lane (interactive; the rest) on the wire at once
+
+    @property
+    def qos_on(self) -> bool:
+        return self.qos == "on" or bool(self.tenants)
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Each tenant's share of a contended wire (the unnamed tenant's: 1)."""
+        return parse_shares(self.tenants)
 
 
 ENV_PREFIX = "KVD_"
@@ -121,8 +140,20 @@ _RULES: dict[str, tuple[Any, str]] = {
     "nixl_progress_delay_us": (lambda v: 0 <= v <= 1_000_000, "in [0, 1000000]"),
     "verify": (lambda v: v in ("off", "sampled", "full"), "off, sampled or full"),
     "verify_keep_seconds": (lambda v: v > 0, "> 0"),
+    "qos": (lambda v: v in ("off", "on"), "off or on"),
+    "tenants": (lambda v: _shares_ok(v), "name=share pairs with shares > 0, as in gold=3,silver=1"),
+    "qos_chunk_bytes": (lambda v: 64 << 10 <= v <= 1 << 30, "in [64 KiB, 1 GiB]"),
+    "qos_slots": (lambda v: 1 <= v <= 64, "in [1, 64]"),
     "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
 }
+
+
+def _shares_ok(text: str) -> bool:
+    try:
+        parse_shares(text)
+    except InvalidArgument:
+        return False
+    return True
 
 
 class ConfigError(ValueError):

@@ -18,6 +18,7 @@ import uuid
 from kvd.auth import AuthConfig
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import PublicationTable
+from kvd.core.qos import QosTag, WireSchedule
 from kvd.core.requests import TransferParams
 from kvd.core.session import Hello
 from kvd.core.spec import WorkerId, check_request_id
@@ -38,6 +39,7 @@ from kvd.transport.nixl import NixlAgent
 from kvd.transport.nixl import available as nixl_available
 from kvd.transport.tcp_client import TcpDataClient
 from kvd.transport.tcp_server import TcpDataServer
+from kvd.transport.wire_gate import WireGate
 
 
 class Daemon:
@@ -53,10 +55,11 @@ class Daemon:
         self.channels = PeerChannels(self.auth)
         self.tasks = Tasks()
         self.finished = FinishedSets(self.metrics, AggregatorReports(config.aggregator_address, self.registry, self.metrics, self.channels))
+        self.wire_gate = WireGate(WireSchedule(config.shares, config.qos_slots), config.qos_chunk_bytes, self._granted) if config.qos_on else None
         self.data_client = TcpDataClient(Hello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer, copy_threads=config.copy_threads,
                                          stall_timeout_s=config.stall_timeout_seconds, stream_wait_s=config.pull_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,
-                                         tls=self.auth.data_plane_context(server=False), nixl=self.nixl)
+                                         tls=self.auth.data_plane_context(server=False), nixl=self.nixl, gate=self.wire_gate)
         self.publisher = Publisher(config, self.registry, self.publications, self.finished, self.metrics, self.auth)
         self.handshakes = Handshakes(config, self.registry, self.publisher, self.metrics, self.channels, self.data_client)
         self.verifier = Verifier(config.verify, config.verify_keep_seconds, self.metrics)
@@ -67,11 +70,16 @@ class Daemon:
         self.registry.rank_ended += [lambda rank, _why: self.puller.cancel_rank(rank), self.publisher.abort_rank, self.finished.rank_ended]
         self.registry.rank_retired.append(lambda rank, _why: self.puller.cancel_rank(rank))
         self.data_server = TcpDataServer(self.publisher, config.host, config.data_port, tls=self.auth.data_plane_context(server=True),
-                                         nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes)
+                                         nixl=self.nixl, nixl_staging_bytes=config.nixl_staging_bytes, gate=self.wire_gate)
         self._background: list[asyncio.Task[None]] = []
         self._watchdog: LoopWatchdog | None = None
         self.streams_ending = False  # after the drain: push streams send what is left and end
         self._grpc_address = ""
+
+    def _granted(self, tag: QosTag, nbytes: int, waited: float) -> None:
+        """A chunk got the wire (in its read's thread): counted by class and tenant."""
+        self.metrics.qos_wait_seconds.labels(tag.priority).observe(waited)
+        self.metrics.qos_bytes.labels(tag.priority, tag.tenant).inc(nbytes)
 
     def _nixl_agent(self, config: DaemonConfig) -> NixlAgent | None:
         if config.transport != "nixl":

@@ -39,6 +39,9 @@ class Metrics:
         self.verify_checks = Counter("kvd_verify_checks", "Landed reads checked against the owner's digest, by result (ok, mismatch, unverified)", ["result"], registry=r)
         self.verify_digest_seconds = Histogram("kvd_verify_digest_seconds", "An owner's digest of one publication, every rank (before it is published)",
                                                buckets=DURATION_BUCKETS, registry=r)
+        self.qos_wait_seconds = Histogram("kvd_qos_wait_seconds", "How long a read's chunk waited for the wire (--qos on), by class",
+                                          ["priority"], buckets=DURATION_BUCKETS, registry=r)
+        self.qos_bytes = Counter("kvd_qos_bytes", "Bytes granted the wire (--qos on), by class and tenant", ["priority", "tenant"], registry=r)
         self.verify_mismatches = Counter("kvd_verify_mismatches", "Local blocks failed because what landed differs from what the owner published", registry=r)
         self.data_reads = Counter("kvd_data_reads", "Data-plane reads sent (one per remote rank, or one per stripe of a striped read)", ["transport"], registry=r)
         self.refused_reads = Counter("kvd_refused_reads", "Data-plane reads refused, by reason", ["reason"], registry=r)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -29,6 +30,7 @@ from kvd.core.leases import RankKey, check_block_ids, check_disjoint
 from kvd.core.pairing import engine_shape, in_wire_order
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
+from kvd.core.qos import QosTag, ms_left
 from kvd.core.requests import LeaseRef, PeerAbort, PullOrder, TransferParams
 from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
@@ -104,7 +106,8 @@ class Puller:
         if key in self.pulls:
             raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
         now = time.monotonic()
-        active = ActivePull(worker, req, p, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter())
+        qos = QosTag.of(req.priority, req.tenant, req.deadline_ms, now, self.config.shares)
+        active = ActivePull(worker, req, p, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter(), qos=qos)
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
         active.task.add_done_callback(lambda _t: self.pulls.pop(key, None))
@@ -285,8 +288,11 @@ class Puller:
         sources = [peer.local_sources.get(rr.read.rank) for rr in progress.reads]
         self.active_clock.start()
         try:
-            tasks = {i: asyncio.ensure_future(self.data_client.read(peer.meta.data_address, progress.reads[i].read, progress.reads[i].sinks,
-                                                                 progress.landed[i], sources[i]))
+            now = time.monotonic()
+            tagged = {i: dataclasses.replace(progress.reads[i].read, priority=active.qos.priority, tenant=active.qos.tenant,
+                                             deadline_ms=ms_left(active.qos, now)) for i in todo}  # for the owner's sends
+            tasks = {i: asyncio.ensure_future(self.data_client.read(peer.meta.data_address, tagged[i], progress.reads[i].sinks,
+                                                                 progress.landed[i], sources[i], active.qos))
                      for i in todo}
             try:
                 await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)

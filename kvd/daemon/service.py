@@ -321,6 +321,8 @@ def status_to_pb(d: Daemon) -> pb.StatusResponse:
         recent_failures=[pb.FailureStatus(request_id=f.request_id, reason=f.reason, message=f.message, age_seconds=now - f.at) for f in d.puller.recent_failures],
         staging_buffers=d.data_client.staging_buffers(), staging_bytes=d.data_client.staging_bytes(),
         tasks=len(d.tasks) + len(d.puller.pulls),
+        queues=[pb.QueueStatus(priority=q.priority, tenant=q.tenant, waiting=q.waiting, moving=q.moving, granted_bytes=q.granted_bytes, side=side)
+                for side, q in ([("send", q) for q in d.wire_gate.queues()] + d.data_client.admission_queues() if d.wire_gate is not None else [])],
     )
 
 

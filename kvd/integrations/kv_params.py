@@ -61,6 +61,19 @@ class LoadRequest:
     local_block_ids: BlockIds
     params: TransferParams
     local_first_tokens: tuple[int, ...] = ()
+    priority: str = ""  # its place on a contended wire (kvd_priority, kvd_tenant, kvd_deadline_ms)
+    tenant: str = ""
+    deadline_ms: float = 0.0
+
+
+# A request's place on a contended wire (a daemon with --qos on): passed from
+# the client's kv_transfer_params by the proxy, to D's pull by the connector.
+QOS_KEYS = ("kvd_priority", "kvd_tenant", "kvd_deadline_ms")
+
+
+def with_qos(params: dict[str, Any], request: object) -> dict[str, Any]:
+    """``params`` with the QoS keys the client's ``request`` params carry."""
+    return {**params, **{k: request[k] for k in QOS_KEYS if k in request}} if isinstance(request, Mapping) else params
 
 
 def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int, pp_size: int, block_size: int,
@@ -155,6 +168,8 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         engine_id, request_id = str(params["remote_engine_id"]), str(params["remote_request_id"])
         tp_size, pp_size = int(params.get("tp_size", 1)), int(params.get("pp_size", 1))
         lease_seconds = float(params.get("kvd_lease_seconds", 0.0))
+        priority, tenant = str(params.get("kvd_priority", "")), str(params.get("kvd_tenant", ""))
+        deadline_ms = float(params.get("kvd_deadline_ms", 0.0))  # its value is the daemon's to refuse, by name
     except KeyError as e:
         raise InvalidArgument("kv_transfer_params", sorted(params), f"lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -198,4 +213,4 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         block_ids=tuple(Blocks(tuple(r), f) for r, f in zip(remote, firsts, strict=True)), num_tokens=loaded,
         remote_tp_size=tp_size, remote_pp_size=pp_size, lease_seconds=lease_seconds, stream=stream, generation=generation, remote_epoch=epoch,
     )
-    return LoadRequest(request_id, tuple(ids), tp, tuple(firsts_local))
+    return LoadRequest(request_id, tuple(ids), tp, tuple(firsts_local), priority, tenant, deadline_ms)

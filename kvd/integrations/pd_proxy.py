@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvd.integrations.kv_params import stream_params
+from kvd.integrations.kv_params import stream_params, with_qos
 
 log = logging.getLogger("kvd.proxy")
 
@@ -73,10 +73,12 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def decode_request(body: dict[str, Any], prefill_response: dict[str, Any]) -> dict[str, Any]:
+    """The decode half: the client's request with P's params, and the
+    client's place on a contended wire (``QOS_KEYS``) passed through."""
     req = dict(body)
     params = prefill_response.get("kv_transfer_params")
     if params:
-        req["kv_transfer_params"] = params
+        req["kv_transfer_params"] = with_qos(params, body.get("kv_transfer_params"))
     return req
 
 
@@ -164,7 +166,7 @@ class Proxy:
                     # Both at once: D's pull reads each layer as P saves it.
                     threading.Thread(target=_prefill_only, args=(p, self.path, {**prefill_request(body), "kv_transfer_params": streamed[0]}, headers),
                                      daemon=True).start()
-                    dbody = {**body, "kv_transfer_params": streamed[1]}
+                    dbody = {**body, "kv_transfer_params": with_qos(streamed[1], body.get("kv_transfer_params"))}
                 else:
                     try:
                         presp = p.post(self.path, prefill_request(body), headers)

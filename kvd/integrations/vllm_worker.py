@@ -248,11 +248,12 @@ class WorkerSide:
             answered = functools.partial(self._pull_answered, rid, load.params)
             params = params_to_pb(load.params)  # the client's message
             if after.cuda:
-                after.run(functools.partial(client.pull_nowait, rid, params, load.local_block_ids,
-                                            first_tokens=load.local_first_tokens, answered=answered))
+                after.run(functools.partial(client.pull_nowait, rid, params, load.local_block_ids, first_tokens=load.local_first_tokens,
+                                            answered=answered, priority=load.priority, tenant=load.tenant, deadline_ms=load.deadline_ms))
                 continue
             try:
-                client.pull(rid, params, load.local_block_ids, first_tokens=load.local_first_tokens)
+                client.pull(rid, params, load.local_block_ids, first_tokens=load.local_first_tokens,
+                            priority=load.priority, tenant=load.tenant, deadline_ms=load.deadline_ms)
             except KvdError as e:
                 answered(e)
         meta.to_load = {}  # started: once per step, whichever hook got there first

@@ -263,16 +263,22 @@ class PublishEngineRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker", "request_id", "params", "local_block_ids")
+    __slots__ = ("worker", "request_id", "params", "local_block_ids", "priority", "tenant", "deadline_ms")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     request_id: str
     params: TransferParams
     local_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    priority: str
+    tenant: str
+    deadline_ms: float
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., params: _Optional[_Union[TransferParams, _Mapping]] = ..., local_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., priority: _Optional[str] = ..., tenant: _Optional[str] = ..., deadline_ms: _Optional[float] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("accepted",)
@@ -551,7 +557,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version", "leases", "pulls", "recent_failures", "staging_buffers", "staging_bytes", "tasks", "draining", "pinned_ranks")
+    __slots__ = ("engine_id", "epoch", "workers", "peers", "publications", "pulls_in_flight", "version", "leases", "pulls", "recent_failures", "staging_buffers", "staging_bytes", "tasks", "draining", "pinned_ranks", "queues")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +573,7 @@ class StatusResponse(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PINNED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -582,7 +589,24 @@ class StatusResponse(_message.Message):
     tasks: int
     draining: bool
     pinned_ranks: int
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullStatus, _Mapping]]] = ..., recent_failures: _Optional[_Iterable[_Union[FailureStatus, _Mapping]]] = ..., staging_buffers: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., tasks: _Optional[int] = ..., draining: _Optional[bool] = ..., pinned_ranks: _Optional[int] = ...) -> None: ...
+    queues: _containers.RepeatedCompositeFieldContainer[QueueStatus]
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., peers: _Optional[_Iterable[str]] = ..., publications: _Optional[int] = ..., pulls_in_flight: _Optional[int] = ..., version: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseStatus, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullStatus, _Mapping]]] = ..., recent_failures: _Optional[_Iterable[_Union[FailureStatus, _Mapping]]] = ..., staging_buffers: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., tasks: _Optional[int] = ..., draining: _Optional[bool] = ..., pinned_ranks: _Optional[int] = ..., queues: _Optional[_Iterable[_Union[QueueStatus, _Mapping]]] = ...) -> None: ...
+
+class QueueStatus(_message.Message):
+    __slots__ = ("priority", "tenant", "waiting", "moving", "granted_bytes", "side")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    MOVING_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    priority: str
+    tenant: str
+    waiting: int
+    moving: int
+    granted_bytes: int
+    side: str
+    def __init__(self, priority: _Optional[str] = ..., tenant: _Optional[str] = ..., waiting: _Optional[int] = ..., moving: _Optional[int] = ..., granted_bytes: _Optional[int] = ..., side: _Optional[str] = ...) -> None: ...
 
 class LeaseStatus(_message.Message):
     __slots__ = ("request_id", "generation", "ranks", "expires_in_seconds")
@@ -653,7 +677,7 @@ class DataHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
 
 class DataRead(_message.Message):
-    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes", "stream", "mapped_registration")
+    __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes", "stream", "mapped_registration", "priority", "tenant", "deadline_ms")
     OWNER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -670,6 +694,9 @@ class DataRead(_message.Message):
     STRIPES_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     MAPPED_REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     owner_engine_id: str
     request_id: str
     generation: int
@@ -686,7 +713,10 @@ class DataRead(_message.Message):
     stripes: int
     stream: bool
     mapped_registration: int
-    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., stream: _Optional[bool] = ..., mapped_registration: _Optional[int] = ...) -> None: ...
+    priority: str
+    tenant: str
+    deadline_ms: float
+    def __init__(self, owner_engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[DataSegment, _Mapping]]] = ..., reader_tp_rank: _Optional[int] = ..., reader_pp_rank: _Optional[int] = ..., nixl_metadata_version: _Optional[int] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., stream: _Optional[bool] = ..., mapped_registration: _Optional[int] = ..., priority: _Optional[str] = ..., tenant: _Optional[str] = ..., deadline_ms: _Optional[float] = ...) -> None: ...
 
 class DataSegment(_message.Message):
     __slots__ = ("group_id", "layers", "block_start", "block_count", "token_start", "token_count", "kv_start", "kv_count", "block_ids", "head_start", "head_count")

@@ -20,6 +20,8 @@ Sections:
   computes (``bench_stream``).
 * ``verify``: what end-to-end verification costs, sampled and full, over
   TCP and same-host, against the same pairs with it off (``bench_verify``).
+* ``qos``: the wire's order under load: small pulls' p99 beside bulk ones,
+  tenants' shares, a best-effort tenant (``bench_qos``).
 * ``load`` (once a run, after the rounds): the daemons' own memory over
   ``--load-seconds`` of requests of mixed sizes (``bench_load``).
 * ``gpu`` (where CUDA is available): GPU caches on both sides, over TCP
@@ -40,6 +42,7 @@ import torch
 from kvd.tools.bench_control import bench_control
 from kvd.tools.bench_gpu import bench_gpu
 from kvd.tools.bench_load import bench_load
+from kvd.tools.bench_qos import bench_qos
 from kvd.tools.bench_relayout import RELAYOUT_PAIRINGS, bench_relayout, relayout_row
 from kvd.tools.bench_report import add_derived, print_verdict, verdict, worst_of
 from kvd.tools.bench_state import state_work
@@ -124,6 +127,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
                                     us_per_token=args.stream_us_per_token, repeat=args.repeat, tokens=tuple(args.stream_tokens), say=say))
     if "verify" in args.sections:
         results.update(bench_verify(args, say))
+    if "qos" in args.sections:
+        results.update(bench_qos(args, say))
     if "gpu" in args.sections:
         results.update(bench_gpu(args, say))
     return results
@@ -131,8 +136,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "verify", "load", "gpu"],
-                   choices=["relayout", "transport", "control", "stream", "verify", "load", "gpu"],
+    p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "verify", "qos", "load", "gpu"],
+                   choices=["relayout", "transport", "control", "stream", "verify", "qos", "load", "gpu"],
                    help="gpu is measured only where CUDA is available; load runs once, after the rounds")
     p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
     p.add_argument("--latency-requests", type=int, default=200)
@@ -146,4 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream section: prefill compute per token per layer (3: an 8B model on one H100)")
     p.add_argument("--stream-tokens", type=int, nargs="+", default=list(TOKENS), help="stream section: prompt lengths")
     p.add_argument("--load-seconds", type=float, default=300.0, help="load section: how long the daemons move requests")
+    p.add_argument("--qos-bulk-mib", type=int, default=1024, help="qos section: bytes of one bulk pull")
+    p.add_argument("--qos-small-mib", type=int, default=4, help="qos section: bytes of one small pull")
+    p.add_argument("--qos-small-pulls", type=int, default=30, help="qos section: small pulls timed idle, and twice as many under bulk")
+    p.add_argument("--qos-share-seconds", type=float, default=3.0, help="qos section: the window tenants' bytes are counted over")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each figure is reported as its worst round")

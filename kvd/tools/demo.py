@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from kvd.core.qos import parse_shares
 from kvd.core.spec import WorkerId
 from kvd.testing.daemons import DaemonDidNotStart, DaemonProc, start_daemon
 from kvd.testing.metrics import scrape
@@ -120,6 +121,9 @@ def run_demo(args: argparse.Namespace) -> int:
         if args.transport == "nixl":
             same_host += ["--transport", "nixl"]
         same_host += ["--verify", args.verify]
+        tenants = [t for t in parse_shares(args.tenants) if t] if args.tenants else []
+        if tenants:
+            same_host += ["--tenants", args.tenants]
         # Existing daemons (docker-compose, a cluster) or our own.
         p_info = {"grpc": args.prefill_address, "data": "(theirs)"} if args.prefill_address else daemons.start("prefill", same_host)
         d_info = {"grpc": args.decode_address, "data": "(theirs)"} if args.decode_address else daemons.start("decode", same_host)
@@ -175,7 +179,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 after_prefill_s.append(max(r[4] for r in results) - computed)
             else:
                 params = call_workers(sides["prefill"], "publish", [reqs] * len(sides["prefill"]))[0]
-                results = call_workers(sides["decode"], "pull", [[(b[0], params[i], b[4]) for i, b in enumerate(batch)]] * len(sides["decode"]))
+                # Requests take the tenants in turn (--tenants): each pull names its own.
+                named = [(b[0], params[i], b[4], tenants[int(b[0].rsplit("-", 1)[1]) % len(tenants)] if tenants else "") for i, b in enumerate(batch)]
+                results = call_workers(sides["decode"], "pull", [named] * len(sides["decode"]))
             transfer_s += max(r[0] for r in results)
             total_bytes += sum(r[1] for r in results)
             for r in results:
@@ -221,6 +227,11 @@ def run_demo(args: argparse.Namespace) -> int:
             say(f"  --verify {args.verify:<8} decode's daemon checked {checks['ok']:.0f} reads clean against prefill's digests, "
                 f"{checks['mismatch']:.0f} mismatched, {checks['unverified']:.0f} unverified")
             ok = ok and checks["mismatch"] == 0 and checks["ok"] > 0
+        if tenants and p_info.get("metrics"):
+            sent_by = {t: scrape(f"http://{p_info['metrics']}/metrics", "kvd_qos_bytes_total", priority="standard", tenant=t) for t in tenants}
+            say(f"  --tenants      {args.tenants}: prefill's daemon sent " + ", ".join(f"{t} {b / 1e6:.1f} MB" for t, b in sent_by.items())
+                + " (each its own requests' bytes; shares hold where the wire is contended: kvd bench --sections qos)")
+            ok = ok and all(b > 0 for b in sent_by.values())
         if first_mismatch:
             say(f"  MISMATCH       {first_mismatch}")
         elif ok:
@@ -272,7 +283,7 @@ def prefill_and_pull(sides: dict[str, list[Connection]], reqs: Sequence[Any], de
     params = published[0]
     if how.publish:
         for c in decode:
-            c.send(("pull", [(r[0], params[i], ids) for i, (r, ids) in enumerate(zip(reqs, decode_ids, strict=True))]))
+            c.send(("pull", [(r[0], params[i], ids, "") for i, (r, ids) in enumerate(zip(reqs, decode_ids, strict=True))]))
     times = [answer(c) for c in prefill]
     started, computed = min(t[0] for t in times), max(t[1] for t in times)
     return ([answer(c) for c in decode] if how.publish else []), started, computed
@@ -320,6 +331,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="layer-wise streaming: prefill publishes first and each layer crosses once saved, while the next computes")
     p.add_argument("--layer-ms", type=float, default=0.0,
                    help="simulate prefill compute: this many ms a layer (with --stream, or alone for pull mode after it)")
+    p.add_argument("--tenants", default="", help="name=share,... : both daemons order the wire by these tenants' shares, "
+                   "and requests take them in turn (docs/qos.md)")
     p.add_argument("--verify", choices=["off", "sampled", "full"], default="off",
                    help="the daemons' end-to-end verification: prefill digests what it publishes, decode checks what landed against it")
     p.add_argument("--transport", choices=["tcp", "samehost", "nixl"], default="tcp",

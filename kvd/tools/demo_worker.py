@@ -175,16 +175,16 @@ def worker_main(address: str, worker: WorkerId, engine: EngineConfig, model: Mod
                     reqs, layer_s, how = arg
                     prefill(client, conn, reqs, [[own(ids, ntok, kind) for kind in kinds] for _, _, ids, ntok, _ in reqs],
                             tensors, coords, stage_layers(model, worker.pp_size, worker.pp_rank), layer_s, how)
-                elif cmd == "pull":  # [(rid, params, local ids)]
+                elif cmd == "pull":  # [(rid, params, local ids, tenant)]
                     if feed is None:  # pushed outcomes: the time a pull landed is not a poll's
                         feed = FinishedFeed(client).start()
                         if not feed.subscribed.wait(30):
                             raise RuntimeError(f"{worker}: the daemon's finished stream did not start within 30 s")
                     t0 = time.perf_counter()
-                    for rid, params, ids in arg:
+                    for rid, params, ids, tenant in arg:
                         mine = [own(ids, params.num_tokens, kind) for kind in kinds]
-                        client.pull(rid, params, [g for _, g in mine], first_tokens=[f for f, _ in mine])
-                    done = feed.wait_finished(recving={rid for rid, _, _ in arg}, timeout=120)
+                        client.pull(rid, params, [g for _, g in mine], first_tokens=[f for f, _ in mine], tenant=tenant)
+                    done = feed.wait_finished(recving={rid for rid, *_ in arg}, timeout=120)
                     elapsed = time.perf_counter() - t0
                     nbytes = sum(d.bytes for (direction, _), d in done.details.items() if direction == "recving")
                     failed = {r: d.reason for (direction, r), d in done.details.items() if direction == "recving" and d.outcome != "done"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
@@ -125,6 +126,16 @@ class ReadServer(Protocol):
     def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
 
 
+class Gate(Protocol):
+    """A read's place on the wire (``wire_gate``, ``--qos on``): it moves
+    at most ``chunk_bytes`` at a time, each chunk inside ``gate(its bytes)``."""
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    def __call__(self, nbytes: int) -> AbstractContextManager[None]: ...
+
+
 class ReadMover(Protocol):
     """The reader's half of a byte mover."""
 
@@ -135,10 +146,11 @@ class ReadMover(Protocol):
         ...
 
     def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-             cancel: threading.Event) -> int:
+             cancel: threading.Event, gate: Gate | None = None) -> int:
         """In the read's thread, once the READ left: land every segment
         (``landed[i]`` set as each does, never after ``cancel``) and take the
-        owner's END (its ERROR raised). Returns bytes moved."""
+        owner's END (its ERROR raised). Returns bytes moved. With ``gate``
+        (``--qos on``), each chunk moves inside ``gate(its bytes)``."""
         ...
 
     def scratch(self) -> list[int]:

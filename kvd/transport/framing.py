@@ -20,15 +20,19 @@ import socket
 import ssl
 import struct
 from collections.abc import Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
 from kvd.core import errors
+from kvd.core import iov as iovs
 from kvd.core.session import HEADER_SIZE, Data, Error, Event, ProtocolError, Session
 from kvd.transport import iovec
 from kvd.transport.codec import CODEC
+
+if TYPE_CHECKING:
+    from kvd.transport.base import Gate
 
 E = TypeVar("E")
 
@@ -90,15 +94,29 @@ class FrameSocket:
         except BlockingIOError:
             return 0
 
-    def send_data(self, tag: int, payload: np.ndarray | torch.Tensor) -> int:
+    def send_data(self, tag: int, payload: np.ndarray | torch.Tensor, gate: Gate | None = None) -> int:
         """One DATA frame: its header, then the payload from where it lies
-        (an iovec array of host memory, or a tensor). Returns payload bytes."""
+        (an iovec array of host memory, or a tensor). Returns payload bytes.
+        With ``gate`` (--qos on), a chunk at a time, each once the wire is ours."""
         if isinstance(payload, np.ndarray):
             n = iovec.nbytes(payload)
-            iovec.send_all(self.sock, payload, self.session.send(Data(tag, n)))
+            head = self.session.send(Data(tag, n))
+            if gate is None:
+                iovec.send_all(self.sock, payload, head)
+                return n
+            for k, part in enumerate(iovs.chunks(payload, gate.chunk_bytes)):
+                with gate(iovs.nbytes(part)):
+                    iovec.send_all(self.sock, part, head if k == 0 else b"")
             return n
         n = payload.numel() * payload.element_size()
-        self._sendmsg_all([memoryview(self.session.send(Data(tag, n))), as_bytes(payload)])
+        head_view, body = memoryview(self.session.send(Data(tag, n))), as_bytes(payload)
+        if gate is None:
+            self._sendmsg_all([head_view, body])
+            return n
+        self._sendmsg_all([head_view])
+        for at in range(0, len(body), gate.chunk_bytes):
+            with gate(min(gate.chunk_bytes, len(body) - at)):
+                self._sendmsg_all([body[at: at + gate.chunk_bytes]])
         return n
 
     def send_iov(self, iov: np.ndarray) -> None:

@@ -38,6 +38,7 @@ from kvd.core.reads import DataRead
 from kvd.core.relayout import CopyRunner, run_copies
 from kvd.core.session import Descriptors, End, Read
 from kvd.core.sinks import SegmentSink
+from kvd.transport.base import Gate
 from kvd.transport.framing import FrameSocket
 
 # NIXL's Python logger prints INFO on stdout; keep the daemon's output its own.
@@ -344,7 +345,8 @@ class NixlIn:
         return Read(dataclasses.replace(read, nixl_metadata_version=known[1] if known else 0), nixl=True)
 
     def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-             cancel: threading.Event) -> int:
+             cancel: threading.Event, gate: Gate | None = None) -> int:
+        # --qos on: NIXL's READs are posted whole, so its reads are not ordered by the gate.
         msg = fs.expect(Descriptors)
         if msg.agent_metadata:
             name = self.agent.add_remote(msg.agent_metadata)

@@ -27,7 +27,7 @@ from kvd.core.session import End, Read
 from kvd.core.sinks import SegmentSink
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES
 from kvd.transport import device_pieces, iovec
-from kvd.transport.base import OpenRead, Staging
+from kvd.transport.base import Gate, OpenRead, Staging
 from kvd.transport.device import device_copies, thread_stream
 from kvd.transport.framing import FrameSocket
 
@@ -143,13 +143,15 @@ class SameHostIn:
         return Read(dataclasses.replace(read, mapped_registration=self.source.registration), local=True)
 
     def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-             cancel: threading.Event) -> int:
+             cancel: threading.Event, gate: Gate | None = None) -> int:
         # Authorisation first, then the copy: copying while the owner decides
         # would save a round trip, but a refused read would already have
         # written another request's bytes into our memory.
         fs.expect(End)
         t0 = time.perf_counter()
-        moved = copy_local(read, sinks, landed, self.source, cancel, self.copier, self.run)
+        # One chunk, the whole copy (--qos on): its order among reads, not within one.
+        with gate(sum(s.nbytes for s in sinks)) if gate is not None else contextlib.nullcontext():
+            moved = copy_local(read, sinks, landed, self.source, cancel, self.copier, self.run)
         self.on_relayout(time.perf_counter() - t0)
         return moved
 

@@ -29,16 +29,18 @@ from typing import Any
 import torch
 
 from kvd.core import errors
+from kvd.core.qos import QosTag, QueueStatus
 from kvd.core.reads import DataRead
 from kvd.core.session import Ack, Data, End, Error, Hello, ProtocolError, Read
 from kvd.core.sinks import SegmentSink
-from kvd.transport.base import ReadMover, Staging
+from kvd.transport.base import Gate, ReadMover, Staging
 from kvd.transport.copy_threads import Batch, CopyThreads
 from kvd.transport.device import device_copies
 from kvd.transport.framing import FrameSocket, as_bytes, split_address, tune
 from kvd.transport.iovec import Copier
 from kvd.transport.nixl import NixlAgent, NixlIn
 from kvd.transport.samehost import LocalSource, SameHostIn
+from kvd.transport.wire_gate import Admission, ReadGate, WireGate
 
 
 class FramesIn:
@@ -57,7 +59,10 @@ class FramesIn:
         return Read(read)
 
     def land(self, fs: FrameSocket, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-             cancel: threading.Event) -> int:
+             cancel: threading.Event, gate: Gate | None = None) -> int:
+        # Over TCP the owner orders the wire by pacing its sends (--qos on): a
+        # reader that paced its receives too could hold its place waiting for
+        # bytes the owner holds back for another read, and both would stall.
         return recv_segments(fs, sinks, landed, self.staging, self.on_relayout, cancel, self.threads, self.land_pool)
 
     def scratch(self) -> list[int]:
@@ -82,8 +87,9 @@ class TcpDataClient:
 
     def __init__(self, hello: Hello, *, connections_per_peer: int = 4, copy_threads: int = 2, stall_timeout_s: float = 30.0,
                  stream_wait_s: float = 60.0, on_relayout: Callable[[float], None] = lambda seconds: None, tls: ssl.SSLContext | None = None,
-                 nixl: NixlAgent | None = None) -> None:
+                 nixl: NixlAgent | None = None, gate: WireGate | None = None) -> None:
         self.on_relayout = on_relayout
+        self.gate = gate  # --qos on: the wire's order
         self.nixl = nixl  # transport nixl: bulk bytes by NIXL READ, control on this connection
         self.tls = tls  # mTLS: every connection is wrapped before its HELLO
         self.hello = hello
@@ -94,7 +100,8 @@ class TcpDataClient:
         # timeout; the owner fails a read whose next layer does not come.
         self.stream_wait_s = stream_wait_s
         self._idle: dict[str, list[_Conn]] = {}
-        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}  # a peer's connections, first come first served
+        self._admission: dict[str, Admission] = {}  # --qos on: the same in the wire's order
         self._tokens: dict[str, bytes] = {}
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
@@ -129,11 +136,18 @@ class TcpDataClient:
         return _Conn(fs, mover)
 
     async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-                   local_source: LocalSource | None = None) -> int:
+                   local_source: LocalSource | None = None, qos: QosTag | None = None) -> int:
         """Move every segment; with ``local_source`` (same host) only the
-        authorisation crosses the socket and the bytes are copied in place."""
+        authorisation crosses the socket and the bytes are copied in place.
+        With ``qos`` (and a gate), reads get connections in the wire's order
+        (``Admission``): an interactive read has connections of its own, so
+        bulk reads holding every pooled one do not keep it waiting."""
+        if qos is None or self.gate is None:
+            slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
+        else:
+            admission = self._admission.setdefault(address, Admission(self.gate.schedule.shares, self.connections_per_peer))
+            slots = admission.connection(qos, sum(s.nbytes for s in sinks))
         loop = asyncio.get_running_loop()
-        slots = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         async with slots:
             idle = self._idle.setdefault(address, [])
             conn = idle.pop() if idle else await loop.run_in_executor(self._pool, self._connect, address)
@@ -150,7 +164,10 @@ class TcpDataClient:
             except BaseException:
                 conn.fs.close()
                 raise
-            conn.work = loop.run_in_executor(self._pool, self._read, conn, address, mover, read, sinks, landed, rest)
+            # The side that moves the bytes orders them: the owner its sends over
+            # TCP (by the tag in the READ), this daemon its same-host copies.
+            gate = None if qos is None or self.gate is None or local_source is None else self.gate.for_read(qos, conn.cancel)
+            conn.work = loop.run_in_executor(self._pool, self._read, conn, address, mover, read, sinks, landed, rest, gate)
             try:
                 # Shielded: a cancelled pull abandons the read (below) and
                 # waits for its thread, so nothing lands after it is reported.
@@ -178,7 +195,7 @@ class TcpDataClient:
             conn.mover.close()
 
     def _read(self, conn: _Conn, address: str, mover: ReadMover, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
-              unsent: memoryview) -> int:
+              unsent: memoryview, gate: ReadGate | None = None) -> int:
         """One whole read, in a worker thread. A stall is not retried: the
         peer is alive enough to hold the connection, and a retry would only
         wait as long again; the pull fails at the stall, naming the peer."""
@@ -186,13 +203,21 @@ class TcpDataClient:
         try:
             with fs.stall_bound(max(self.stall_timeout_s, self.stream_wait_s) if read.stream else self.stall_timeout_s):
                 fs.sock.sendall(unsent)  # what of the READ the loop could not send
-                moved = mover.land(fs, read, sinks, landed, conn.cancel)
+                try:
+                    moved = mover.land(fs, read, sinks, landed, conn.cancel, gate)
+                finally:
+                    if gate is not None:
+                        gate.close()  # its place in the wire's queue
                 # Every byte landed: the owner may end the rank's publication.
                 fs.send(Ack())
                 return moved
         except TimeoutError:
             raise errors.DeadlineExceeded(f"data plane stalled: engine {read.owner_engine_id!r} at {address} sent nothing "
                                           f"for {self.stall_timeout_s:g}s (stall_timeout_seconds)") from None
+
+    def admission_queues(self) -> list[tuple[str, QueueStatus]]:
+        """--qos on: per peer, this daemon's reads waiting for or holding a connection."""
+        return [(f"read {address}", q) for address, a in sorted(self._admission.items()) for q in a.schedule.queues()]
 
     def staging_buffers(self) -> int:
         return sum(len(c.mover.scratch()) for conns in self._idle.values() for c in conns)

@@ -41,11 +41,12 @@ import numpy as np
 from kvd.core import errors
 from kvd.core.reads import DataRead
 from kvd.core.session import Ack, End, Error, Hello, HelloOk, ProtocolError, Read
-from kvd.transport.base import OpenRead, ReadServer, ServeMover, Staging
+from kvd.transport.base import Gate, OpenRead, ReadServer, ServeMover, Staging
 from kvd.transport.device import DeviceToHost
 from kvd.transport.framing import FrameSocket, tune
 from kvd.transport.nixl import Arena, NixlAgent, NixlOut
 from kvd.transport.samehost import SameHostOut
+from kvd.transport.wire_gate import WireGate
 
 log = logging.getLogger("kvd.tcp")
 
@@ -54,8 +55,9 @@ class TcpDataServer:
     def __init__(self, server: ReadServer, host: str, port: int, *, hello_timeout_s: float = 10.0,
                  max_connections_per_peer: int = 16, max_connections: int = 256, tls: ssl.SSLContext | None = None,
                  nixl: NixlAgent | None = None, nixl_staging_bytes: int = 1 << 30,
-                 pinned_read_timeout_s: float = 60.0) -> None:
+                 pinned_read_timeout_s: float = 60.0, gate: WireGate | None = None) -> None:
         self.server = server
+        self.gate = gate  # --qos on: reads' sends in the wire's order
         self.tls = tls  # mTLS: every connection is wrapped before its HELLO
         self.nixl = nixl  # transport nixl: reads may ask for descriptors instead of DATA
         self.nixl_staging_bytes = nixl_staging_bytes
@@ -199,7 +201,7 @@ class TcpDataServer:
 
     def _movers(self, fs: FrameSocket, arena: Arena | None) -> dict[str, ServeMover]:
         """The byte movers this connection offers, by the name a READ asks for."""
-        movers: list[ServeMover] = [FramesOut(Staging(), DeviceToHost()), SameHostOut()]
+        movers: list[ServeMover] = [FramesOut(Staging(), DeviceToHost(), self.gate), SameHostOut()]
         if self.nixl is not None and arena is not None and not fs.tls:
             movers.append(NixlOut(self.nixl, arena, self.nixl_staging_bytes))
         return {m.name: m for m in movers}
@@ -260,18 +262,23 @@ class FramesOut:
 
     name = "tcp"
 
-    def __init__(self, staging: Staging, to_host: DeviceToHost) -> None:
-        self.staging, self.to_host = staging, to_host
+    def __init__(self, staging: Staging, to_host: DeviceToHost, gate: WireGate | None = None) -> None:
+        self.staging, self.to_host, self.gate = staging, to_host, gate
 
     def serve(self, fs: FrameSocket, opened: OpenRead, read: DataRead) -> int:
-        total = send_segments(fs, opened, len(read.segments), self.staging, self.to_host)
+        gate = self.gate.for_peer(read) if self.gate is not None else None
+        try:
+            total = send_segments(fs, opened, len(read.segments), self.staging, self.to_host, gate)
+        finally:
+            if gate is not None:
+                gate.close()
         # Every byte left while the publication was alive: only then END,
         # as the engine may reuse the blocks once it ends.
         opened.check_alive()
         return total
 
 
-def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Staging, to_host: DeviceToHost) -> int:
+def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Staging, to_host: DeviceToHost, gate: Gate | None = None) -> int:
     """Every DATA frame of one read, segment by segment, checking the
     publication before each. Host memory leaves in place (one sendmsg over
     its pieces); the rest is gathered into staging first. A GPU segment is
@@ -292,14 +299,14 @@ def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Stagin
             opened.check_alive()
             iov: np.ndarray | None = None if fs.tls else opened.segment_iov(i)
             if iov is not None:
-                n = fs.send_data(i, iov)
+                n = fs.send_data(i, iov, gate)
                 opened.count_sent(n, opened.segment_blocks(i), "tcp")
             elif start_on_device(i):
                 if i + 1 < count and opened.saved(i + 1):
                     start_on_device(i + 1)  # its copy runs while this one is sent
-                n = fs.send_data(i, to_host.take(i))
+                n = fs.send_data(i, to_host.take(i), gate)
             else:
-                n = fs.send_data(i, opened.segment(i, staging))
+                n = fs.send_data(i, opened.segment(i, staging), gate)
             total += n
         return total
     finally:

@@ -1,0 +1,129 @@
+"""The wire's gate: a read's thread waits here before each segment until
+``core/qos.WireSchedule`` grants it the wire (``--qos on``).
+
+A reader that stops receiving a segment stops its sender too (TCP's own
+flow control), so ordering the reader's receives orders the wire: a bulk
+read paused between segments leaves the wire to the interactive read that
+arrived, and two tenants' reads alternate by their shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvd.core.qos import QosTag, QueueStatus, WireSchedule, peer_tag
+from kvd.core.reads import DataRead
+
+_POLL_SECONDS = 0.05  # how often a waiting thread looks whether its read was abandoned
+
+
+class WireGate:
+    def __init__(self, schedule: WireSchedule, chunk_bytes: int,
+                 on_grant: Callable[[QosTag, int, float], None] = lambda tag, nbytes, waited: None) -> None:
+        self.schedule = schedule
+        self.chunk_bytes = chunk_bytes  # what a read moves between looks at the order
+        self.on_grant = on_grant  # (tag, bytes, seconds waited): the metrics
+        self._cond = threading.Condition()
+        self._granted: set[object] = set()
+        self._bytes: dict[tuple[str, str], int] = {}  # moved, by (class, tenant)
+
+    def wait(self, key: object, tag: QosTag, nbytes: int, cancel: threading.Event) -> None:
+        """Block until ``key`` holds the wire (asked now, unless it asked
+        when its last chunk was done); ``cancel`` drops it and raises."""
+        t0 = time.perf_counter()
+        with self._cond:
+            if key not in self._granted and not self.schedule.queued(key):
+                self._add(self.schedule.ask(key, tag, nbytes))
+            while key not in self._granted:
+                if cancel.is_set():
+                    self._add(self.schedule.done(key))
+                    raise ConnectionAbortedError("read abandoned while it waited for the wire")
+                self._cond.wait(_POLL_SECONDS)
+            self._granted.discard(key)
+            self._bytes[(tag.priority, tag.tenant)] = self._bytes.get((tag.priority, tag.tenant), 0) + nbytes
+        self.on_grant(tag, nbytes, time.perf_counter() - t0)
+
+    def release(self, key: object, again: int = 0) -> None:
+        """``key``'s chunk moved; with ``again``, it asks for its next at once."""
+        with self._cond:
+            self._granted.discard(key)
+            self._add(self.schedule.done(key, again))
+
+    def _add(self, granted: list[object]) -> None:
+        if granted:
+            self._granted.update(granted)
+            self._cond.notify_all()
+
+    def for_read(self, tag: QosTag, cancel: threading.Event | None = None) -> ReadGate:
+        return ReadGate(self, tag, cancel if cancel is not None else threading.Event(), self.chunk_bytes)
+
+    def for_peer(self, read: DataRead) -> ReadGate:
+        """The owner's gate of a reader's READ, by the tag the reader sent."""
+        return self.for_read(peer_tag(read.priority, read.tenant, read.deadline_ms, time.monotonic(), self.schedule.shares))
+
+    def queues(self) -> list[QueueStatus]:
+        with self._cond:
+            return [dataclasses.replace(q, granted_bytes=self._bytes.get((q.priority, q.tenant), 0)) for q in self.schedule.queues()]
+
+
+@dataclass(frozen=True)
+class ReadGate:
+    """One read's gate (``transport.base.Gate``): one place in the queue for
+    the read's life, asked again as each chunk is done, given up by ``close``."""
+
+    gate: WireGate
+    tag: QosTag
+    cancel: threading.Event
+    chunk_bytes: int
+    key: object = field(default_factory=object)
+
+    @contextlib.contextmanager
+    def __call__(self, nbytes: int) -> Iterator[None]:
+        self.gate.wait(self.key, self.tag, nbytes, self.cancel)
+        try:
+            yield
+        finally:
+            self.gate.release(self.key, again=self.chunk_bytes)
+
+    def close(self) -> None:
+        self.gate.release(self.key)
+
+
+class Admission:
+    """The reading side's order (``--qos on``): which of this daemon's reads
+    of one peer gets a data connection next, by the same policy as the wire
+    (interactive reads have connections of their own; tenants' shares are
+    of the bytes their reads move; earliest deadline first). On the event
+    loop; a read holds its connection until it is done."""
+
+    def __init__(self, shares: dict[str, float], connections: int) -> None:
+        self.schedule = WireSchedule(shares, connections)
+        self._waiting: dict[object, asyncio.Future[None]] = {}
+
+    @contextlib.asynccontextmanager
+    async def connection(self, tag: QosTag, nbytes: int) -> AsyncIterator[None]:
+        key = object()
+        fut = self._waiting[key] = asyncio.get_running_loop().create_future()
+        self._wake(self.schedule.ask(key, tag, nbytes))
+        try:
+            await fut
+        except BaseException:  # cancelled waiting, or granted as it was
+            self._waiting.pop(key, None)
+            self._wake(self.schedule.done(key))
+            raise
+        try:
+            yield
+        finally:
+            self._wake(self.schedule.done(key))
+
+    def _wake(self, granted: list[object]) -> None:
+        for key in granted:
+            fut = self._waiting.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)

@@ -1,0 +1,127 @@
+"""Transfers on a contended wire, between real daemons (``--qos on``): an
+interactive pull is not kept behind bulk ones, tenants are named by the
+daemon's config, and bad fields are refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvd.core.errors import InvalidArgument
+from kvd.testing.metrics import scrape
+from tests.conftest import make_worker
+
+BIG = dict(layers=4, heads=8, head_size=128, block_size=256)  # 1 MiB a block a layer: 4 MiB a block
+BULK = 64  # blocks: 256 MiB a pull, striped over two connections
+
+
+def finish_times(worker, rids: set[str], timeout: float = 120) -> dict[str, float]:
+    """When each of ``rids`` reached the worker's finished set, and every one landed."""
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while set(seen) != rids:
+        assert time.monotonic() < deadline, f"not finished: {rids - set(seen)}"
+        f = worker.client.get_finished()
+        for rid, detail in f.details.items():
+            assert detail.outcome == "done", (rid, detail)
+            seen[rid[1]] = time.perf_counter()
+        time.sleep(0.0005)
+    return seen
+
+
+def bulk_then_small(daemons, qos: str) -> dict[str, float]:
+    """Two bulk pulls (class standard) hold every pooled connection; then a
+    small interactive one. When each finished."""
+    p = daemons.start(f"prefill-{qos}", "--qos", qos)
+    d = daemons.start(f"decode-{qos}", "--qos", qos)
+    pw = make_worker(p.grpc, f"prefill-{qos}", num_blocks=BULK + 2, **BIG)
+    dw = make_worker(d.grpc, f"decode-{qos}", num_blocks=2 * BULK + 3, **BIG)
+    bulk, small = list(range(1, BULK + 1)), [BULK + 1]
+    pw.fill(3, bulk)
+    pw.fill(3, small)  # its own request: tokens from 0
+    warm = pw.client.publish("warm", [small], 256)
+    dw.client.pull("warm", warm, [[2 * BULK + 1]])
+    dw.client.wait_finished(recving={"warm"})
+    params = {rid: pw.client.publish(rid, [ids], len(ids) * 256) for rid, ids in (("bulk-a", bulk), ("bulk-b", bulk), ("small", small))}
+    dw.client.pull("bulk-a", params["bulk-a"], [list(range(1, BULK + 1))])
+    dw.client.pull("bulk-b", params["bulk-b"], [list(range(BULK + 1, 2 * BULK + 1))])
+    time.sleep(0.02)  # both bulk pulls on the wire
+    started = time.perf_counter()
+    dw.client.pull("small", params["small"], [[2 * BULK + 2]], priority="interactive")
+    done = finish_times(dw, {"bulk-a", "bulk-b", "small"})
+    assert dw.mismatch(3, [2 * BULK + 2], 256) is None  # landed whole (its D block is P's block BULK + 1)
+    return {rid: t - started for rid, t in done.items()}
+
+
+def test_an_interactive_pull_does_not_wait_behind_bulk_pulls(daemons):
+    """With --qos on the small pull has connections of its own and the
+    owner sends its chunks first: it lands early in the bulk pulls' time.
+    The control, --qos off: it queues for a connection behind the bulk
+    reads, and lands only as the first of them ends."""
+    on = bulk_then_small(daemons, "on")
+    off = bulk_then_small(daemons, "off")
+    share = {k: t["small"] / min(t["bulk-a"], t["bulk-b"]) for k, t in (("on", on), ("off", off))}
+    assert share["on"] < 0.3 and share["off"] > 0.6, (share, on, off)
+
+
+def test_tenants_shares_and_queues_are_counted_and_shown(daemons):
+    """Both daemons know the tenants; P grants its sends by them, and
+    ``kvd status`` shows the wire's queues per class and tenant."""
+    p = daemons.start("prefill", "--tenants", "gold=3,silver=1")
+    d = daemons.start("decode", "--tenants", "gold=3,silver=1")
+    pw = make_worker(p.grpc, "prefill", num_blocks=10, **BIG)
+    dw = make_worker(d.grpc, "decode", num_blocks=10, **BIG)
+    pw.fill(4, [1, 2])
+    for rid, tenant, ids in (("g", "gold", [1, 2]), ("s", "silver", [3, 4])):
+        dw.client.pull(rid, pw.client.publish(rid, [[1, 2]], 512), [ids], tenant=tenant, deadline_ms=500)
+    dw.client.wait_finished(recving={"g", "s"})
+    assert dw.mismatch(4, [1, 2], 512) is None
+    for tenant in ("gold", "silver"):
+        assert scrape(p.metrics_url, "kvd_qos_bytes_total", priority="standard", tenant=tenant) == 2 * 4 << 20
+    r = subprocess.run([sys.executable, "-m", "kvd", "status", p.grpc, "--json"], capture_output=True, text=True, timeout=60)
+    queues = {(q["side"], q["priority"], q["tenant"]): q for q in json.loads(r.stdout)["queues"]}
+    assert int(queues[("send", "standard", "gold")]["grantedBytes"]) == 8 << 20, queues
+    r = subprocess.run([sys.executable, "-m", "kvd", "status", d.grpc, "--json"], capture_output=True, text=True, timeout=60)
+    reads = [q for q in json.loads(r.stdout)["queues"] if q["side"].startswith("read ")]
+    assert {q["tenant"] for q in reads} == {"gold", "silver"} and all(q.get("moving", 0) == 0 for q in reads), reads  # D's reads, all done
+    r = subprocess.run([sys.executable, "-m", "kvd", "status", p.grpc], capture_output=True, text=True, timeout=60)
+    assert "the wire's queues" in r.stdout and "silver" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(("qos", "field"), [
+    (dict(priority="urgent"), "priority"),
+    (dict(deadline_ms=-5.0), "deadline_ms"),
+    (dict(tenant="mallory"), "tenant"),
+])
+def test_bad_qos_fields_are_refused_by_name_and_the_daemon_serves_on(daemons, qos, field):
+    p = daemons.start("prefill")
+    d = daemons.start("decode", "--tenants", "gold=3")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(1, [1])
+    params = pw.client.publish("r1", [[1]], 16)
+    with pytest.raises(InvalidArgument) as e:
+        dw.client.pull("r1", params, [[2]], **qos)
+    assert e.value.code.name == "INVALID_ARGUMENT" and field in e.value.message, e.value.message
+    dw.client.pull("r1", params, [[2]], priority="interactive", tenant="gold", deadline_ms=100)
+    assert dw.client.wait_finished(recving={"r1"}).details[("recving", "r1")].outcome == "done"
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--tenants", "gold"], "tenants"),
+    (["--tenants", "gold=0"], "tenants"),
+    (["--qos", "sometimes"], "qos"),
+])
+def test_a_bad_qos_config_is_refused_naming_the_key(flags, says):
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x", *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and says in r.stderr and flags[1] in r.stderr, r.stderr
+
+
+def test_the_demo_names_tenants_end_to_end():
+    r = subprocess.run([sys.executable, "-m", "kvd", "demo", "--requests", "16", "--tenants", "gold=3,silver=1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("--tenants"))
+    assert "gold" in line and "silver" in line and "verified" in r.stdout, r.stdout[-2000:]

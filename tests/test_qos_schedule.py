@@ -1,0 +1,95 @@
+"""The wire's order (kvd/core/qos.py): classes, tenants' shares and
+deadlines decide which waiting chunk moves next, and nothing starves."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.errors import InvalidArgument
+from kvd.core.qos import FLOOR, QosTag, WireSchedule, parse_shares
+
+MIB = 1 << 20
+
+
+def drain(s: WireSchedule, granted: list, steps: int) -> list:
+    """Finish the oldest moving chunk ``steps`` times; every key granted, in order."""
+    order, moving = list(granted), list(granted)
+    for _ in range(steps):
+        if not moving:
+            break
+        new = s.done(moving.pop(0))
+        order += new
+        moving += new
+    return order
+
+
+def test_an_interactive_chunk_starts_at_once_and_stops_new_bulk_until_it_is_done():
+    s = WireSchedule({"": 1.0}, slots=2)
+    bulk = QosTag("standard")
+    assert s.ask("b1", bulk, MIB) == ["b1"] and s.ask("b2", bulk, MIB) == ["b2"]
+    assert s.ask("b3", bulk, MIB) == []  # the shared lane is full
+    assert s.ask("i1", QosTag("interactive"), MIB) == ["i1"]  # its own lane
+    assert s.done("b1") == []  # the bulk chunk moving finishes; no new one starts beside interactive
+    assert s.done("i1") == ["b3"]
+
+
+def test_two_tenants_with_shares_3_to_1_move_3_to_1_of_the_bytes():
+    s = WireSchedule(parse_shares("gold=3,silver=1"), slots=1)
+    granted = []
+    for i in range(400):
+        granted += s.ask(("gold", i), QosTag(tenant="gold"), MIB)
+        granted += s.ask(("silver", i), QosTag(tenant="silver"), MIB)
+    order = drain(s, granted, 400)[:400]
+    gold = sum(1 for t, _ in order if t == "gold")
+    assert 3 * 0.9 <= gold / (400 - gold) <= 3 * 1.1, gold
+    status = {(q.priority, q.tenant): (q.waiting, q.moving) for q in s.queues()}
+    assert sum(w for w, _ in status.values()) == 800 - 401 and sum(m for _, m in status.values()) == 1
+
+
+def test_a_tenant_with_a_tiny_share_and_the_background_class_still_move():
+    s = WireSchedule(parse_shares("big=100,tiny=0.5"), slots=1)
+    granted = s.ask("first", QosTag(tenant="big"), MIB)
+    for i in range(300):
+        granted += s.ask(("big", i), QosTag(tenant="big"), MIB)
+    granted += s.ask("tiny", QosTag(tenant="tiny"), MIB)
+    granted += s.ask("bg", QosTag("background", tenant="big"), MIB)
+    order = drain(s, granted, 302)
+    assert "tiny" in order and "bg" in order
+    assert order.index("bg") <= FLOOR + 1  # the floor: one grant in FLOOR while it waits
+
+
+def test_within_a_tenant_the_earliest_deadline_goes_first():
+    s = WireSchedule({"": 1.0}, slots=1)
+    granted = s.ask("busy", QosTag(), MIB)
+    for key, deadline in (("d5", 5.0), ("none", float("inf")), ("d1", 1.0), ("d3", 3.0)):
+        granted += s.ask(key, QosTag(deadline=deadline), MIB)
+    assert drain(s, granted, 5) == ["busy", "d1", "d3", "d5", "none"]
+
+
+def test_an_abandoned_waiting_chunk_is_dropped_and_its_turn_goes_on():
+    s = WireSchedule({"": 1.0}, slots=1)
+    assert s.ask("a", QosTag(), MIB) == ["a"]
+    assert s.ask("b", QosTag(), MIB) == [] and s.ask("c", QosTag(), MIB) == []
+    assert s.done("b") == []  # abandoned while waiting
+    assert s.done("a") == ["c"]
+    assert [(q.waiting, q.moving) for q in s.queues()] == [(0, 1)]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"priority": "urgent"}, "priority"),
+    ({"deadline_ms": -5}, "deadline_ms"),
+    ({"deadline_ms": float("nan")}, "deadline_ms"),
+    ({"tenant": "mallory"}, "tenant"),
+])
+def test_bad_qos_fields_are_refused_naming_field_and_value(kwargs, field):
+    args = {"priority": "standard", "tenant": "", "deadline_ms": 0.0, **kwargs}
+    with pytest.raises(InvalidArgument) as e:
+        QosTag.of(args["priority"], args["tenant"], args["deadline_ms"], 100.0, parse_shares("gold=3"))
+    assert e.value.message.startswith(f"{field}=") or field in e.value.message, e.value.message
+    assert QosTag.of("interactive", "gold", 250, 100.0, parse_shares("gold=3")) == QosTag("interactive", "gold", 100.25)
+
+
+@pytest.mark.parametrize("text", ["gold", "gold=0", "=3", "gold=x", "gold=-1"])
+def test_bad_tenant_shares_are_refused(text):
+    with pytest.raises(InvalidArgument, match="tenants"):
+        parse_shares(text)
