@@ -18,7 +18,7 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
     r = subprocess.run(
         [sys.executable, "-m", "kvd", "bench", "--json", "--transfer-mib", "16", "--repeat", "2", "--latency-requests", "20",
          "--tokens", "256", "--layers", "2", "--stream-tokens", "256", "2048", "--stream-layers", "8",
-         "--load-seconds", "10"],
+         "--load-seconds", "10", "--qos-bulk-mib", "64", "--qos-small-pulls", "6", "--qos-share-seconds", "1"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -76,6 +76,12 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert last[f"verify_full_cpu_vs_off_{path}"] == last[f"verify_{path}_full_cpu_s_per_gb"] / last[f"verify_{path}_off_cpu_s_per_gb"]
         assert last[f"verify_full_floor_{path}"] > 1
         assert verdict[f"verify_sampled_cost_{path}"]["limit"] == "<= 0.02" and verdict[f"verify_full_cpu_vs_off_{path}"]["limit"] == "<= 1.3"
+    # The wire's order: small pulls' p99 under bulk over idle, two tenants' bytes against their shares, a best-effort tenant.
+    assert last["qos_small_p99_loaded_vs_unloaded"] == last["qos_small_p99_loaded_ms"] / last["qos_small_p99_unloaded_ms"]
+    assert last["qos_small_p99_loaded_standard_ms"] > 0 and last["qos_bulk_pulls"] > 0
+    assert last["qos_tenant_share_error"] == pytest.approx(abs(last["qos_tenant_ratio"] / 3 - 1))
+    assert last["qos_best_effort_finished"] == 1.0 and last["qos_best_effort_pulls"] > 0
+    assert verdict["qos_small_p99_loaded_vs_unloaded"]["limit"] == "<= 2" and verdict["qos_tenant_share_error"]["limit"] == "<= 0.1"
     # The control plane: a request's cost at each size, and the 128k-token request against its transfer at this round's TCP rate.
     last = out["rounds"][-1]
     assert sorted(map(int, last["control_ms"])) == [1_000, 10_000, 100_000] and all(v > 0 for v in last["control_ms"].values())

@@ -253,6 +253,13 @@ class Verifier:
         compare; raise ``VerifyMismatch`` naming the local blocks that
         differ. Anything else leaves the load unverified, never failed: the
         bytes landed, and only a digest that differs says they are wrong."""
+        t = time.perf_counter()
+        try:
+            await self._verify_landed(channels, reg, req, params, asked)
+        finally:
+            self.metrics.pull_phase_seconds.labels("verify").observe(time.perf_counter() - t)
+
+    async def _verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
         query, local, firsts = asked.query, asked.local, asked.firsts
         if query is None or asked.task is None:
             self.metrics.verify_checks.labels("unverified").inc()
@@ -295,3 +302,8 @@ class _Asked:
     task: asyncio.Future[DigestAnswer] | None
     local: list[list[int]]
     firsts: list[int]
+
+    def cancel(self) -> None:
+        """The pull failed: its answer is not wanted."""
+        if self.task is not None:
+            self.task.cancel()

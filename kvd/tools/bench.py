@@ -153,6 +153,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-seconds", type=float, default=300.0, help="load section: how long the daemons move requests")
     p.add_argument("--qos-bulk-mib", type=int, default=1024, help="qos section: bytes of one bulk pull")
     p.add_argument("--qos-small-mib", type=int, default=4, help="qos section: bytes of one small pull")
-    p.add_argument("--qos-small-pulls", type=int, default=30, help="qos section: small pulls timed idle, and twice as many under bulk")
+    p.add_argument("--qos-small-pulls", type=int, default=40, help="qos section: small pulls timed idle, and twice as many under bulk")
     p.add_argument("--qos-share-seconds", type=float, default=3.0, help="qos section: the window tenants' bytes are counted over")
     p.add_argument("--repeat", type=int, default=3, help="rounds; each figure is reported as its worst round")

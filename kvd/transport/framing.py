@@ -41,11 +41,13 @@ E = TypeVar("E")
 SOCKET_BUFFER_BYTES = 8 << 20
 
 
-def tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
+    """``buffer_bytes``: with --qos on, a chunk's: what a read the order
+    paused still has in flight, and competes with the read it let go first."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -29,14 +29,14 @@ from typing import Any
 import torch
 
 from kvd.core import errors
-from kvd.core.qos import QosTag, QueueStatus
+from kvd.core.qos import CLASSES, QosTag, QueueStatus
 from kvd.core.reads import DataRead
 from kvd.core.session import Ack, Data, End, Error, Hello, ProtocolError, Read
 from kvd.core.sinks import SegmentSink
 from kvd.transport.base import Gate, ReadMover, Staging
 from kvd.transport.copy_threads import Batch, CopyThreads
 from kvd.transport.device import device_copies
-from kvd.transport.framing import FrameSocket, as_bytes, split_address, tune
+from kvd.transport.framing import SOCKET_BUFFER_BYTES, FrameSocket, as_bytes, split_address, tune
 from kvd.transport.iovec import Copier
 from kvd.transport.nixl import NixlAgent, NixlIn
 from kvd.transport.samehost import LocalSource, SameHostIn
@@ -99,7 +99,7 @@ class TcpDataClient:
         # the whole prompt same-host or over NIXL. Bounded by the pull's own
         # timeout; the owner fails a read whose next layer does not come.
         self.stream_wait_s = stream_wait_s
-        self._idle: dict[str, list[_Conn]] = {}
+        self._idle: dict[str, list[_Conn]] = {}  # by peer address (and "<address> interactive": that lane's own)
         self._slots: dict[str, asyncio.Semaphore] = {}  # a peer's connections, first come first served
         self._admission: dict[str, Admission] = {}  # --qos on: the same in the wire's order
         self._tokens: dict[str, bytes] = {}
@@ -117,7 +117,7 @@ class TcpDataClient:
         raw = socket.create_connection((host, port), timeout=self.stall_timeout_s)
         sock = raw
         try:
-            tune(raw)
+            tune(raw, self.gate.chunk_bytes if self.gate is not None else SOCKET_BUFFER_BYTES)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(raw, server_hostname=host)
             fs = FrameSocket(sock, owner=False)
@@ -142,14 +142,17 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
+        lane = address
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         else:
             admission = self._admission.setdefault(address, Admission(self.gate.schedule.shares, self.connections_per_peer))
             slots = admission.connection(qos, sum(s.nbytes for s in sinks))
+            if qos.priority == CLASSES[0]:  # its connections stay its own, warm: a bulk read does not take them
+                lane = f"{address} {CLASSES[0]}"
         loop = asyncio.get_running_loop()
         async with slots:
-            idle = self._idle.setdefault(address, [])
+            idle = self._idle.setdefault(lane, [])
             conn = idle.pop() if idle else await loop.run_in_executor(self._pool, self._connect, address)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
@@ -232,7 +235,7 @@ class TcpDataClient:
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""
         self._nixl_peers.pop(address, None)
-        for c in self._idle.pop(address, []):
+        for c in self._idle.pop(address, []) + self._idle.pop(f"{address} {CLASSES[0]}", []):
             c.fs.close()
             c.mover.close()
 

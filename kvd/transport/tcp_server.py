@@ -43,7 +43,7 @@ from kvd.core.reads import DataRead
 from kvd.core.session import Ack, End, Error, Hello, HelloOk, ProtocolError, Read
 from kvd.transport.base import Gate, OpenRead, ReadServer, ServeMover, Staging
 from kvd.transport.device import DeviceToHost
-from kvd.transport.framing import FrameSocket, tune
+from kvd.transport.framing import SOCKET_BUFFER_BYTES, FrameSocket, tune
 from kvd.transport.nixl import Arena, NixlAgent, NixlOut
 from kvd.transport.samehost import SameHostOut
 from kvd.transport.wire_gate import WireGate
@@ -105,7 +105,7 @@ class TcpDataServer:
             if len(self._conns) >= self.max_connections:
                 conn.close()  # over the overall cap: refuse before reading a byte
                 continue
-            tune(conn)
+            tune(conn, self.gate.chunk_bytes if self.gate is not None else SOCKET_BUFFER_BYTES)
             self._conns.add(conn)
             # A thread per connection, for its whole life: pooled threads
             # would run out with idle reader connections.
