@@ -124,6 +124,7 @@ SERVE_FLAGS = {
     "worker-socket": "also serve the Worker API on this Unix socket path",
     "verify": "off (default), sampled or full: digest what is published, check what lands against it (docs/verification.md)",
     "verify-keep-seconds": "how long a publication's digests are kept for its readers (default 60)",
+    "verify-full-fraction": "with --verify sampled: this share of requests is checked whole instead (default 0)",
     "qos": "off (default): pulls share the wire first come, first served; on: by class, deadline and tenant (docs/qos.md)",
     "tenants": "name=share,... : each tenant's share of a contended wire (naming any turns qos on)",
     "qos-chunk-bytes": "qos on: what a read moves between two looks at the wire's order (default 1 MiB)",

@@ -301,23 +301,24 @@ def pull_from_pb(req: pb.PullRequest) -> PullOrder:
 
 def pull_to_pb(order: PullOrder) -> pb.PullRequest:
     return pb.PullRequest(worker=worker_to_pb(order.worker), request_id=order.request_id, params=params_to_pb(order.params),
-                          local_block_ids=blocks_to_pb(order.local))
+                          local_block_ids=blocks_to_pb(order.local), priority=order.priority, tenant=order.tenant, deadline_ms=order.deadline_ms)
 
 
 def publish_from_pb(req: pb.PublishRequest) -> PublishOrder:
     return PublishOrder(req.request_id, blocks_from_pb(req.block_ids), req.num_tokens, req.capability, req.reader_engine_id,
-                        req.lease_seconds, stream=req.stream, worker=worker_from_pb(req.worker))
+                        req.lease_seconds, stream=req.stream, worker=worker_from_pb(req.worker), verify=req.verify)
 
 
 def publish_engine_from_pb(req: pb.PublishEngineRequest) -> PublishOrder:
     return PublishOrder(req.request_id, blocks_from_pb(req.block_ids), req.num_tokens, req.capability, req.reader_engine_id,
-                        req.lease_seconds, engine_id=req.engine_id)
+                        req.lease_seconds, engine_id=req.engine_id, verify=req.verify)
 
 
 def publish_to_pb(order: PublishOrder) -> pb.PublishRequest:
     return pb.PublishRequest(worker=worker_to_pb(order.worker) if order.worker else None, request_id=order.request_id,
                              block_ids=blocks_to_pb(order.block_ids), num_tokens=order.num_tokens, capability=order.capability,
-                             reader_engine_id=order.reader_engine_id, lease_seconds=order.lease_seconds, stream=order.stream)
+                             reader_engine_id=order.reader_engine_id, lease_seconds=order.lease_seconds, stream=order.stream,
+                             verify=order.verify)
 
 
 def resolution_from_pb(r: pb.ResolveResponse) -> Resolution:

@@ -175,3 +175,45 @@ def test_a_digest_question_out_of_bounds_is_refused_by_name_and_the_daemon_serve
         assert len(ask().groups[0].sums) == 2 * 10  # 2 layers x 10 bins of 16
     finished = pull(ds, "r6", params, D_IDS)  # and the reader's own check still passes
     assert all(f.details[("recving", "r6")].outcome == "done" for f in finished)
+
+
+def test_a_request_asks_to_be_checked_whole_and_a_bad_mode_is_refused_by_name(daemons):
+    """Both daemons sample; one request is published with verify=full: a
+    single byte P changed after publishing (which a sample of 2 rows a
+    window would most likely miss) fails exactly its block, the owner's
+    answer saying every row was checked. A mode of another name is refused
+    before anything is published."""
+    _p, d, ps, ds = start(daemons)
+    cap = secrets.token_bytes(32)
+    for w in ps:
+        w.fill(7, P_IDS)
+    params = ps[0].client.publish("r9", [P_IDS], NTOK, capability=cap, verify="full")
+    view = ps[0].tensors.parts[0]
+    layer0 = view[0] if not isinstance(view, list) else view[0][0]
+    layer0[1, P_IDS[2], 20, 3, 5] ^= 1  # V, P's 3rd block (tokens 64..95), its 21st token: D's 5th block; head 3
+    finished = pull(ds, "r9", params, D_IDS)
+    bad = [f for f in finished if f.details[("recving", "r9")].outcome == "failed"]
+    assert len(bad) == 1 and bad[0].invalid_block_ids == {D_IDS[5]}, finished  # head 3 is D rank 1's
+    assert "every row" in bad[0].details[("recving", "r9")].reason
+    with pytest.raises(Exception, match=r"verify='always'"):
+        ps[0].client.publish("r10", [P_IDS], NTOK, capability=cap, verify="always")
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 1
+
+
+def test_a_fraction_of_sampled_requests_is_checked_whole(daemons):
+    """--verify-full-fraction 1 on the owner: every request it publishes is
+    digested whole, so one changed byte fails exactly its block; a fraction
+    out of [0, 1] is refused at startup, naming the key."""
+    p = daemons.start("prefill", "--verify", "sampled", "--verify-full-fraction", "1")
+    d = daemons.start("decode", "--verify", "sampled")
+    pw = make_worker(p.grpc, "prefill", block_size=32, layout="HND")
+    dw = make_worker(d.grpc, "decode", block_size=16)
+    pw.fill(7, P_IDS)
+    params = pw.client.publish("r11", [P_IDS], NTOK)
+    view = pw.tensors.parts[0]
+    (view[0] if not isinstance(view, list) else view[0][0])[0, P_IDS[1], 5, 0, 2] ^= 1  # K, P's 2nd block, token 37: D's 3rd block
+    f = pull([dw], "r11", params, D_IDS)[0]
+    assert f.details[("recving", "r11")].outcome == "failed" and f.invalid_block_ids == {D_IDS[2]}, f
+    assert "every row" in f.details[("recving", "r11")].reason
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x", "--verify-full-fraction", "1.5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "verify_full_fraction" in r.stderr and "1.5" in r.stderr, r.stderr

@@ -156,26 +156,27 @@ class KvdClient:
         return resp
 
     def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "",
-                lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False) -> pb.TransferParams:
+                lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False, verify: str = "") -> pb.TransferParams:
         """Offer this worker's blocks of ``request_id``, per group; a group's
         ids hold the tokens from its ``first_tokens`` entry on (0 if none).
         ``stream``: offered before they are computed (layer-wise streaming);
-        each layer is served once ``layers_saved`` says it is written."""
+        each layer is served once ``layers_saved`` says it is written.
+        ``verify``: this request's verification (off, sampled, full), else the daemon's."""
         resp = self._call(self._worker.Publish, pb.PublishRequest(
             worker=self._wid, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
             num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
-            stream=stream,
+            stream=stream, verify=verify,
         ))
         return resp.params
 
     def publish_engine(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"",
-                       reader_engine_id: str = "", lease_seconds: float = 0.0, first_tokens: Sequence[int] = ()) -> pb.TransferParams:
+                       reader_engine_id: str = "", lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), verify: str = "") -> pb.TransferParams:
         """Offer ``request_id``'s blocks on every rank of this engine at once
         (the engine's scheduler, with a registered worker's ``worker_token``);
         refused unless every rank is registered with this daemon."""
         resp = self._call(self._worker.PublishEngine, pb.PublishEngineRequest(
             engine_id=self.worker.engine_id, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
-            num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
+            num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds, verify=verify,
         ))
         return resp.params
 

@@ -96,6 +96,7 @@ class PublishOrder:
     stream: bool = False
     worker: WorkerId | None = None
     engine_id: str = ""
+    verify: str = ""  # this request's verification (off, sampled, full); empty: the daemon's
 
 
 @dataclass(frozen=True)

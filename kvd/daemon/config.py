@@ -85,6 +85,7 @@ class DaemonConfig:
     # as reader: check what landed against the owner's digest.
     verify: str = "off"
     verify_keep_seconds: float = 60.0  # how long an owner keeps a publication's digests for its readers
+    verify_full_fraction: float = 0.0  # with verify sampled: this share of requests is checked whole instead
     # Transfers ordered on the wire (core/qos.py): off, first come first served;
     # on, every read's segments by class, deadline and tenant. Tenants are
     # name=share pairs; naming any turns qos on.
@@ -140,6 +141,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "nixl_progress_delay_us": (lambda v: 0 <= v <= 1_000_000, "in [0, 1000000]"),
     "verify": (lambda v: v in ("off", "sampled", "full"), "off, sampled or full"),
     "verify_keep_seconds": (lambda v: v > 0, "> 0"),
+    "verify_full_fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "qos": (lambda v: v in ("off", "on"), "off or on"),
     "tenants": (lambda v: _shares_ok(v), "name=share pairs with shares > 0, as in gold=3,silver=1"),
     "qos_chunk_bytes": (lambda v: 64 << 10 <= v <= 1 << 30, "in [64 KiB, 1 GiB]"),

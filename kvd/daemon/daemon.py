@@ -62,7 +62,7 @@ class Daemon:
                                          tls=self.auth.data_plane_context(server=False), nixl=self.nixl, gate=self.wire_gate)
         self.publisher = Publisher(config, self.registry, self.publications, self.finished, self.metrics, self.auth)
         self.handshakes = Handshakes(config, self.registry, self.publisher, self.metrics, self.channels, self.data_client)
-        self.verifier = Verifier(config.verify, config.verify_keep_seconds, self.metrics)
+        self.verifier = Verifier(config.verify, config.verify_keep_seconds, self.metrics, full_fraction=config.verify_full_fraction)
         self.puller = Puller(config, self.registry, self.finished, self.handshakes, self.data_client, self.channels, self.tasks, self.metrics,
                              self.verifier)
         # A rank that ends takes its pulls, its publications and its finished-set streams with it.

@@ -156,6 +156,7 @@ class WorkerService(pbg.WorkerServicer):
     async def _publish(self, regs: list[Registration], order: PublishOrder, publish: Callable[[], TransferParams]) -> pb.PublishResponse:
         """Publish ``order`` on ``regs``; with verification on, their blocks as
         published are digested first, before any reader can see them."""
+        self.d.verifier.mode_of(order)  # a bad mode is refused by name before anything is published
         digests = await self.d.verifier.digest(regs, order)
         params = publish()
         self.d.verifier.keep(regs, digests, params)

@@ -92,6 +92,14 @@ def rows_of(group: GroupSpec, ids: Sequence[int], first_token: int, num_tokens: 
     return list(ids), first_token, min(num_tokens, first_token + len(ids) * bs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Digested:
+    """A publication's digests as taken, each rank's by group, and the sample they took."""
+
+    sample: RowSample
+    digests: list[list[RowDigests | None]]
+
+
 @dataclasses.dataclass
 class _Taken:
     sample: RowSample
@@ -103,8 +111,9 @@ class _Taken:
 
 
 class Verifier:
-    def __init__(self, mode: str, keep_seconds: float, metrics: Metrics, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, mode: str, keep_seconds: float, metrics: Metrics, max_bytes: int = 1 << 30, full_fraction: float = 0.0) -> None:
         self.mode = check_mode("verify", mode)
+        self.full_fraction = full_fraction  # of sampled requests, checked whole instead (chosen by the secret: the engine cannot tell which)
         self.keep_seconds = keep_seconds
         self.metrics = metrics
         self.max_bytes = max_bytes
@@ -116,37 +125,50 @@ class Verifier:
 
     # ------------------------------------------------------------ owner
 
-    def _sample(self, request_id: str) -> RowSample:
+    def mode_of(self, order: PublishOrder) -> str:
+        """A publication's mode: its own (checked by name), else this daemon's;
+        sampled ones ``full_fraction`` of the time full, by the secret."""
+        if order.verify:
+            return check_mode("verify", order.verify)
+        if self.mode == "sampled" and self.full_fraction > 0:
+            draw = int.from_bytes(hmac.digest(self._secret, b"full:" + order.request_id.encode(), "sha256")[:8], "little") / 2**64
+            return "full" if draw < self.full_fraction else "sampled"
+        return self.mode
+
+    def _sample(self, request_id: str, mode: str) -> RowSample:
         """A request's sample: its seed keyed by this daemon's secret, so every rank's digest of it agrees."""
         seed = int.from_bytes(hmac.digest(self._secret, request_id.encode(), "sha256")[:8], "little")
-        return RowSample(seed, 0 if self.mode == "full" else SAMPLED_PER_WINDOW)
+        return RowSample(seed, 0 if mode == "full" else SAMPLED_PER_WINDOW)
 
-    async def digest(self, regs: Sequence[Registration], order: PublishOrder) -> list[list[RowDigests | None]] | None:
+    async def digest(self, regs: Sequence[Registration], order: PublishOrder) -> _Digested | None:
         """Before ``order`` is published (its blocks are final): each rank's
         digests, off the loop. None where verification is off, for a stream
         (published before its layers are written), or where digesting failed
         (logged): the publication goes on, unverified."""
-        if self.mode == "off" or order.stream or not regs:
+        mode = self.mode_of(order)
+        if mode == "off" or order.stream or not regs:
             return None
+        sample = self._sample(order.request_id, mode)
         try:
             t = time.perf_counter()
-            digests = await asyncio.to_thread(self._digest_ranks, regs, order, self._sample(order.request_id))
+            digests = await asyncio.to_thread(self._digest_ranks, regs, order, sample)
             self.metrics.verify_digest_seconds.observe(time.perf_counter() - t)
-            return digests
+            return _Digested(sample, digests)
         except Exception as e:  # a bad order is the publish's to refuse, by name
             log.warning("not digested request_id=%s: %s: %s", order.request_id, type(e).__name__, e)
             return None
 
-    def keep(self, regs: Sequence[Registration], digests: list[list[RowDigests | None]] | None, params: TransferParams) -> None:
+    def keep(self, regs: Sequence[Registration], digested: _Digested | None, params: TransferParams) -> None:
         """Keep what ``digest`` made, now that ``params`` name the publication (on the loop: no await between)."""
-        if digests is None:
+        if digested is None:
             return
+        digests = digested.digests
         now = time.monotonic()
         key = (params.request_id, params.generation)
         taken = self._taken.get(key)
         if taken is None:
             until = now + (params.lease_seconds or 120.0) + self.keep_seconds
-            taken = self._taken[key] = _Taken(self._sample(params.request_id), params.capability, params.num_tokens, until)
+            taken = self._taken[key] = _Taken(digested.sample, params.capability, params.num_tokens, until)
         for reg, groups in zip(regs, digests, strict=True):
             rank = (reg.worker.tp_rank, reg.worker.pp_rank)
             size = sum(d.nbytes for d in groups if d is not None)

@@ -51,6 +51,7 @@ class Publication:
     first_tokens: tuple[int, ...] = ()
     stream: bool = False  # published before the step computes it; its layers are saved as they are
     published: bool = False  # the scheduler published it for every rank: the workers only track it
+    verify: str = ""  # the request's own verification (kv_transfer_params.kvd_verify), else the daemon's
 
 
 @dataclass(frozen=True)

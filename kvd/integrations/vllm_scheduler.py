@@ -219,7 +219,7 @@ class SchedulerSide:
             return None
         try:
             params = params_from_pb(client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
-                                                          lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens))
+                                                          lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens, verify=pub.verify))
             if self._engine_paused_until:
                 log.warning("kvd: the scheduler publishes for the engine again")
             self._engine_refusals, self._engine_paused_until = 0, 0.0
@@ -375,4 +375,5 @@ class SchedulerSide:
         # Dispatched to P and D at once, the proxy named the publication and picked its capability.
         name = str(params.get("kvd_publish_as") or request.request_id)
         capability = bytes.fromhex(str(params["kvd_capability"])) if params.get("kvd_publish_as") else secrets.token_bytes(32)
-        return Publication(name, tuple(g.ids for g in groups_out), num_tokens, capability, lease, tuple(g.first_token for g in groups_out), stream)
+        return Publication(name, tuple(g.ids for g in groups_out), num_tokens, capability, lease, tuple(g.first_token for g in groups_out), stream,
+                           verify=str(params.get("kvd_verify") or ""))  # a request may ask to be checked whole

@@ -184,7 +184,7 @@ class WorkerSide:
         assert self.client is not None
         try:
             self.client.publish(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
-                                first_tokens=pub.first_tokens, stream=pub.stream)
+                                first_tokens=pub.first_tokens, stream=pub.stream, verify=pub.verify)
             self._sending.add(rid)
             if pub.request_id != rid:
                 self._names[pub.request_id] = rid

@@ -203,7 +203,7 @@ class TransferParams(_message.Message):
     def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "stream")
+    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "stream", "verify")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class PublishRequest(_message.Message):
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -220,7 +221,8 @@ class PublishRequest(_message.Message):
     reader_engine_id: str
     lease_seconds: float
     stream: bool
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ...) -> None: ...
+    verify: str
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ..., verify: _Optional[str] = ...) -> None: ...
 
 class LayersSavedRequest(_message.Message):
     __slots__ = ("worker", "request_ids", "layers_saved")
@@ -245,7 +247,7 @@ class PublishResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ...) -> None: ...
 
 class PublishEngineRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds")
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "verify")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class PublishEngineRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -260,7 +263,8 @@ class PublishEngineRequest(_message.Message):
     capability: bytes
     reader_engine_id: str
     lease_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    verify: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., verify: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "request_id", "params", "local_block_ids", "priority", "tenant", "deadline_ms")
