@@ -56,8 +56,19 @@ def mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _mix_int(x: int) -> int:
+    """``mix`` of one value, in Python ints (a key: no arrays for one number)."""
+    mask = (1 << 64) - 1
+    x &= mask
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & mask
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
 def _key(seed: int, salt: int) -> np.uint64:
-    return np.uint64(mix(np.array([(seed ^ (salt * 0x9E3779B97F4A7C15)) & (2**64 - 1)], dtype=np.uint64))[0])
+    return np.uint64(_mix_int(seed ^ (salt * 0x9E3779B97F4A7C15)))
 
 
 WINDOW = 16  # sampled rows are drawn per aligned window of this many positions (and per layer)
@@ -124,7 +135,7 @@ def _layer(view: torch.Tensor | list[torch.Tensor], li: int) -> torch.Tensor:
     return view[li] if not isinstance(view, list) else view[li][0]
 
 
-def _gather_rows(t: torch.Tensor, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _gather_rows(t: torch.Tensor, at: tuple[np.ndarray, ...]) -> torch.Tensor:
     """``t[at]``: rows of ``t``'s last dim. Where every row starts a whole row
     into memory (the dim innermost: any NHD or HND cache), one index_select
     of rows (a memcpy each), not an element-wise gather."""
@@ -132,11 +143,13 @@ def _gather_rows(t: torch.Tensor, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
     d, strides = t.shape[-1], t.stride()
     if (t.stride(-1) != 1 and d > 1) or any(s % d for s in strides[:-1]) or t.numel() == 0:
-        return t[at]
+        return t[tuple(torch.from_numpy(i) for i in at)]
     span = sum((n - 1) * s for n, s in zip(t.shape[:-1], strides[:-1], strict=True)) // d + 1
     flat = torch.as_strided(t, (span, d), (d, 1))
-    row = sum((i * (s // d) for i, s in zip(at, strides[:-1], strict=True)), torch.zeros((), dtype=torch.int64))
-    return flat.index_select(0, row.reshape(-1))
+    row = at[0] * (strides[0] // d)
+    for i, s in zip(at[1:], strides[1:-1], strict=True):
+        row = row + i * (s // d)
+    return flat.index_select(0, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)))
 
 
 def _hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) -> np.ndarray:
@@ -210,7 +223,8 @@ class RowDigests:
         elif sample.per_window and total_layers < 1:
             raise InvalidArgument("verify.total_layers", total_layers, "must be the model's layer count, at least 1")
         stop = min(num_tokens, first_token + len(block_ids) * bs)
-        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        ids_np = np.asarray(block_ids, dtype=np.int64)
+        ids = torch.from_numpy(ids_np)
         row_bytes = spec.head_size * spec.itemsize
         word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)  # the widest words a row makes: 8 bytes needs no widening
         word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
@@ -222,22 +236,26 @@ class RowDigests:
             names = (tokens.astype(np.uint64) | heads.astype(np.uint64) << np.uint64(32) | np.uint64(group_id) << np.uint64(56)
                      | np.asarray(layers, dtype=np.uint64)[lpos] << np.uint64(44))
             named = mix(names ^ _key(sample.seed, 3))  # once a row: K and V add a key of their plane's
-            rel = torch.from_numpy(tokens - first_token)
-            at = (torch.from_numpy(lpos), ids[rel // bs], rel % bs, torch.from_numpy(heads - head_start))
+            rel = tokens - first_token
+            at = (lpos, ids_np[rel // bs], rel % bs, heads - head_start)
             per_layer = len(tokens) // max(len(layers), 1)  # every row: each layer's are a slice
             bounds = np.searchsorted(lpos, np.arange(len(layers) + 1))  # rows come layer by layer
             scratch: list[torch.Tensor] = []
             for part, view in enumerate(group.parts):
-                kv_of_part = group.kv_of_part[part]
-                for plane in range((view if isinstance(view, torch.Tensor) else view[0]).shape[1]):
-                    if sample.per_window == 0:  # whole blocks, a layer at a time, gathered at copy speed
-                        hashed = np.concatenate([_hash_blocks(_layer(view, li)[plane], ids, keys, word_dtype, scratch)[:per_layer] for li in range(len(layers))])
-                    elif isinstance(view, torch.Tensor):  # a few rows of every layer: one gather
-                        hashed = _hash_rows(_gather_rows(view.select(1, plane), at), keys, word_dtype)
-                    else:
-                        hashed = np.concatenate([_hash_rows(_gather_rows(_layer(view, li)[plane], tuple(i[lo:hi] for i in at[1:])), keys, word_dtype)
-                                                 for li, (lo, hi) in enumerate(itertools.pairwise(bounds))])
-                    value += mix(hashed ^ named ^ _key(sample.seed, 4 + (kv_of_part if kv_of_part is not None else plane)))
+                planes = (view if isinstance(view, torch.Tensor) else view[0]).shape[1]
+                if sample.per_window == 0:  # whole blocks, a plane of a layer at a time, gathered at copy speed
+                    hashed = np.stack([np.concatenate([_hash_blocks(_layer(view, li)[p], ids, keys, word_dtype, scratch)[:per_layer]
+                                                       for li in range(len(layers))]) for p in range(planes)])
+                elif isinstance(view, torch.Tensor):  # a few rows of every layer and plane: one gather
+                    pl = np.repeat(np.arange(planes, dtype=np.int64), len(tokens))
+                    rows = _gather_rows(view, (np.tile(at[0], planes), pl, *(np.tile(i, planes) for i in at[1:])))
+                    hashed = _hash_rows(rows, keys, word_dtype).reshape(planes, -1)
+                else:
+                    hashed = np.stack([np.concatenate([_hash_rows(_gather_rows(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:])), keys, word_dtype)
+                                                       for li, (lo, hi) in enumerate(itertools.pairwise(bounds))]) for p in range(planes)])
+                kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
+                plane_keys = np.array([_key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64).reshape(-1, 1)
+                value += mix(hashed ^ named ^ plane_keys).sum(axis=0, dtype=np.uint64)
         return cls(tuple(layers), lpos, tokens, heads, value, head_start=head_start, num_heads=nh)
 
     @property

@@ -151,6 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream section: prefill compute per token per layer (3: an 8B model on one H100)")
     p.add_argument("--stream-tokens", type=int, nargs="+", default=list(TOKENS), help="stream section: prompt lengths")
     p.add_argument("--load-seconds", type=float, default=300.0, help="load section: how long the daemons move requests")
+    p.add_argument("--verify-layers", type=int, default=32,
+                   help="verify section: model layers (a real model's count: a sample's cost is per token, and a 4-layer model has 8x fewer bytes a token)")
     p.add_argument("--qos-bulk-mib", type=int, default=1024, help="qos section: bytes of one bulk pull")
     p.add_argument("--qos-small-mib", type=int, default=4, help="qos section: bytes of one small pull")
     p.add_argument("--qos-small-pulls", type=int, default=40, help="qos section: small pulls timed idle, and twice as many under bulk")

@@ -55,7 +55,7 @@ def _verify_seconds(pair: BenchPair) -> tuple[float, float]:
 
 
 def bench_verify(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any]:
-    nbytes, layers = args.transfer_mib << 20, 4
+    nbytes, layers = args.transfer_mib << 20, args.verify_layers
     out: dict[str, Any] = {}
     say(f"verify: one request of {args.transfer_mib} MiB in 1 MiB units, {layers} layers, with --verify off, sampled and full; "
         f"{args.repeat} tries each, alternating")
