@@ -93,3 +93,30 @@ def test_bad_qos_fields_are_refused_naming_field_and_value(kwargs, field):
 def test_bad_tenant_shares_are_refused(text):
     with pytest.raises(InvalidArgument, match="tenants"):
         parse_shares(text)
+
+
+def test_a_chunk_whose_place_is_held_by_a_stuck_move_goes_after_the_bound():
+    """The shell's bound: a send blocked on a reader that stopped reading
+    holds its place until the send times out, but no other chunk waits
+    longer than max_wait_s for it; the order holds otherwise."""
+    import threading
+    import time
+
+    from kvd.transport.wire_gate import WireGate
+
+    gate = WireGate(WireSchedule({"": 1.0}, slots=1), 1 << 20, max_wait_s=0.2)
+    stuck = gate.for_read(QosTag())
+    with stuck(MIB):  # holds the only place and never moves on, until the end of this block
+        t0 = time.perf_counter()
+        other = gate.for_read(QosTag())
+        with other(MIB):
+            waited = time.perf_counter() - t0
+        other.close()
+        assert 0.2 <= waited < 1.0 and gate.forced == 1, waited
+        # A cancelled wait raises at once instead.
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(ConnectionAbortedError), gate.for_read(QosTag(), cancel)(MIB):
+            pass
+    stuck.close()
+    assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]

@@ -149,6 +149,18 @@ class WireSchedule:
             return self.ask(key, moved[0], again)
         return self._grant()
 
+    def force(self, key: Hashable) -> None:
+        """Let waiting ``key`` move now, over every limit: the shell's bound on a
+        wait, so a chunk whose send is stuck on a reader that stopped reading
+        (its place held until the send times out) wedges no one else."""
+        tag, nbytes = self._asked.pop(key)
+        tenant = self._lanes[tag.priority][tag.tenant]
+        tenant.waiting = [w for w in tenant.waiting if w[2] != key]
+        heapq.heapify(tenant.waiting)
+        tenant.start += nbytes / tenant.share
+        tenant.moving += 1
+        self._moving[key] = (tag, nbytes)
+
     def queued(self, key: Hashable) -> bool:
         """Whether ``key`` waits for the wire."""
         return key in self._asked

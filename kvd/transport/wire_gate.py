@@ -21,17 +21,23 @@ from kvd.core.qos import QosTag, QueueStatus, WireSchedule, peer_tag
 from kvd.core.reads import DataRead
 
 _POLL_SECONDS = 0.05  # how often a waiting thread looks whether its read was abandoned
+# The longest a chunk waits for the wire: past it, it moves anyway. A send
+# blocked on a reader that stopped reading holds its place until the send
+# times out (seconds); everyone else's wait is bounded by this instead.
+MAX_WAIT_SECONDS = 0.25
 
 
 class WireGate:
     def __init__(self, schedule: WireSchedule, chunk_bytes: int,
-                 on_grant: Callable[[QosTag, int, float], None] = lambda tag, nbytes, waited: None) -> None:
+                 on_grant: Callable[[QosTag, int, float], None] = lambda tag, nbytes, waited: None, max_wait_s: float = MAX_WAIT_SECONDS) -> None:
         self.schedule = schedule
+        self.max_wait_s = max_wait_s
         self.chunk_bytes = chunk_bytes  # what a read moves between looks at the order
         self.on_grant = on_grant  # (tag, bytes, seconds waited): the metrics
         self._cond = threading.Condition()
         self._granted: set[object] = set()
         self._bytes: dict[tuple[str, str], int] = {}  # moved, by (class, tenant)
+        self.forced = 0  # chunks that waited past max_wait_s and moved anyway
 
     def wait(self, key: object, tag: QosTag, nbytes: int, cancel: threading.Event) -> None:
         """Block until ``key`` holds the wire (asked now, unless it asked
@@ -44,7 +50,11 @@ class WireGate:
                 if cancel.is_set():
                     self._add(self.schedule.done(key))
                     raise ConnectionAbortedError("read abandoned while it waited for the wire")
-                self._cond.wait(_POLL_SECONDS)
+                if time.perf_counter() - t0 > self.max_wait_s:
+                    self.schedule.force(key)  # the places are held by moves that do not end: go anyway
+                    self.forced += 1
+                    break
+                self._cond.wait(min(_POLL_SECONDS, self.max_wait_s))
             self._granted.discard(key)
             self._bytes[(tag.priority, tag.tenant)] = self._bytes.get((tag.priority, tag.tenant), 0) + nbytes
         self.on_grant(tag, nbytes, time.perf_counter() - t0)
