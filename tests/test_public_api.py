@@ -56,14 +56,16 @@ KVD_CLIENT = {
     "get_finished": "(self) -> 'Finished'",
     "layers_saved": "(self, request_ids: 'Sequence[str]', layers_saved: 'int', *, wait: 'bool' = False) -> 'None'",
     "publish": "(self, request_id: 'str', block_ids: 'Sequence[Sequence[int]]', num_tokens: 'int', *, capability: 'bytes' = b'', "
-               "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = (), stream: 'bool' = False) "
-               "-> 'pb.TransferParams'",
+               "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = (), stream: 'bool' = False, "
+               "verify: 'str' = '') -> 'pb.TransferParams'",
     "publish_engine": "(self, request_id: 'str', block_ids: 'Sequence[Sequence[int]]', num_tokens: 'int', *, capability: 'bytes' = b'', "
-                      "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = ()) -> 'pb.TransferParams'",
+                      "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = (), verify: 'str' = '') "
+                      "-> 'pb.TransferParams'",
     "pull": "(self, request_id: 'str', params: 'pb.TransferParams', local_block_ids: 'Sequence[Sequence[int]]', *, "
-            "first_tokens: 'Sequence[int]' = ()) -> 'None'",
+            "first_tokens: 'Sequence[int]' = (), priority: 'str' = '', tenant: 'str' = '', deadline_ms: 'float' = 0.0) -> 'None'",
     "pull_nowait": "(self, request_id: 'str', params: 'pb.TransferParams', local_block_ids: 'Sequence[Sequence[int]]', *, "
-                   "first_tokens: 'Sequence[int]' = (), answered: 'Callable[[KvdError | None], None]') -> 'None'",
+                   "first_tokens: 'Sequence[int]' = (), answered: 'Callable[[KvdError | None], None]', priority: 'str' = '', tenant: 'str' = '', "
+                   "deadline_ms: 'float' = 0.0) -> 'None'",
     "register": "(self, kv_caches: 'Mapping[str, KVCacheTensors] | Sequence[tuple[KVCacheSpec, Mapping[str, KVCacheTensors]]]', "
                 "model: 'ModelInfo', spec: 'KVCacheSpec | None' = None, *, dims: 'Sequence[str] | Sequence[Sequence[str]] | None' = None, "
                 "block_size: 'int' = 0, use_mla: 'bool' = False, kinds: 'Sequence[GroupKind]' = ()) -> 'pb.RegisterResponse'",

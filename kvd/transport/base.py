@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import Protocol
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 from kvd.core.reads import DataRead
 from kvd.core.session import Hello, Read
 from kvd.core.sinks import SegmentSink
-from kvd.transport.framing import FrameSocket
+from kvd.transport.framing import FrameSocket, Gate
 
 CPU = torch.device("cpu")
 
@@ -124,16 +123,6 @@ class ReadServer(Protocol):
     def check_hello(self, hello: Hello) -> None: ...
 
     def open_read(self, hello: Hello, read: DataRead, *, local: bool = False, reader_copies: bool = False) -> OpenRead: ...
-
-
-class Gate(Protocol):
-    """A read's place on the wire (``wire_gate``, ``--qos on``): it moves
-    at most ``chunk_bytes`` at a time, each chunk inside ``gate(its bytes)``."""
-
-    @property
-    def chunk_bytes(self) -> int: ...
-
-    def __call__(self, nbytes: int) -> AbstractContextManager[None]: ...
 
 
 class ReadMover(Protocol):

@@ -20,7 +20,8 @@ import socket
 import ssl
 import struct
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, TypeVar
+from contextlib import AbstractContextManager
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -31,14 +32,21 @@ from kvd.core.session import HEADER_SIZE, Data, Error, Event, ProtocolError, Ses
 from kvd.transport import iovec
 from kvd.transport.codec import CODEC
 
-if TYPE_CHECKING:
-    from kvd.transport.base import Gate
-
 E = TypeVar("E")
 
 # Bigger kernel buffers let one recv_into/send return megabytes, so a read
 # takes far fewer syscalls (per-call cost is what limited earlier versions).
 SOCKET_BUFFER_BYTES = 8 << 20
+
+
+class Gate(Protocol):
+    """A read's place on the wire (``wire_gate``, ``--qos on``): it moves
+    at most ``chunk_bytes`` at a time, each chunk inside ``gate(its bytes)``."""
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    def __call__(self, nbytes: int) -> AbstractContextManager[None]: ...
 
 
 def tune(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
