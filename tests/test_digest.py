@@ -142,6 +142,26 @@ def test_a_systematic_relayout_bug_is_caught_by_the_default_sample_on_the_first_
     assert all(m is None for m in d_rank_check(p, ids, clean, ids, RowSample(1000, per_window=2)).values())
 
 
+def test_a_sample_that_draws_no_row_of_some_layers_digests_the_rest():
+    """32 unstacked layers and a 32-token prompt: 4 draws, so most layers
+    hold no sampled row. Both sides digest what was drawn, alike."""
+    model = ModelInfo(32, 4)
+
+    def make(name, seed, **kw):
+        return make_engine(name, 1, 1, model, lambda r: KVCacheSpec(16, 4, 16, "bfloat16", NAMED_LAYOUTS["NHD"], 8), random.Random(seed), **kw)
+
+    p, d = make("P", 1), make("D", 2, stacked=False)
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, 5, [1, 2], r.coords)
+    transfer(p, d, "r", [1, 2], [3, 4], 32)
+    sample = RowSample(21, per_window=2)
+    ours = RowDigests.of(d.ranks[(0, 0)].tensors, 0, [3, 4], 0, 32, 0, sample, 4, 32)
+    theirs = RowDigests.of(p.ranks[(0, 0)].tensors, 0, [1, 2], 0, 32, 0, sample, 4, 32)
+    assert 0 < len(set(ours.layer_pos.tolist())) < 32 and np.array_equal(ours.values, theirs.values)
+    layers = tuple(range(32))
+    assert compare(layers, ours.bins(layers, range(0, 4), 0, 32, 16), theirs.bins(layers, range(0, 4), 0, 32, 16)) is None
+
+
 def test_bad_input_is_refused_naming_the_field():
     with pytest.raises(InvalidArgument, match=r"verify\.per_window"):
         RowSample(1, per_window=256)

@@ -217,3 +217,25 @@ def test_a_fraction_of_sampled_requests_is_checked_whole(daemons):
     assert "every row" in f.details[("recving", "r11")].reason
     r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x", "--verify-full-fraction", "1.5"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "verify_full_fraction" in r.stderr and "1.5" in r.stderr, r.stderr
+
+
+def test_params_made_before_p_published_are_verified_once_resolved(daemons):
+    """vLLM's scheduler hands D params before P's workers publish (no
+    generation yet): D's question waits for the resolved publication, so
+    the load is checked, not left unverified; a P block changed after
+    publishing is still caught."""
+    from tests.conftest import scheduler_params
+
+    p, d, ps, ds = start(daemons)
+    cap = secrets.token_bytes(32)
+    params = scheduler_params(p.grpc, "prefill", "r12", cap, P_IDS, NTOK)
+    params.remote_tp_size = 1
+    for w in ds:
+        w.client.pull("r12", params, [D_IDS])
+    for w in ps:
+        w.fill(7, P_IDS)
+        w.client.publish("r12", [P_IDS], NTOK, capability=cap)
+    finished = [w.client.wait_finished(recving={"r12"}, timeout=30) for w in ds]
+    assert all(f.details[("recving", "r12")].outcome == "done" for f in finished), finished
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 2
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="unverified") == 0

@@ -149,7 +149,7 @@ def _gather_rows(t: torch.Tensor, at: tuple[np.ndarray, ...]) -> torch.Tensor:
     row = at[0] * (strides[0] // d)
     for i, s in zip(at[1:], strides[1:-1], strict=True):
         row = row + i * (s // d)
-    return flat.index_select(0, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)))
+    return flat.index_select(0, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(t.device))
 
 
 def _hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) -> np.ndarray:
@@ -157,6 +157,8 @@ def _hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) ->
     (one pass, wrapping modulo 2^64). ``rows``: (n, head_size)."""
     import torch
 
+    if not len(rows):  # a layer the sample drew no row of
+        return np.zeros(0, dtype=np.uint64)
     words = rows.contiguous().view(torch.uint8).view(word_dtype).reshape(len(rows), -1)
     if word_dtype != torch.int64:
         words = words.to(torch.int64)
@@ -178,7 +180,7 @@ def _hash_blocks(plane: torch.Tensor, ids: torch.Tensor, keys: np.ndarray, word_
     for at in range(0, len(ids), chunk):
         take = ids[at: at + chunk]
         part = buf[: len(take) * per_block * plane.element_size()].view(plane.dtype).view(len(take), *plane.shape[1:])
-        torch.index_select(plane, 0, take, out=part)
+        torch.index_select(plane, 0, take.to(plane.device), out=part)
         out.append(_hash_rows(part.view(-1, plane.shape[-1]), keys, word_dtype))
     return np.concatenate(out) if out else np.zeros(0, np.uint64)
 
@@ -190,9 +192,9 @@ class RowDigests:
     ``head_start`` and ``num_heads``: the global heads this rank holds."""
 
     layers: tuple[int, ...]  # global layer indices
-    layer_pos: np.ndarray  # int64, into ``layers``
-    tokens: np.ndarray  # int64
-    heads: np.ndarray  # int64, global
+    layer_pos: np.ndarray  # int16, into ``layers``
+    tokens: np.ndarray  # uint32
+    heads: np.ndarray  # int16, global
     values: np.ndarray  # uint64
     head_start: int
     num_heads: int
@@ -256,7 +258,8 @@ class RowDigests:
                 kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
                 plane_keys = np.array([_key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64).reshape(-1, 1)
                 value += mix(hashed ^ named ^ plane_keys).sum(axis=0, dtype=np.uint64)
-        return cls(tuple(layers), lpos, tokens, heads, value, head_start=head_start, num_heads=nh)
+        # Kept to the lease's end and past it: 16 bytes a row (a full digest of 128k tokens x 32 layers x 8 heads: 0.5 GB).
+        return cls(tuple(layers), lpos.astype(np.int16), tokens.astype(np.uint32), heads.astype(np.int16), value, head_start=head_start, num_heads=nh)
 
     @property
     def nbytes(self) -> int:

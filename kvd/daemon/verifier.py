@@ -126,10 +126,12 @@ class Verifier:
     # ------------------------------------------------------------ owner
 
     def mode_of(self, order: PublishOrder) -> str:
-        """A publication's mode: its own (checked by name), else this daemon's;
-        sampled ones ``full_fraction`` of the time full, by the secret."""
+        """A publication's mode: its own (checked by name) where this daemon
+        verifies at all (the operator's choice: off stays off), else this
+        daemon's; sampled ones ``full_fraction`` of the time full, by the secret."""
         if order.verify:
-            return check_mode("verify", order.verify)
+            mode = check_mode("verify", order.verify)
+            return mode if self.mode != "off" else "off"
         if self.mode == "sampled" and self.full_fraction > 0:
             draw = int.from_bytes(hmac.digest(self._secret, b"full:" + order.request_id.encode(), "sha256")[:8], "little") / 2**64
             return "full" if draw < self.full_fraction else "sampled"
@@ -257,14 +259,17 @@ class Verifier:
 
     def ask_early(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams) -> _Asked | None:
         """Ask the owner for its digests as the pull starts (it took them
-        before it published), so the answer travels while the bytes do."""
+        before it published), so the answer travels while the bytes do;
+        params made before P published are asked once resolved, after landing."""
         if self.mode == "off":
             return None
         local = [list(b.ids) for b in req.local]
         firsts = [b.first_token for b in req.local]
+        if not params.generation:  # not resolved yet: its generation, and maybe its blocks, come later
+            return _Asked(None, None, local, firsts)
         query = self.query(reg, params, local, firsts)
         if query is None:
-            return _Asked(None, None, local, firsts)
+            return _Asked(None, None, local, firsts, askable=False)
         task = asyncio.ensure_future(channels.digest(params.remote_address, query, timeout=10))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here: a failed pull may never await it
         return _Asked(query, task, local, firsts)
@@ -282,15 +287,18 @@ class Verifier:
             self.metrics.pull_phase_seconds.labels("verify").observe(time.perf_counter() - t)
 
     async def _verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
-        query, local, firsts = asked.query, asked.local, asked.firsts
-        if query is None or asked.task is None:
+        local, firsts = asked.local, asked.firsts
+        query = asked.query or (self.query(reg, params, local, firsts) if asked.askable else None)  # ``params`` resolved by now
+        if query is None:
             self.metrics.verify_checks.labels("unverified").inc()
             return
         try:
             try:
+                if asked.task is None:
+                    raise _AskNow
                 theirs = await asked.task
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
+            except (grpc.aio.AioRpcError, _AskNow) as e:
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.NOT_FOUND:
                     raise
                 theirs = await channels.digest(params.remote_address, query, timeout=10)
             found = await asyncio.to_thread(self.check, reg, query, theirs, local, firsts)
@@ -316,6 +324,10 @@ class Verifier:
             f"{(m.first_bin + 1) * rows.bin_tokens}) (local block {ids[0]}); {len(invalid)} local blocks failed", invalid)
 
 
+class _AskNow(Exception):
+    """Not asked as the pull started (its params were not resolved): ask after landing."""
+
+
 @dataclasses.dataclass
 class _Asked:
     """A reader's question, put as its pull started, and the answer on its way."""
@@ -324,6 +336,7 @@ class _Asked:
     task: asyncio.Future[DigestAnswer] | None
     local: list[list[int]]
     firsts: list[int]
+    askable: bool = True  # False: no group of the read can be verified
 
     def cancel(self) -> None:
         """The pull failed: its answer is not wanted."""
