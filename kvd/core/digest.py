@@ -61,9 +61,9 @@ def _mix_int(x: int) -> int:
     mask = (1 << 64) - 1
     x &= mask
     x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & mask
+    x = (x * int(_M1)) & mask
     x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & mask
+    x = (x * int(_M2)) & mask
     return x ^ (x >> 31)
 
 

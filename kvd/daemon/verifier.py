@@ -125,6 +125,10 @@ class Verifier:
 
     # ------------------------------------------------------------ owner
 
+    def _draw(self, label: bytes) -> int:
+        """64 bits keyed by this daemon's secret: the same on every rank, unknowable to the engine."""
+        return int.from_bytes(hmac.digest(self._secret, label, "sha256")[:8], "little")
+
     def mode_of(self, order: PublishOrder) -> str:
         """A publication's mode: its own (checked by name) where this daemon
         verifies at all (the operator's choice: off stays off), else this
@@ -133,14 +137,12 @@ class Verifier:
             mode = check_mode("verify", order.verify)
             return mode if self.mode != "off" else "off"
         if self.mode == "sampled" and self.full_fraction > 0:
-            draw = int.from_bytes(hmac.digest(self._secret, b"full:" + order.request_id.encode(), "sha256")[:8], "little") / 2**64
-            return "full" if draw < self.full_fraction else "sampled"
+            return "full" if self._draw(b"full:" + order.request_id.encode()) / 2**64 < self.full_fraction else "sampled"
         return self.mode
 
     def _sample(self, request_id: str, mode: str) -> RowSample:
         """A request's sample: its seed keyed by this daemon's secret, so every rank's digest of it agrees."""
-        seed = int.from_bytes(hmac.digest(self._secret, request_id.encode(), "sha256")[:8], "little")
-        return RowSample(seed, 0 if mode == "full" else SAMPLED_PER_WINDOW)
+        return RowSample(self._draw(request_id.encode()), 0 if mode == "full" else SAMPLED_PER_WINDOW)
 
     async def digest(self, regs: Sequence[Registration], order: PublishOrder) -> _Digested | None:
         """Before ``order`` is published (its blocks are final): each rank's
@@ -286,6 +288,18 @@ class Verifier:
         finally:
             self.metrics.pull_phase_seconds.labels("verify").observe(time.perf_counter() - t)
 
+    @staticmethod
+    async def _early_answer(asked: _Asked) -> DigestAnswer | None:
+        """The answer to the question put as the pull started; None where none was put or it was NOT_FOUND."""
+        if asked.task is None:
+            return None
+        try:
+            return await asked.task
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return None
+
     async def _verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
         local, firsts = asked.local, asked.firsts
         query = asked.query or (self.query(reg, params, local, firsts) if asked.askable else None)  # ``params`` resolved by now
@@ -293,13 +307,8 @@ class Verifier:
             self.metrics.verify_checks.labels("unverified").inc()
             return
         try:
-            try:
-                if asked.task is None:
-                    raise _AskNow
-                theirs = await asked.task
-            except (grpc.aio.AioRpcError, _AskNow) as e:
-                if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
+            theirs = await self._early_answer(asked)
+            if theirs is None:  # not asked yet, or asked before a rank of the owner published: ask now
                 theirs = await channels.digest(params.remote_address, query, timeout=10)
             found = await asyncio.to_thread(self.check, reg, query, theirs, local, firsts)
         except grpc.aio.AioRpcError as e:
@@ -322,10 +331,6 @@ class Verifier:
             f"what landed differs from what {params.remote_engine_id!r} published ({theirs.sample.describe()}): "
             f"group {rows.group_id}, first at layer {m.first_layer} in tokens [{m.first_bin * rows.bin_tokens}, "
             f"{(m.first_bin + 1) * rows.bin_tokens}) (local block {ids[0]}); {len(invalid)} local blocks failed", invalid)
-
-
-class _AskNow(Exception):
-    """Not asked as the pull started (its params were not resolved): ask after landing."""
 
 
 @dataclasses.dataclass
