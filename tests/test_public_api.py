@@ -110,6 +110,22 @@ def test_a_refusal_from_a_real_daemon_compares_equal_to_its_grpc_code(daemons):
     assert e.value.status == kvd.errors.Status.INVALID_ARGUMENT
 
 
+def test_daemon_status_waits_for_a_daemon_that_is_not_up_then_names_it(daemons):
+    import socket
+
+    from kvd.client import daemon_status
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(kvd.errors.DeadlineExceeded, match=f"{address} not reachable after 0.5s"):
+        daemon_status(address, timeout=0.5)
+    with pytest.raises(kvd.errors.Unavailable):  # without waiting: refused at once
+        daemon_status(address, timeout=5, wait_ready=False)
+    p = daemons.start("prefill")
+    assert daemon_status(p.grpc).engine_id == "prefill"
+
+
 def test_kvd_client_methods_keep_their_signatures():
     got = {n: str(inspect.signature(f)) for n, f in inspect.getmembers(KvdClient, inspect.isfunction)
            if not n.startswith("_") or n == "__init__"}

@@ -70,12 +70,12 @@ def daemon_status(address: str, auth: AuthConfig | None = None, timeout: float =
     creds = auth.channel_credentials()
     channel = grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
     try:
-        if wait_ready:
-            grpc.channel_ready_future(channel).result(timeout=timeout)
-        return pbg.AdminStub(channel).Status(pb.StatusRequest(), timeout=timeout, metadata=auth.call_metadata())
-    except grpc.FutureTimeoutError:
-        raise DeadlineExceeded(f"kvd daemon at {address} not reachable after {timeout}s") from None
+        # wait_for_ready on the call, not channel_ready_future: that polls the
+        # channel every 200 ms, so every status call took at least that long.
+        return pbg.AdminStub(channel).Status(pb.StatusRequest(), timeout=timeout, metadata=auth.call_metadata(), wait_for_ready=wait_ready)
     except grpc.RpcError as e:
+        if wait_ready and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise DeadlineExceeded(f"kvd daemon at {address} not reachable after {timeout}s") from None
         raise from_code(e.code().name, e.details() or "") from None
     finally:
         channel.close()
