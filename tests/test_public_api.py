@@ -57,10 +57,10 @@ KVD_CLIENT = {
     "layers_saved": "(self, request_ids: 'Sequence[str]', layers_saved: 'int', *, wait: 'bool' = False) -> 'None'",
     "publish": "(self, request_id: 'str', block_ids: 'Sequence[Sequence[int]]', num_tokens: 'int', *, capability: 'bytes' = b'', "
                "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = (), stream: 'bool' = False, "
-               "verify: 'str' = '') -> 'pb.TransferParams'",
+               "verify: 'str' = '', computed_at_ns: 'int' = 0) -> 'pb.TransferParams'",
     "publish_engine": "(self, request_id: 'str', block_ids: 'Sequence[Sequence[int]]', num_tokens: 'int', *, capability: 'bytes' = b'', "
-                      "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = (), verify: 'str' = '') "
-                      "-> 'pb.TransferParams'",
+                      "reader_engine_id: 'str' = '', lease_seconds: 'float' = 0.0, first_tokens: 'Sequence[int]' = (), verify: 'str' = '', "
+                      "computed_at_ns: 'int' = 0) -> 'pb.TransferParams'",
     "pull": "(self, request_id: 'str', params: 'pb.TransferParams', local_block_ids: 'Sequence[Sequence[int]]', *, "
             "first_tokens: 'Sequence[int]' = (), priority: 'str' = '', tenant: 'str' = '', deadline_ms: 'float' = 0.0) -> 'None'",
     "pull_nowait": "(self, request_id: 'str', params: 'pb.TransferParams', local_block_ids: 'Sequence[Sequence[int]]', *, "

@@ -156,27 +156,33 @@ class KvdClient:
         return resp
 
     def publish(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"", reader_engine_id: str = "",
-                lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False, verify: str = "") -> pb.TransferParams:
+                lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), stream: bool = False, verify: str = "",
+                computed_at_ns: int = 0) -> pb.TransferParams:
         """Offer this worker's blocks of ``request_id``, per group; a group's
         ids hold the tokens from its ``first_tokens`` entry on (0 if none).
         ``stream``: offered before they are computed (layer-wise streaming);
         each layer is served once ``layers_saved`` says it is written.
-        ``verify``: this request's verification (off, sampled, full), else the daemon's."""
+        ``verify``: this request's verification (off, sampled, full), else the daemon's.
+        ``computed_at_ns``: when the forward that computed the prompt ended
+        (``time.time_ns()``), for ``kvd_publish_delay_seconds``."""
         resp = self._call(self._worker.Publish, pb.PublishRequest(
             worker=self._wid, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
             num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds,
-            stream=stream, verify=verify,
+            stream=stream, verify=verify, computed_at_unix_nanos=computed_at_ns,
         ))
         return resp.params
 
     def publish_engine(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int, *, capability: bytes = b"",
-                       reader_engine_id: str = "", lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), verify: str = "") -> pb.TransferParams:
+                       reader_engine_id: str = "", lease_seconds: float = 0.0, first_tokens: Sequence[int] = (), verify: str = "",
+                       computed_at_ns: int = 0) -> pb.TransferParams:
         """Offer ``request_id``'s blocks on every rank of this engine at once
         (the engine's scheduler, with a registered worker's ``worker_token``);
-        refused unless every rank is registered with this daemon."""
+        refused unless every rank is registered with this daemon.
+        ``computed_at_ns`` as for ``publish``."""
         resp = self._call(self._worker.PublishEngine, pb.PublishEngineRequest(
             engine_id=self.worker.engine_id, request_id=request_id, block_ids=_block_ids(block_ids, first_tokens),
             num_tokens=num_tokens, capability=capability, reader_engine_id=reader_engine_id, lease_seconds=lease_seconds, verify=verify,
+            computed_at_unix_nanos=computed_at_ns,
         ))
         return resp.params
 

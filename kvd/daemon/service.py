@@ -46,6 +46,9 @@ from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
 log = logging.getLogger("kvd.service")
+# Past this a publication's computed_at stamp is another clock's, not a delay.
+PUBLISH_DELAY_PLAUSIBLE_S = 3600.0
+
 T = TypeVar("T")
 
 # Control messages are small; a registration of thousands of layers is < 1 MiB.
@@ -144,14 +147,26 @@ class WorkerService(pbg.WorkerServicer):
         order = publish_from_pb(request)
         assert order.worker is not None
         reg = self.d.registry.by_rank.get((order.worker.tp_rank, order.worker.pp_rank))
-        return await self._publish([reg] if reg is not None else [], order, lambda: self.d.publisher.publish(order, token))
+        resp = await self._publish([reg] if reg is not None else [], order, lambda: self.d.publisher.publish(order, token))
+        self._observe_publish_delay("worker", request.computed_at_unix_nanos)
+        return resp
 
     @rpc
     async def PublishEngine(self, request: pb.PublishEngineRequest, context: Any) -> pb.PublishResponse:
         token = self._local(context)
         order = publish_engine_from_pb(request)
         regs = [self.d.registry.by_rank[k] for k in sorted(self.d.registry.by_rank)]
-        return await self._publish(regs, order, lambda: self.d.publisher.publish_engine(order, token))
+        resp = await self._publish(regs, order, lambda: self.d.publisher.publish_engine(order, token))
+        self._observe_publish_delay("engine", request.computed_at_unix_nanos)
+        return resp
+
+    def _observe_publish_delay(self, by: str, computed_at_ns: int) -> None:
+        """A stamp is a hint for the metric, not part of the publication: one
+        that is absent (0) or implausible (ahead of this clock, or over an
+        hour old: another host's clock) is not observed, not refused."""
+        delay = (time.time_ns() - computed_at_ns) / 1e9
+        if computed_at_ns and 0 <= delay <= PUBLISH_DELAY_PLAUSIBLE_S:
+            self.d.metrics.publish_delay_seconds.labels(by).observe(delay)
 
     async def _publish(self, regs: list[Registration], order: PublishOrder, publish: Callable[[], TransferParams]) -> pb.PublishResponse:
         """Publish ``order`` on ``regs``; with verification on, their blocks as

@@ -52,6 +52,7 @@ class Publication:
     stream: bool = False  # published before the step computes it; its layers are saved as they are
     published: bool = False  # the scheduler published it for every rank: the workers only track it
     verify: str = ""  # the request's own verification (kv_transfer_params.kvd_verify), else the daemon's
+    computed_at_ns: int = 0  # when the forward that computed the prompt ended (vllm_clock), for kvd_publish_delay_seconds
 
 
 @dataclass(frozen=True)

@@ -195,9 +195,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing is copied (the daemon reads the cache in place); a streaming prefill says every layer is saved."""
+        """Nothing is copied (the daemon reads the cache in place); a streaming
+        prefill says every layer is saved; the forward's end is stamped for the scheduler."""
         if self._worker is not None:
-            self._worker.step_saved()
+            meta = getattr(self, "_connector_metadata", None)  # bound for this step by vLLM
+            self._worker.step_saved(meta if isinstance(meta, KvdConnectorMetadata) else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """As the base: the daemon's pushed outcomes, with no round trip; see ``get_transfer_results`` for an idle step."""
@@ -224,3 +226,5 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """As the base, and the worker unregisters from its daemon, which unmaps its memory."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

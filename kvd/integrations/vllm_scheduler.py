@@ -7,6 +7,7 @@ It runs in vLLM's scheduler process; what it decides reaches the workers as
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -37,6 +38,7 @@ from kvd.integrations.kv_params import (
     release_params,
 )
 from kvd.integrations.vllm_caches import group_parts
+from kvd.integrations.vllm_clock import ForwardClock
 from kvd.spec import WorkerId
 
 if TYPE_CHECKING:
@@ -77,6 +79,9 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     # The step computes no token: vLLM steps anyway while it holds requests
     # for transfers, and the workers may wait for the daemon's news instead.
     idle: bool = False
+    # The step's number, and the file its workers stamp when its forward ends (vllm_clock).
+    step: int = 0
+    clock: str = ""
 
 
 # How long a worker's idle step waits for the daemon to push an outcome
@@ -170,6 +175,13 @@ class SchedulerSide:
         self._streamed: dict[str, tuple[str, Request]] = {}
         # Dual-batch overlap saves a layer once per micro-batch: the first save would claim the layer too early.
         self.can_stream = not bool(getattr(vllm_config.parallel_config, "enable_dbo", False))
+        # When the forward that computed each prompt P offers ended: the steps
+        # are numbered, the workers stamp each one's end, and a request notes
+        # the step that computes the rest of its prompt.
+        self._clock: ForwardClock | None = None
+        self._step = 0
+        self._prefilling: dict[str, Request] = {}
+        self._prompt_step: dict[str, int] = {}
 
     def expand(self, per_group: Sequence[T]) -> tuple[T, ...]:
         """Per vLLM group -> per kvd group: each state part carries its group's entry."""
@@ -219,7 +231,8 @@ class SchedulerSide:
             return None
         try:
             params = params_from_pb(client.publish_engine(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability,
-                                                          lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens, verify=pub.verify))
+                                                          lease_seconds=pub.lease_seconds, first_tokens=pub.first_tokens, verify=pub.verify,
+                                                          computed_at_ns=pub.computed_at_ns))
             if self._engine_paused_until:
                 log.warning("kvd: the scheduler publishes for the engine again")
             self._engine_refusals, self._engine_paused_until = 0, 0.0
@@ -272,6 +285,8 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            self._prefilling[request.request_id] = request  # its prompt's last step is noted (build_connector_meta)
         if params and params.get("do_remote_decode") and params.get("kvd_stream"):
             if self.can_stream:
                 self._stream_pending[request.request_id] = (request, blocks)  # published if this step computes its whole prompt
@@ -297,6 +312,11 @@ class SchedulerSide:
                 self._to_release[request.request_id] = release_params(params)
         # One load per request, even if vLLM calls this again after the load.
         params["do_remote_prefill"] = False
+
+    def shutdown(self) -> None:
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
 
     @property
     def has_streams(self) -> bool:
@@ -325,13 +345,25 @@ class SchedulerSide:
                     self._to_publish[rid] = pub
                     self._streamed[rid] = (pub.request_id, request)
         self._stream_pending.clear()
+        self._step += 1
+        for rid, request in list(self._prefilling.items()):
+            scheduled = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
+            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+                self._prompt_step[rid] = self._step
+                del self._prefilling[rid]
+        if self._clock is None and self._prompt_step:
+            self._clock = ForwardClock.create(self.tp_size * self.pp_size)
+            atexit.register(self.shutdown)  # the file goes even if vLLM never calls shutdown
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
-        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end, idle)
+        meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end, idle,
+                                    self._step, self._clock.path if self._clock is not None else "")
         self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end = {}, {}, {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        self._prefilling.pop(request.request_id, None)
+        step = self._prompt_step.pop(request.request_id, 0)
         streamed = self._streamed.pop(request.request_id, None)
         if streamed is not None:
             # Published before its prefill: hold the blocks until finished_sending, whatever happened.
@@ -349,6 +381,8 @@ class SchedulerSide:
         pub = self._publication(request, block_ids, int(request.num_computed_tokens), stream=False)
         if pub is None:
             return False, None
+        if step and self._clock is not None:
+            pub = dataclasses.replace(pub, computed_at_ns=self._clock.ended(step))
         published = self._publish_now(request.request_id, pub)
         self._to_publish[request.request_id] = dataclasses.replace(pub, published=published is not None)
         out = make_params(pub, engine_id=engine_id, address=self.settings.advertise_address, tp_size=self.tp_size, pp_size=self.pp_size,

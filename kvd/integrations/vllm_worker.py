@@ -46,6 +46,7 @@ from kvd.integrations.vllm_caches import (
     request_amx_permission,
     state_shape,
 )
+from kvd.integrations.vllm_clock import ForwardClock
 from kvd.integrations.vllm_link import DaemonLink
 from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, Settings
 from kvd.spec import (
@@ -111,6 +112,10 @@ class WorkerSide:
         self.link: DaemonLink | None = None
         self._lost: list[_LostTransfers] = []
         self._reported_lost: set[str] = set()  # reported on a loss: a late outcome of theirs is not reported again
+        # The scheduler's forward clock (vllm_clock), stamped as each forward ends; "" until it names one.
+        self._clock: ForwardClock | None = None
+        self._clock_path = ""
+        self._clock_rank = self.pp_rank * int(vllm_config.parallel_config.tensor_parallel_size) + self.tp_rank
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         request_amx_permission()
@@ -184,7 +189,8 @@ class WorkerSide:
         assert self.client is not None
         try:
             self.client.publish(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
-                                first_tokens=pub.first_tokens, stream=pub.stream, verify=pub.verify)
+                                first_tokens=pub.first_tokens, stream=pub.stream, verify=pub.verify,
+                                computed_at_ns=pub.computed_at_ns)
             self._sending.add(rid)
             if pub.request_id != rid:
                 self._names[pub.request_id] = rid
@@ -198,11 +204,19 @@ class WorkerSide:
         if self._streaming and self.after_device is not None:
             self.after_device.saved(self._streaming, layer_index_of(layer_name, 0) + 1)
 
-    def step_saved(self) -> None:
-        """The forward is over: every layer of this step's streams is written (state layers too, which save no layer)."""
+    def step_saved(self, meta: KvdConnectorMetadata | None) -> None:
+        """The forward is over: every layer of this step's streams is written
+        (state layers too, which save no layer), and the step's end is stamped."""
         if self._streaming and self.after_device is not None:
             self.after_device.saved(self._streaming, self.after_device.num_layers)
         self._streaming = []
+        if meta is not None and meta.clock:
+            if meta.clock != self._clock_path:
+                if self._clock is not None:
+                    self._clock.close()
+                self._clock, self._clock_path = ForwardClock.open(meta.clock), meta.clock
+            if self._clock is not None:
+                self._clock.stamp(self._clock_rank, meta.step, time.time_ns())
 
     def start(self, meta: KvdConnectorMetadata) -> None:
         client = self.client
@@ -375,6 +389,9 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._clock is not None:
+            self._clock.close()
+            self._clock = None
         if self.after_device is not None:
             self.after_device.close()
         if self.link is not None:

@@ -203,7 +203,7 @@ class TransferParams(_message.Message):
     def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_epoch: _Optional[str] = ..., request_id: _Optional[str] = ..., generation: _Optional[int] = ..., capability: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., remote_tp_size: _Optional[int] = ..., remote_pp_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "stream", "verify")
+    __slots__ = ("worker", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "stream", "verify", "computed_at_unix_nanos")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class PublishRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_AT_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -222,7 +223,8 @@ class PublishRequest(_message.Message):
     lease_seconds: float
     stream: bool
     verify: str
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ..., verify: _Optional[str] = ...) -> None: ...
+    computed_at_unix_nanos: int
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., stream: _Optional[bool] = ..., verify: _Optional[str] = ..., computed_at_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class LayersSavedRequest(_message.Message):
     __slots__ = ("worker", "request_ids", "layers_saved")
@@ -247,7 +249,7 @@ class PublishResponse(_message.Message):
     def __init__(self, params: _Optional[_Union[TransferParams, _Mapping]] = ...) -> None: ...
 
 class PublishEngineRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "verify")
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "capability", "reader_engine_id", "lease_seconds", "verify", "computed_at_unix_nanos")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +258,7 @@ class PublishEngineRequest(_message.Message):
     READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_AT_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
@@ -264,7 +267,8 @@ class PublishEngineRequest(_message.Message):
     reader_engine_id: str
     lease_seconds: float
     verify: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., verify: _Optional[str] = ...) -> None: ...
+    computed_at_unix_nanos: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., capability: _Optional[bytes] = ..., reader_engine_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., verify: _Optional[str] = ..., computed_at_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("worker", "request_id", "params", "local_block_ids", "priority", "tenant", "deadline_ms")
