@@ -4,6 +4,7 @@ whose bytes differ fails exactly the blocks that differ."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import sys
@@ -96,6 +97,35 @@ def test_the_sample_catches_a_request_whose_blocks_p_reused(daemons):
     clean = pull(ds, "r8", publish(ps, "r8", P_IDS), D_IDS)
     assert all(f.details[("recving", "r8")].outcome == "done" for f in clean)
     assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 2
+
+
+def test_a_relayout_that_swaps_two_heads_is_caught_by_the_sample(daemons, monkeypatch):
+    """The relayout-bug control, through real daemons: D's daemon, with the
+    test-only landing fault, puts local heads 0 and 1 of every block it lands
+    in each other's place (every byte arrives; only where it lands is wrong).
+    The default sample fails the load on both D ranks, only in blocks of it;
+    the same publication's bytes through a daemon without the fault pass, and
+    a bad fault name keeps the daemon from starting."""
+    p = daemons.start("prefill", "--verify", "sampled")
+    monkeypatch.setenv("KVD_TEST_LANDING_FAULT", "swap_heads")
+    d = daemons.start("decode", "--verify", "sampled")
+    monkeypatch.delenv("KVD_TEST_LANDING_FAULT")
+    clean_d = daemons.start("decode2", "--verify", "sampled")
+    ps = [make_worker(p.grpc, "prefill", block_size=32, layout="HND")]
+    ds = [make_worker(d.grpc, "decode", tp_rank=r, tp_size=2, block_size=16) for r in range(2)]
+    clean = [make_worker(clean_d.grpc, "decode2", tp_rank=r, tp_size=2, block_size=16) for r in range(2)]
+    for f in pull(clean, "r9", publish(ps, "r9", P_IDS), D_IDS):  # the control first: the fault is D's alone
+        assert f.details[("recving", "r9")].outcome == "done" and not f.invalid_block_ids, f
+    assert all(w.mismatch(7, D_IDS, NTOK) is None for w in clean)
+    for f in pull(ds, "r10", publish(ps, "r10", P_IDS), D_IDS):
+        assert f.details[("recving", "r10")].outcome == "failed", f
+        assert f.invalid_block_ids and f.invalid_block_ids <= set(D_IDS), f
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="mismatch") == 2
+    assert "KVD_TEST_LANDING_FAULT=swap_heads" in d.log() and "KVD_TEST_LANDING_FAULT" not in clean_d.log()
+    assert any(w.mismatch(7, D_IDS, NTOK) is not None for w in ds)  # the fault did alter what landed
+    env = {**os.environ, "KVD_TEST_LANDING_FAULT": "swap_tokens"}
+    r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and "KVD_TEST_LANDING_FAULT" in r.stderr and "swap_tokens" in r.stderr, r.stderr[-2000:]
 
 
 def test_an_owner_that_does_not_verify_leaves_the_load_unverified_not_failed(daemons):

@@ -35,6 +35,7 @@ from kvd.core.requests import LeaseRef, PeerAbort, PullOrder, TransferParams
 from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
+from kvd.daemon import landing_fault
 from kvd.daemon.active_pull import ActivePull, Failure, failure_reason
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.finished_sets import FinishedSets
@@ -63,6 +64,7 @@ class Puller:
         self.tasks = tasks
         self.metrics = metrics
         self.verifier = verifier
+        self.landing_fault = landing_fault.from_env()  # tests only: what verification must catch
         self.active_clock = ActiveClock(metrics.active_seconds)
         self.draining = False  # set by the daemon: nothing new is pulled
         self.pulls: dict[tuple[RankKey, str], ActivePull] = {}
@@ -70,9 +72,8 @@ class Puller:
         self.retry = RetryPolicy(retries=config.pull_retries)
         self.striping = Striping(config.stripes_per_read, config.stripe_min_bytes) if config.transport == "tcp" else Striping()
         self._slots = asyncio.Semaphore(config.max_concurrent_pulls)
-        # Kept for 2 x pull_timeout after each pull, so compact: numpy ids
-        # (a Python list of 1024 ids is ~37 KB; at a few hundred pulls a second
-        # the lists alone held hundreds of MB).
+        # Kept for 2 x pull_timeout after each pull, so compact: numpy ids (a Python list of
+        # 1024 ids is ~37 KB; at a few hundred pulls a second the lists alone held hundreds of MB).
         self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[np.ndarray]]] = {}
 
     # ------------------------------------------------------------ gRPC
@@ -145,12 +146,12 @@ class Puller:
             async with self._slots:
                 t0 = time.perf_counter()
                 phase.labels("queued").observe(t0 - active.accepted)
-                # asyncio.timeout, not wait_for: on 3.11 wait_for runs the pull as a task
-                # of its own, a turn of the loop before its first step.
+                # asyncio.timeout, not wait_for: on 3.11 wait_for runs the pull as a task of its own, a turn of the loop before its first step.
                 async with asyncio.timeout(self.config.pull_timeout_seconds):
                     asked = self.verifier.ask_early(self.channels, reg, req, active.params)
                     try:
                         total = await self._with_retries(reg, active, rank, local_ids, progress)
+                        landing_fault.after_landing(self.landing_fault, reg.tensors, req.local)
                     except BaseException:
                         if asked is not None:
                             asked.cancel()
