@@ -481,7 +481,7 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
         # NIXL's engines keep both cores busy while idle (its UCX progress): a row
         # measured beside them would pay for that. Each pair that spins is stopped
         # (SIGSTOP) while another row is measured, and runs only for its own.
-        spinning = [k for k, c in idle_cpu.items() if c > 25]
+        spinning = [k for k, c in idle_cpu.items() if c > 25 and k != "one engine"]  # the engines alone have rounds of their own after
         _signal_groups([p for k in spinning for p in everyone[k]], signal.SIGSTOP)
         delays_before = _delay_histogram(openai_pd.p_metrics)
         medians: dict[str, list[float]] = {name: [] for name in urls}
@@ -515,8 +515,9 @@ def test_real_engine_latency_against_nixl_and_one_engine(openai_pd, vllm_python,
     finally:
         for server in engines.values():
             kill_group(server.proc)
+        # A stopped process takes its SIGTERM only once it runs.
+        _signal_groups([*openai_pd.procs, *(nixl_pair.procs if nixl_pair else [])], signal.SIGCONT)
         for proc in nixl_pair.procs if nixl_pair else ():
-            _signal_groups([proc], signal.SIGCONT)  # a stopped process takes its SIGTERM only once it runs
             kill_group(proc)
         idle.kill_all()
     _print_rows(rows, parts)

@@ -75,7 +75,7 @@ def daemon_status(address: str, auth: AuthConfig | None = None, timeout: float =
         return pbg.AdminStub(channel).Status(pb.StatusRequest(), timeout=timeout, metadata=auth.call_metadata(), wait_for_ready=wait_ready)
     except grpc.RpcError as e:
         if wait_ready and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise DeadlineExceeded(f"kvd daemon at {address} not reachable after {timeout}s") from None
+            raise DeadlineExceeded(f"kvd daemon at {address} not reachable (or not answering) after {timeout}s") from None
         raise from_code(e.code().name, e.details() or "") from None
     finally:
         channel.close()

@@ -146,7 +146,7 @@ class Verifier:
 
     async def digest(self, regs: Sequence[Registration], order: PublishOrder) -> _Digested | None:
         """Before ``order`` is published (its blocks are final): each rank's
-        digests, off the loop. None where verification is off, for a stream
+        digests, off the loop (a small sampled one on it: ``_on_the_loop``). None where verification is off, for a stream
         (published before its layers are written), or where digesting failed
         (logged): the publication goes on, unverified."""
         mode = self.mode_of(order)
@@ -246,7 +246,7 @@ class Verifier:
     @staticmethod
     def check(reg: Registration, query: DigestQuery, theirs: DigestAnswer, local: Sequence[Sequence[int]],
               first_tokens: Sequence[int]) -> list[tuple[DigestRows, Mismatch, list[int]]]:
-        """Digest what landed with the owner's sample and compare (blocking: run off the loop).
+        """Digest what landed with the owner's sample and compare (blocking: off the loop unless small, ``_on_the_loop``).
         Per group that differs: its rows, where, and the local block ids to fail."""
         out = []
         for rows, sums in zip(query.rows, theirs.sums, strict=True):

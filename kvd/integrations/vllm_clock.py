@@ -9,10 +9,16 @@ scheduler itself never sees the forward end, so each worker stamps it (in
 in shared memory, by step, and the scheduler reads the stamp of the step that
 computed the prompt. The latest rank to end (the forward's end) wins.
 
-A ring of the last ``RING`` steps per rank: under async scheduling the step
-that computed a prompt is not the newest one. A worker on another host (a
-multi-node engine) cannot open the file and stamps nothing; the ranks on the
-scheduler's host still give the forward's end, give or take a collective.
+On a GPU the stamp is taken once the device got there (``AfterDevice``),
+not when the forward was only enqueued. A ring of the last ``RING`` steps per
+rank: under async scheduling the step that computed a prompt is not the
+newest one.
+
+What it cannot see: a worker on another host (a multi-node engine) cannot
+open the file and stamps nothing, so a pipeline stage there that ends later
+is missed and the delay is under-counted; ranks that share a (TP, PP) slot
+(context parallelism) keep the last one's stamp. A file is removed when its
+scheduler exits; one killed with SIGKILL leaves ``RING`` x 16 bytes a rank.
 """
 
 from __future__ import annotations
@@ -44,10 +50,18 @@ class ForwardClock:
     @classmethod
     def create(cls, ranks: int) -> ForwardClock:
         """The scheduler's: a new file for ``ranks`` workers (unlinked by ``close``)."""
+        shape = (max(1, ranks), RING, _SLOT)
         fd, path = tempfile.mkstemp(prefix=f"kvd-forward-clock-{os.getpid()}-", dir=_folder())
+        try:
+            # Its pages now: tmpfs grants a sparse file and kills the first
+            # writer to a page past its limit with SIGBUS; this fails cleanly.
+            os.posix_fallocate(fd, 0, int(np.prod(shape)) * 8)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
         os.close(fd)
-        slots = np.memmap(path, dtype=np.int64, mode="w+", shape=(max(1, ranks), RING, _SLOT))
-        return cls(path, slots, owner=True)
+        return cls(path, np.memmap(path, dtype=np.int64, mode="r+", shape=shape), owner=True)
 
     @classmethod
     def open(cls, path: str) -> ForwardClock | None:
@@ -75,8 +89,12 @@ class ForwardClock:
         """When the forward of ``step`` ended on its last rank to end (Unix
         ns); 0 where no rank stamped it (or the ring moved past it)."""
         slots = self._slots[:, step % RING]
-        # (A slot is written again RING steps later; the scheduler reads it within a step or two.)
-        ends, mine = slots[:, 1].copy(), slots[:, 0] == step
+        # The step, then the time, then the step again: a writer stores the
+        # time first, so a slot whose step reads the same both times holds
+        # that step's time (and not one rewritten RING steps later meanwhile).
+        before = slots[:, 0].copy()
+        ends = slots[:, 1].copy()
+        mine = (before == step) & (slots[:, 0] == step)
         return int(ends[mine].max()) if mine.any() else 0
 
     def close(self) -> None:

@@ -179,6 +179,7 @@ class SchedulerSide:
         # are numbered, the workers stamp each one's end, and a request notes
         # the step that computes the rest of its prompt.
         self._clock: ForwardClock | None = None
+        self._no_clock = False  # the file could not be made: not tried again
         self._step = 0
         self._prefilling: dict[str, Request] = {}
         self._prompt_step: dict[str, int] = {}
@@ -351,9 +352,13 @@ class SchedulerSide:
             if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
                 self._prompt_step[rid] = self._step
                 del self._prefilling[rid]
-        if self._clock is None and self._prompt_step:
-            self._clock = ForwardClock.create(self.tp_size * self.pp_size)
-            atexit.register(self.shutdown)  # the file goes even if vLLM never calls shutdown
+        if self._clock is None and self._prompt_step and not self._no_clock:
+            try:
+                self._clock = ForwardClock.create(self.tp_size * self.pp_size)
+                atexit.register(self.shutdown)  # the file goes even if vLLM never calls shutdown
+            except OSError as e:  # a metric is not worth the engine: publish without stamps
+                self._no_clock = True
+                log.warning("kvd: no forward clock (kvd_publish_delay_seconds is not observed): %s", e)
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
         meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end, idle,
                                     self._step, self._clock.path if self._clock is not None else "")

@@ -190,7 +190,8 @@ class WorkerSide:
         try:
             self.client.publish(pub.request_id, pub.block_ids, pub.num_tokens, capability=pub.capability, lease_seconds=pub.lease_seconds,
                                 first_tokens=pub.first_tokens, stream=pub.stream, verify=pub.verify,
-                                computed_at_ns=pub.computed_at_ns)
+                                # A stamp of the scheduler's host's clock, kept only where that is ours (we map its file).
+                                computed_at_ns=pub.computed_at_ns if self._clock is not None else 0)
             self._sending.add(rid)
             if pub.request_id != rid:
                 self._names[pub.request_id] = rid
@@ -215,8 +216,12 @@ class WorkerSide:
                 if self._clock is not None:
                     self._clock.close()
                 self._clock, self._clock_path = ForwardClock.open(meta.clock), meta.clock
-            if self._clock is not None:
-                self._clock.stamp(self._clock_rank, meta.step, time.time_ns())
+            clock, rank, step = self._clock, self._clock_rank, meta.step
+            if clock is not None and self.on_gpu and self.after_device is not None:
+                # The forward is only enqueued: its end is when the device gets here.
+                self.after_device.run(lambda: clock.stamp(rank, step, time.time_ns()))
+            elif clock is not None:
+                clock.stamp(rank, step, time.time_ns())
 
     def start(self, meta: KvdConnectorMetadata) -> None:
         client = self.client
