@@ -23,9 +23,15 @@ def test_the_forward_clock_gives_the_last_rank_to_end_and_only_for_its_step():
         worker = ForwardClock.open(clock.path)  # what another process maps
         assert worker is not None
         worker.stamp(0, 7, 1_000)
-        assert clock.ended(7) == 1_000
+        assert clock.ended(7) == 1_000 and not clock.all_stamped()
         worker.stamp(1, 7, 1_500)  # the forward ends with its last rank
-        assert clock.ended(7) == 1_500
+        assert clock.ended(7) == 1_500 and clock.all_stamped()
+        # Every rank has mapped it: its name goes, and nothing is left should the engine be killed;
+        # the mappings go on working.
+        clock.unlink()
+        assert not Path(clock.path).exists()
+        worker.stamp(1, 30, 2_000)
+        assert clock.ended(30) == 2_000
         assert clock.ended(8) == 0  # a step no rank stamped
         worker.stamp(0, 7 + RING, 9_000)  # the ring moved on: step 7's slot of rank 0 is another step's now
         assert clock.ended(7) == 1_500 and clock.ended(7 + RING) == 9_000

@@ -52,6 +52,7 @@ from tests.vllm_support import (
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, model_dir, baseline, daemons, tmp_path):
+    clocks = set(Path("/dev/shm").glob("kvd-forward-clock-*"))
     p, d = daemons.start("prefill"), daemons.start("decode")
     result, log = drive(vllm_python, tmp_path, "pd", model_dir, "--p-kvd", p.grpc, "--d-kvd", d.grpc)
     pd_prompts = PROMPTS[:-1]
@@ -83,6 +84,8 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     # P's worker: P's daemon observed the delay to it (0 until then: kvd_publish_delay_seconds).
     stamped = scrape(p.metrics_url, "kvd_publish_delay_seconds_count", by="engine")
     assert stamped >= len(result["checks"]) and scrape(p.metrics_url, "kvd_publish_delay_seconds_count", by="worker") == 0, stamped
+    # Its file is gone (vLLM's engine process ends with os._exit, which runs no atexit).
+    assert set(Path("/dev/shm").glob("kvd-forward-clock-*")) <= clocks
     print(f"\nP published {stamped:.0f} prompts {scrape(p.metrics_url, 'kvd_publish_delay_seconds_sum', by='engine') / stamped * 1e3:.2f} ms "
           "after their forward ended, on average")
     # Published before D had the params: D's daemon never waited to resolve them.

@@ -18,7 +18,10 @@ What it cannot see: a worker on another host (a multi-node engine) cannot
 open the file and stamps nothing, so a pipeline stage there that ends later
 is missed and the delay is under-counted; ranks that share a (TP, PP) slot
 (context parallelism) keep the last one's stamp. A file is removed when its
-scheduler exits; one killed with SIGKILL leaves ``RING`` x 16 bytes a rank.
+The scheduler removes the file's name as soon as every rank has mapped it
+(each has stamped a step), or a few steps after it was made where some never
+will: an engine that exits any way, SIGKILL too, leaves nothing behind.
+vLLM's engine process ends with ``os._exit``, which runs no ``atexit``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class ForwardClock:
         self.path = path
         self._slots = slots  # (ranks, RING, 2) int64, mapped
         self._owner = owner
+        self.linked = owner  # the scheduler's name for the file still exists
 
     @classmethod
     def create(cls, ranks: int) -> ForwardClock:
@@ -97,11 +101,20 @@ class ForwardClock:
         mine = (before == step) & (slots[:, 0] == step)
         return int(ends[mine].max()) if mine.any() else 0
 
-    def close(self) -> None:
-        """Unmap; the scheduler's copy also removes the file."""
-        if self._owner:
+    def all_stamped(self) -> bool:
+        """Every rank has stamped a step: each has mapped the file, and needs its name no more."""
+        return bool((self._slots[:, :, 0].max(axis=1) > 0).all())
+
+    def unlink(self) -> None:
+        """Remove the file's name (the scheduler's copy); every mapping of it stays good."""
+        if self.linked:
+            self.linked = False
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+
+    def close(self) -> None:
+        """Unmap; the scheduler's copy also removes the file."""
+        self.unlink()
         mm = getattr(self._slots, "_mmap", None)
         self._slots = np.zeros((0, RING, _SLOT), dtype=np.int64)
         if mm is not None:

@@ -7,7 +7,6 @@ It runs in vLLM's scheduler process; what it decides reaches the workers as
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import logging
@@ -59,6 +58,10 @@ ENGINE_REFUSALS_TO_PAUSE = 3
 # How long it pauses for, before it tries again: a worker that registered
 # again with a restarted daemon keeps its token, and the scheduler's is good again.
 ENGINE_RETRY_S = 10.0
+
+# Steps after the forward clock is made by which every rank on this host has
+# mapped it (each does in its first step that names it): its name goes then.
+CLOCK_OPEN_STEPS = 64
 
 _PREFILL_DONE = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -180,6 +183,7 @@ class SchedulerSide:
         # the step that computes the rest of its prompt.
         self._clock: ForwardClock | None = None
         self._no_clock = False  # the file could not be made: not tried again
+        self._clock_since = 0  # the step it was made in
         self._step = 0
         self._prefilling: dict[str, Request] = {}
         self._prompt_step: dict[str, int] = {}
@@ -354,11 +358,12 @@ class SchedulerSide:
                 del self._prefilling[rid]
         if self._clock is None and self._prompt_step and not self._no_clock:
             try:
-                self._clock = ForwardClock.create(self.tp_size * self.pp_size)
-                atexit.register(self.shutdown)  # the file goes even if vLLM never calls shutdown
+                self._clock, self._clock_since = ForwardClock.create(self.tp_size * self.pp_size), self._step
             except OSError as e:  # a metric is not worth the engine: publish without stamps
                 self._no_clock = True
                 log.warning("kvd: no forward clock (kvd_publish_delay_seconds is not observed): %s", e)
+        elif self._clock is not None and self._clock.linked and (self._clock.all_stamped() or self._step - self._clock_since > CLOCK_OPEN_STEPS):
+            self._clock.unlink()  # every rank mapped it (or never will): nothing is left if the engine is killed
         idle = int(getattr(scheduler_output, "total_num_scheduled_tokens", 1) or 0) == 0
         meta = KvdConnectorMetadata(self._to_publish, self._to_load, self._failed_loads, self._to_release, self._to_end, idle,
                                     self._step, self._clock.path if self._clock is not None else "")
