@@ -198,8 +198,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing is copied (the daemon reads the cache in place); a streaming
         prefill says every layer is saved; the forward's end is stamped for the scheduler."""
         if self._worker is not None:
-            meta = getattr(self, "_connector_metadata", None)  # bound for this step by vLLM
-            self._worker.step_saved(meta if isinstance(meta, KvdConnectorMetadata) else None)
+            self._worker.step_saved(self._bound_meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """As the base: the daemon's pushed outcomes, with no round trip; see ``get_transfer_results`` for an idle step."""
@@ -213,9 +212,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return self._worker.poll(self._idle_step())
 
-    def _idle_step(self) -> bool:
+    def _bound_meta(self) -> KvdConnectorMetadata | None:
         meta = getattr(self, "_connector_metadata", None)  # bound for this step by vLLM
-        return isinstance(meta, KvdConnectorMetadata) and meta.idle
+        return meta if isinstance(meta, KvdConnectorMetadata) else None
+
+    def _idle_step(self) -> bool:
+        meta = self._bound_meta()
+        return meta is not None and meta.idle
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """As the base: exactly the blocks that did not land (every block of a load the daemon refused)."""

@@ -17,7 +17,8 @@ newest one.
 What it cannot see: a worker on another host (a multi-node engine) cannot
 open the file and stamps nothing, so a pipeline stage there that ends later
 is missed and the delay is under-counted; ranks that share a (TP, PP) slot
-(context parallelism) keep the last one's stamp. A file is removed when its
+(context parallelism) keep the last one's stamp.
+
 The scheduler removes the file's name as soon as every rank has mapped it
 (each has stamped a step), or a few steps after it was made where some never
 will: an engine that exits any way, SIGKILL too, leaves nothing behind.
@@ -48,12 +49,11 @@ class ForwardClock:
     def __init__(self, path: str, slots: np.ndarray, owner: bool) -> None:
         self.path = path
         self._slots = slots  # (ranks, RING, 2) int64, mapped
-        self._owner = owner
-        self.linked = owner  # the scheduler's name for the file still exists
+        self.linked = owner  # the scheduler's copy, whose name for the file still exists
 
     @classmethod
     def create(cls, ranks: int) -> ForwardClock:
-        """The scheduler's: a new file for ``ranks`` workers (unlinked by ``close``)."""
+        """The scheduler's: a new file for ``ranks`` workers (its name removed by ``unlink`` or ``close``)."""
         shape = (max(1, ranks), RING, _SLOT)
         fd, path = tempfile.mkstemp(prefix=f"kvd-forward-clock-{os.getpid()}-", dir=_folder())
         try:

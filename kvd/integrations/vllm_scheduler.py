@@ -141,6 +141,12 @@ def _loadable(blocks: Any, block_size: int) -> GroupBlocks:
     return GroupBlocks(kept[0][0] * block_size, tuple(b for _, b in kept))
 
 
+def _computes_rest_of_prompt(request: Request, scheduler_output: Any) -> bool:
+    """This step computes the rest of ``request``'s prompt (asked before vLLM advances its computed tokens)."""
+    scheduled = int(scheduler_output.num_scheduled_tokens.get(request.request_id, 0))
+    return bool(scheduled) and request.num_computed_tokens + scheduled >= request.num_prompt_tokens
+
+
 def _state_block(ids: Any, scratch: int) -> GroupBlocks:
     """A state group's running state: its last real block, before the
     speculative scratch blocks (NIXL's ``clip_ssm_state_blocks`` alike)."""
@@ -343,8 +349,7 @@ class SchedulerSide:
                 if request.kv_transfer_params:
                     request.kv_transfer_params["do_remote_decode"] = False  # decode computes it (its load fails)
         for rid, (request, blocks) in self._stream_pending.items():
-            scheduled = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
-            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+            if _computes_rest_of_prompt(request, scheduler_output):
                 pub = self._publication(request, tuple(blocks.get_block_ids()), request.num_prompt_tokens, stream=True)
                 if pub is not None:
                     self._to_publish[rid] = pub
@@ -352,8 +357,7 @@ class SchedulerSide:
         self._stream_pending.clear()
         self._step += 1
         for rid, request in list(self._prefilling.items()):
-            scheduled = int(scheduler_output.num_scheduled_tokens.get(rid, 0))
-            if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+            if _computes_rest_of_prompt(request, scheduler_output):
                 self._prompt_step[rid] = self._step
                 del self._prefilling[rid]
         if self._clock is None and self._prompt_step and not self._no_clock:

@@ -217,10 +217,12 @@ class WorkerSide:
                     self._clock.close()
                 self._clock, self._clock_path = ForwardClock.open(meta.clock), meta.clock
             clock, rank, step = self._clock, self._clock_rank, meta.step
-            if clock is not None and self.on_gpu and self.after_device is not None:
+            if clock is None:
+                return
+            if self.on_gpu and self.after_device is not None:
                 # The forward is only enqueued: its end is when the device gets here.
                 self.after_device.run(lambda: clock.stamp(rank, step, time.time_ns()))
-            elif clock is not None:
+            else:
                 clock.stamp(rank, step, time.time_ns())
 
     def start(self, meta: KvdConnectorMetadata) -> None:
