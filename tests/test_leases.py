@@ -219,3 +219,19 @@ def test_owner_checks_every_block_of_a_reads_batched_segments():
             owner.authorize(_batched_read(pub, bad), reader, tensors, 1.0)
     with pytest.raises(InvalidArgument, match=r"segment\.block_ids"):
         owner.authorize(_batched_read(pub, [(3,), (64,)]), reader, tensors, 1.0)
+
+
+def test_a_publication_is_released_once_when_its_last_reader_here_ends_and_one_gave_up():
+    from kvd.core.reader_release import ReaderRelease
+
+    a, b = ("prefill", "h:1", "r1", b"c1"), ("prefill", "h:1", "r2", b"c2")
+    readers = ReaderRelease()
+    for key in (a, a, b):
+        readers.started(key)
+    assert readers.ended(a, "rank 0 failed") is None  # its sibling still reads
+    assert readers.open_pulls(a) == 1
+    release = readers.ended(a)  # the sibling landed: now P hears the first one's reason
+    assert release is not None and release.key == a and release.reason == "rank 0 failed"
+    assert readers.open_pulls(a) == 0
+    assert readers.ended(b) is None  # every reader landed: P ends it on their acknowledgements
+    assert readers.ended(("prefill", "h:1", "r3", b"c3"), "aborted") is not None  # never counted: told at once

@@ -8,9 +8,11 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 
+from kvd.client import daemon_status
 from kvd.testing import pattern
 from kvd.testing.metrics import scrape
 from tests.conftest import make_worker
@@ -97,6 +99,32 @@ def test_the_sample_catches_a_request_whose_blocks_p_reused(daemons):
     clean = pull(ds, "r8", publish(ps, "r8", P_IDS), D_IDS)
     assert all(f.details[("recving", "r8")].outcome == "done" for f in clean)
     assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 2
+
+
+def test_one_rank_failing_its_check_does_not_cut_off_its_sibling(daemons):
+    """Two D ranks on one daemon read the same publication; D runs one pull
+    at a time, so rank 1 is still queued when rank 0's check fails. Rank 0's
+    failure must not end P's publication under rank 1: D tells P only once
+    its last rank reading it has ended. Each rank then fails exactly the two
+    blocks over the altered P block, from its own check; a daemon that told
+    P at once would leave rank 1 refused, with its whole load invalid."""
+    p = daemons.start("prefill", "--verify", "full")
+    d = daemons.start("decode", "--verify", "full", "--max-concurrent-pulls", "1")
+    ps = [make_worker(p.grpc, "prefill", block_size=32, layout="HND")]
+    ds = [make_worker(d.grpc, "decode", tp_rank=r, tp_size=2, block_size=16) for r in range(2)]
+    params = publish(ps, "r11", P_IDS)
+    for w in ps:
+        pattern.fill(w.tensors, 8, [P_IDS[3]], w.coords, first_token=96)
+    for f in pull(ds, "r11", params, D_IDS):
+        assert f.details[("recving", "r11")].outcome == "failed", f
+        assert "differs from what 'prefill' published" in f.details[("recving", "r11")].reason, f
+        assert f.invalid_block_ids == {D_IDS[6], D_IDS[7]}, f
+    assert scrape(d.metrics_url, "kvd_verify_checks_total", result="mismatch") == 2
+    # Both read every byte, so P let the publication go on their acknowledgements.
+    deadline = time.monotonic() + 10
+    while any(x.request_id == "r11" for x in daemon_status(p.grpc).leases) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(x.request_id == "r11" for x in daemon_status(p.grpc).leases)
 
 
 def test_a_relayout_that_swaps_two_heads_is_caught_by_the_sample(daemons, monkeypatch):

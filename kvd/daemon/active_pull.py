@@ -31,6 +31,7 @@ class ActivePull:
     accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here
     progress: PullProgress = field(default_factory=PullProgress)  # what has landed: Admin.Status shows it
     qos: QosTag = field(default_factory=QosTag)  # its place on a contended wire
+    gave_up: str = ""  # why it won't read the rest: P is told once no sibling rank still reads
 
     def cancel(self, reason: str, outcome: str = "failed") -> None:
         if self.task is not None and not self.task.done():

@@ -27,10 +27,11 @@ from kvd.core.digest import VerifyMismatch
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
 from kvd.core.leases import RankKey, check_block_ids, check_disjoint
-from kvd.core.pairing import engine_shape, in_wire_order
+from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
 from kvd.core.qos import QosTag, ms_left
+from kvd.core.reader_release import PublicationKey, ReaderRelease
 from kvd.core.requests import LeaseRef, PeerAbort, PullOrder, TransferParams
 from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
@@ -41,9 +42,10 @@ from kvd.daemon.config import DaemonConfig
 from kvd.daemon.finished_sets import FinishedSets
 from kvd.daemon.metrics import ActiveClock, Metrics
 from kvd.daemon.outbound import PeerChannels, Tasks
-from kvd.daemon.peers import Handshakes, Peer
+from kvd.daemon.peers import Handshakes
 from kvd.daemon.registration import Registration
 from kvd.daemon.registry import Registry
+from kvd.daemon.segment_size import segment_bytes
 from kvd.daemon.verifier import Verifier
 from kvd.transport.tcp_client import TcpDataClient
 
@@ -68,6 +70,7 @@ class Puller:
         self.active_clock = ActiveClock(metrics.active_seconds)
         self.draining = False  # set by the daemon: nothing new is pulled
         self.pulls: dict[tuple[RankKey, str], ActivePull] = {}
+        self.readers = ReaderRelease()  # P hears that we gave up once our last rank reading it ended
         self.recent_failures: collections.deque[Failure] = collections.deque(maxlen=32)
         self.retry = RetryPolicy(retries=config.pull_retries)
         self.striping = Striping(config.stripes_per_read, config.stripe_min_bytes) if config.transport == "tcp" else Striping()
@@ -111,15 +114,16 @@ class Puller:
         active = ActivePull(worker, req, p, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter(), qos=qos)
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
-        active.task.add_done_callback(lambda _t: self.pulls.pop(key, None))
+        self.readers.started(_publication(p))
+        active.task.add_done_callback(lambda _t: self._ended(key, active))
 
     def abort(self, worker: WorkerId, request_id: str, release: TransferParams | None, rank: RankKey) -> bool:
         """D cancels its pull and tells P; with ``release``, P frees blocks D will not read."""
         found = False
         active = self.pulls.get((rank, request_id))
         if active is not None and active.task is not None:
+            active.gave_up = active.gave_up or f"reader {self.config.engine_id} aborted"  # told P when its siblings end too
             active.cancel(f"aborted by {worker}", "aborted")
-            self.tasks.spawn(self._abort_remote(active.params, f"reader {self.config.engine_id} aborted"))
             found = True
         if release is not None and release.remote_address:
             self.tasks.spawn(self._abort_remote(release, f"reader {self.config.engine_id} does not need it"))
@@ -190,8 +194,8 @@ class Puller:
             self.finished.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
             if outcome == "failed" and reason != "lease_lost":
                 # The engine recomputes what it could not load: P need not hold
-                # the blocks to its lease. (An abort has told P already.)
-                self.tasks.spawn(self._abort_remote(p, f"reader {self.config.engine_id} failed to load it: {message}"))
+                # the blocks to its lease (told once this daemon's last reader of them ends).
+                active.gave_up = active.gave_up or f"reader {self.config.engine_id} failed to load it: {message}"
             log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -262,7 +266,7 @@ class Puller:
             plan = functools.partial(
                 plan_pull, local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                 local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
-                local_block_ids=local_ids, segment_bytes=_segment_bytes(self.config, self.data_client, reg, peer),
+                local_block_ids=local_ids, segment_bytes=segment_bytes(self.config, self.data_client, reg, peer),
                 local_first_tokens=[b.first_token for b in req.local],
             )
             try:
@@ -377,6 +381,13 @@ class Puller:
                 await work  # the copy is short; let it end before the failure is reported
             raise
 
+    def _ended(self, key: tuple[RankKey, str], active: ActivePull) -> None:
+        """A pull's task is done, however (even cancelled before it ran)."""
+        self.pulls.pop(key, None)
+        release = self.readers.ended(_publication(active.request.params), active.gave_up)
+        if release is not None:
+            self.tasks.spawn(self._abort_remote(active.params, release.reason))
+
     # ------------------------------------------------------------ talking to P
 
     async def _abort_remote(self, params: TransferParams, reason: str) -> None:
@@ -415,36 +426,11 @@ class Puller:
                 p.cancel(f"publication of request_id={p.params.request_id!r} expired or ended on the prefill side")
 
 
+def _publication(params: TransferParams) -> PublicationKey:
+    return (params.remote_engine_id, params.remote_address, params.request_id, params.capability)
+
+
 def _renew_interval(params: TransferParams) -> float:
     """Heartbeat three times per lease, so one lost beat does not lose the lease."""
     lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
     return max(0.05, lease / 3)
-
-
-# A segment is the wire's unit of pipelining. GPU to GPU on one host there is
-# no wire, and a segment's own cost (its Python, launches and index upload,
-# some 100 us) is what a 4 MiB device copy takes at 40 GB/s: measured on an
-# H100, 4 MiB segments held that path to 12 GB/s against a 1.4 TB/s memcpy.
-LOCAL_DEVICE_SEGMENT_BYTES = 64 << 20  # copied by one kernel where in wire order, else via GPU staging (samehost.copy_local)
-# GPU memory over TCP: each segment is gathered on the GPU, copied to pinned
-# memory, sent, received into pinned memory and relaid out on the GPU, with
-# a fixed cost per step. On an H200 (256 MiB reads over 2 connections) 16 MiB
-# segments moved 4.2-4.6 GB/s against 3.6-4.3 at 4 MiB and 3.6-4.5 at 32 MiB.
-DEVICE_TCP_SEGMENT_BYTES = 16 << 20
-
-
-def _segment_bytes(config: DaemonConfig, data_client: TcpDataClient, reg: Registration, peer: Peer) -> int:
-    """Bigger segments where every remote rank is mapped here and our memory
-    is on a GPU, or where a TCP read lands in place (``IN_PLACE_SEGMENT_BYTES``)."""
-    configured = config.segment_bytes
-    on_gpu = all(t.device.type == "cuda" for t in reg.tensors)
-    every_rank_local = len(peer.local_sources) == len(peer.meta.ranks)
-    if on_gpu and every_rank_local and peer.local_sources:
-        return max(configured, LOCAL_DEVICE_SEGMENT_BYTES)
-    # Over TLS every frame is received into staging; on a GPU, too.
-    plain_tcp = config.transport == "tcp" and data_client.tls is None
-    if plain_tcp and on_gpu and not peer.local_sources:
-        return max(configured, DEVICE_TCP_SEGMENT_BYTES)
-    if plain_tcp and all(t.device.type == "cpu" for t in reg.tensors) and in_wire_order(reg.groups, peer.meta):
-        return max(configured, config.in_place_segment_bytes)
-    return configured
