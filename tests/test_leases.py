@@ -221,17 +221,32 @@ def test_owner_checks_every_block_of_a_reads_batched_segments():
         owner.authorize(_batched_read(pub, [(3,), (64,)]), reader, tensors, 1.0)
 
 
-def test_a_publication_is_released_once_when_its_last_reader_here_ends_and_one_gave_up():
-    from kvd.core.reader_release import ReaderRelease
+def test_a_publication_is_released_once_no_reader_here_is_open_after_the_grace_and_one_gave_up():
+    from kvd.core.reader_release import ReaderRelease, publication
+    from kvd.core.requests import TransferParams
 
-    a, b = ("prefill", "h:1", "r1", b"c1"), ("prefill", "h:1", "r2", b"c2")
+    def params(rid: str, generation: int = 0) -> TransferParams:
+        return TransferParams(remote_engine_id="prefill", remote_address="h:1", request_id=rid, capability=rid.encode(),
+                              block_ids=(), num_tokens=16, generation=generation)
+
+    a, b = params("r1"), params("r2")
     readers = ReaderRelease()
-    for key in (a, a, b):
-        readers.started(key)
-    assert readers.ended(a, "rank 0 failed") is None  # its sibling still reads
-    assert readers.open_pulls(a) == 1
-    release = readers.ended(a)  # the sibling landed: now P hears the first one's reason
-    assert release is not None and release.key == a and release.reason == "rank 0 failed"
-    assert readers.open_pulls(a) == 0
-    assert readers.ended(b) is None  # every reader landed: P ends it on their acknowledgements
-    assert readers.ended(("prefill", "h:1", "r3", b"c3"), "aborted") is not None  # never counted: told at once
+    for p in (a, a, b):
+        readers.started(p)
+    assert not readers.ended(a, "rank 0 failed")  # its sibling still reads
+    assert readers.open_pulls(publication(a)) == 1 and readers.due(publication(a)) is None
+    assert readers.ended(params("r1", generation=3))  # the sibling (resolved) landed: a release is due after the grace
+    readers.started(a)  # a late sibling's Pull within the grace keeps the publication
+    assert readers.due(publication(a)) is None
+    assert readers.ended(a)
+    release = readers.due(publication(a))  # now P hears the first reason, with the resolved params
+    assert release is not None and release.reason == "rank 0 failed" and release.params.generation == 3
+    assert readers.due(publication(a)) is None  # once
+    assert not readers.ended(b) and readers.due(publication(b)) is None  # every reader landed: P ends it on their ACKs
+    c = params("r3")
+    assert readers.give_up(c, "not needed")  # a rank that will not pull, none open: due after the grace
+    release = readers.due(publication(c))
+    assert release is not None and release.reason == "not needed"
+    readers.started(a)
+    assert not readers.give_up(a, "refused")  # a sibling still reads: its end releases
+    assert readers.ended(a) and readers.due(publication(a)).reason == "refused"

@@ -2,64 +2,96 @@
 
 A publication is read by every D rank that needs a part of it, and the ranks
 of one engine usually share a daemon. One rank that fails (its check found a
-mismatch, its worker aborted) must not end P's publication under a sibling
-still reading it: the sibling would be refused, and all of its blocks, not
-just the failed rank's, would come back invalid. So the daemon keeps, per
-publication, how many of its pulls are still open and why any of them gave
-up, and tells P once, when the last one ends.
+mismatch, its worker aborted, its Pull was refused) must not end P's
+publication under a sibling still reading it: the sibling would be refused,
+and all of its blocks, not just the failed rank's, would come back invalid.
+So the daemon keeps, per publication, how many of its pulls are still open
+and why any of them gave up, and tells P once, when none is open.
 
-A sibling whose Pull arrives after the others all ended finds the
-publication released; the ranks of one engine send their Pulls in the same
-step, which is shorter than any read that could fail before them.
+"None is open" is asked twice: as the last pull ends (``ended`` says a
+release is due), and again a grace period later (``due``), since the ranks'
+Pulls of one step do not arrive at once: a sibling whose Pull comes within
+the grace keeps the publication, and the release waits for its end too.
+The shell keeps the clock.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd.core.requests import TransferParams
+
 # (remote engine, its address, request id, capability): one publication, named
 # before it is resolved, as every rank's params name it alike.
 PublicationKey = tuple[str, str, str, bytes]
 
 
+def publication(params: TransferParams) -> PublicationKey:
+    return (params.remote_engine_id, params.remote_address, params.request_id, params.capability)
+
+
 @dataclass
 class _Readers:
+    params: TransferParams  # the most resolved seen: what P is told with
     open: int = 0
     reason: str = ""  # why one of them gave up: what P is told at the end
 
 
 @dataclass(frozen=True)
 class Release:
-    """Tell P: ``key``'s reader is done with it, for ``reason``."""
+    """Tell P, with ``params``, that this reader is done with the publication, for ``reason``."""
 
-    key: PublicationKey
+    params: TransferParams
     reason: str
 
 
 class ReaderRelease:
-    """Open pulls per publication, and whether to release it as the last ends."""
+    """Open pulls per publication, and whether to release it once none is."""
 
     def __init__(self) -> None:
         self._open: dict[PublicationKey, _Readers] = {}
 
-    def started(self, key: PublicationKey) -> None:
-        self._open.setdefault(key, _Readers()).open += 1
+    def started(self, params: TransferParams) -> None:
+        self._entry(params).open += 1
 
-    def ended(self, key: PublicationKey, gave_up: str = "") -> Release | None:
-        """A pull of ``key`` ended; ``gave_up`` says why it won't read the rest
-        ("" when it landed, or when P already ended the publication). Returns
-        the release to send, once, when it was the last open pull and any of
-        them gave up."""
+    def ended(self, params: TransferParams, gave_up: str = "") -> bool:
+        """A pull of ``params`` ended; ``gave_up`` says why it won't read the
+        rest ("" when it landed, or when P already ended the publication).
+        True: it was the last open one and one gave up; ask ``due`` after the grace."""
+        readers = self._entry(params)
+        readers.open = max(readers.open - 1, 0)
+        return self._settle(publication(params), readers, gave_up)
+
+    def give_up(self, params: TransferParams, reason: str) -> bool:
+        """A rank that will not pull ``params`` (refused, or not needed). True: none is open; ask ``due`` after the grace."""
+        return self._settle(publication(params), self._entry(params), reason)
+
+    def due(self, key: PublicationKey) -> Release | None:
+        """The grace is over: the release to send now, once, if still none is open."""
         readers = self._open.get(key)
-        if readers is None:
-            return Release(key, gave_up) if gave_up else None  # not counted: nothing to wait for
-        readers.open -= 1
-        readers.reason = readers.reason or gave_up
-        if readers.open > 0:
+        if readers is None or readers.open or not readers.reason:
             return None
         del self._open[key]
-        return Release(key, readers.reason) if readers.reason else None
+        return Release(readers.params, readers.reason)
 
     def open_pulls(self, key: PublicationKey) -> int:
         readers = self._open.get(key)
         return 0 if readers is None else readers.open
+
+    def _entry(self, params: TransferParams) -> _Readers:
+        key = publication(params)
+        readers = self._open.get(key)
+        if readers is None:
+            readers = self._open[key] = _Readers(params)
+        elif params.generation and not readers.params.generation:
+            readers.params = params
+        return readers
+
+    def _settle(self, key: PublicationKey, readers: _Readers, gave_up: str) -> bool:
+        readers.reason = readers.reason or gave_up
+        if readers.open:
+            return False
+        if not readers.reason:
+            del self._open[key]  # every reader landed: P ends it on their acknowledgements
+            return False
+        return True

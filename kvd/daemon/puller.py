@@ -31,7 +31,7 @@ from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
 from kvd.core.qos import QosTag, ms_left
-from kvd.core.reader_release import PublicationKey, ReaderRelease
+from kvd.core.reader_release import PublicationKey, ReaderRelease, publication
 from kvd.core.requests import LeaseRef, PeerAbort, PullOrder, TransferParams
 from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
@@ -52,6 +52,9 @@ from kvd.transport.tcp_client import TcpDataClient
 log = logging.getLogger("kvd.daemon")
 
 PLAN_IN_THREAD_BLOCKS = 2048  # about 1 ms of planning
+# A publication one rank gave up is released this long after no rank here
+# reads it: its siblings' Pulls of the same step may still be on their way.
+RELEASE_GRACE_SECONDS = 0.2
 
 
 class Puller:
@@ -114,7 +117,7 @@ class Puller:
         active = ActivePull(worker, req, p, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter(), qos=qos)
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
-        self.readers.started(_publication(p))
+        self.readers.started(p)
         active.task.add_done_callback(lambda _t: self._ended(key, active))
 
     def abort(self, worker: WorkerId, request_id: str, release: TransferParams | None, rank: RankKey) -> bool:
@@ -126,7 +129,8 @@ class Puller:
             active.cancel(f"aborted by {worker}", "aborted")
             found = True
         if release is not None and release.remote_address:
-            self.tasks.spawn(self._abort_remote(release, f"reader {self.config.engine_id} does not need it"))
+            if self.readers.give_up(release, f"reader {self.config.engine_id} does not need it"):
+                self._release_later(publication(release))
             found = True
         return found
 
@@ -139,6 +143,7 @@ class Puller:
     # ------------------------------------------------------------ one pull
 
     async def _run(self, reg: Registration, active: ActivePull) -> None:
+        active.ran = True
         req = active.request
         rank = (reg.worker.tp_rank, reg.worker.pp_rank)
         local_ids = [list(b.ids) for b in req.local]
@@ -382,11 +387,18 @@ class Puller:
             raise
 
     def _ended(self, key: tuple[RankKey, str], active: ActivePull) -> None:
-        """A pull's task is done, however (even cancelled before it ran)."""
+        """A pull's task is done, however (even cancelled before its first step)."""
         self.pulls.pop(key, None)
-        release = self.readers.ended(_publication(active.request.params), active.gave_up)
-        if release is not None:
-            self.tasks.spawn(self._abort_remote(active.params, release.reason))
+        gave_up = active.gave_up or ("" if active.ran else f"reader {self.config.engine_id} cancelled it before it started")
+        if self.readers.ended(active.params, gave_up):
+            self._release_later(publication(active.params))
+
+    def _release_later(self, key: PublicationKey) -> None:
+        def due() -> None:
+            release = self.readers.due(key)
+            if release is not None:
+                self.tasks.spawn(self._abort_remote(release.params, release.reason))
+        asyncio.get_running_loop().call_later(RELEASE_GRACE_SECONDS, due)
 
     # ------------------------------------------------------------ talking to P
 
@@ -424,10 +436,6 @@ class Puller:
             if not ok:
                 # Don't wait for a read that can only be refused.
                 p.cancel(f"publication of request_id={p.params.request_id!r} expired or ended on the prefill side")
-
-
-def _publication(params: TransferParams) -> PublicationKey:
-    return (params.remote_engine_id, params.remote_address, params.request_id, params.capability)
 
 
 def _renew_interval(params: TransferParams) -> float:
