@@ -121,7 +121,8 @@ class Puller:
         active.task.add_done_callback(lambda _t: self._ended(key, active))
 
     def abort(self, worker: WorkerId, request_id: str, release: TransferParams | None, rank: RankKey) -> bool:
-        """D cancels its pull and tells P; with ``release``, P frees blocks D will not read."""
+        """D cancels its pull; with ``release``, P frees blocks D will not read. P
+        hears either once no pull here reads that publication (``ReaderRelease``)."""
         found = False
         active = self.pulls.get((rank, request_id))
         if active is not None and active.task is not None:

@@ -13,6 +13,7 @@ the worker's to settle (``vllm_worker.WorkerSide``).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -22,12 +23,16 @@ import grpc
 
 from kvd.client import FinishedFeed, KvdClient
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable
+from kvd.proto import kvd_pb2 as pb
 
 log = logging.getLogger("vllm.kvd")
 
 # After a refusal that retrying will not cure (the daemon runs another
 # engine, the worker's caches no longer match it), try again this seldom.
 REFUSED_RETRY_SECONDS = 60.0
+# Releases kept for sending once the worker registered again (the newest;
+# an older one is left to its publication's lease).
+MAX_PENDING_RELEASES = 4096
 
 
 class DaemonLink:
@@ -42,6 +47,33 @@ class DaemonLink:
         self._rejoined = threading.Event()  # the rejoin under way registered again
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        # Loads refused while the daemon was down: P holds their blocks for its
+        # lease (120 s by default) unless told; a D sidecar restart under load
+        # filled P's cache that way. Sent once the worker registered again.
+        self._releases: collections.deque[tuple[str, pb.TransferParams]] = collections.deque(maxlen=MAX_PENDING_RELEASES)
+
+    def release_later(self, request_id: str, params: pb.TransferParams) -> None:
+        """A release the daemon could not take (it was down): sent after the next registration."""
+        with self._lock:
+            self._releases.append((request_id, params))
+
+    def _send_releases(self) -> None:
+        with self._lock:
+            pending = list(self._releases)
+            self._releases.clear()
+        sent = 0
+        for i, (rid, params) in enumerate(pending):
+            try:
+                self.client.abort(rid, release=params)
+                sent += 1
+            except (Unavailable, DeadlineExceeded):  # gone again: the next registration sends the rest
+                with self._lock:
+                    self._releases.extendleft(reversed(pending[i:]))
+                break
+            except KvdError as e:
+                log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
+        if sent:
+            log.warning("kvd: released %d publications whose loads were refused while the daemon was down", sent)
 
     def _new_feed(self) -> FinishedFeed:
         return FinishedFeed(self.client, on_error=self._failed).start()
@@ -103,6 +135,7 @@ class DaemonLink:
                         self._next = self._new_feed()
                         self._rejoined.set()
                     log.warning("kvd: registered again with the daemon at %s (it restarted)", self.address)
+                    self._send_releases()
                     return
                 self._stop.wait(delay)
                 delay = min(2.0, delay * 2) if delay < REFUSED_RETRY_SECONDS else delay

@@ -36,7 +36,7 @@ from kvd.client import (
 )
 from kvd.convert import params_to_pb
 from kvd.core.requests import TransferParams
-from kvd.errors import KvdError, Status
+from kvd.errors import DeadlineExceeded, KvdError, Status, Unavailable
 from kvd.integrations.kv_params import Publication
 from kvd.integrations.vllm_caches import (
     cpu_cache_registration,
@@ -239,10 +239,7 @@ class WorkerSide:
             elif not pub.stream:  # streams were published before the forward
                 self._publish(rid, pub)
         for rid, release in meta.to_release.items():
-            try:
-                client.abort(rid, release=params_to_pb(release))
-            except KvdError as e:
-                log.info("kvd: could not release request %s on %s (its lease will): %s", release.request_id, release.remote_address, e.message)
+            self._release(client, rid, release)
         for rid, ids in meta.failed_loads.items():
             self._done_recving.add(rid)
             self._failed_recving.add(rid)
@@ -279,6 +276,16 @@ class WorkerSide:
                 answered(e)
         meta.to_load = {}  # started: once per step, whichever hook got there first
 
+    def _release(self, client: KvdClient, rid: str, params: TransferParams) -> None:
+        """Tell P, through our daemon, that we will not read ``params``; if the daemon is down, once it is back."""
+        try:
+            client.abort(rid, release=params_to_pb(params))
+        except (Unavailable, DeadlineExceeded):
+            if self.link is not None:
+                self.link.release_later(rid, params_to_pb(params))
+        except KvdError as e:
+            log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
+
     def _pull_answered(self, rid: str, params: TransferParams, error: KvdError | None) -> None:
         """Keep a refusal for the engine's next poll (from a gRPC thread for GPU loads)."""
         if error is not None:
@@ -295,8 +302,7 @@ class WorkerSide:
             if ids is None:
                 continue  # its outcome came first: the daemon took it, and only its answer was lost
             log.error("kvd: load of request %s refused by the local daemon (%s): %s", rid, error.status.name, error.message)
-            with contextlib.suppress(KvdError):  # P need not hold what we will not read
-                self.client.abort(rid, release=params_to_pb(params))
+            self._release(self.client, rid, params)  # P need not hold what we will not read
             out.finished_recving.add(rid)
             out.failed_recving.add(rid)
             self._invalid |= ids
