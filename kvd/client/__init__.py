@@ -91,10 +91,11 @@ class KvdClient:
         self.timeout = timeout
         self.auth = auth or AuthConfig()
         # The daemon is local: after it restarts (a sidecar upgrade) the worker
-        # tries again within a second of it answering. gRPC's default backoff
+        # tries again about a second after it answers. gRPC's default backoff
         # grows to 120 s; behind a 20 s restart the worker rejoined 6-17 s late.
+        # (Not min_reconnect_backoff_ms: gRPC takes it as the connect timeout too.)
         options = [("grpc.max_send_message_length", 16 << 20), ("grpc.max_receive_message_length", 16 << 20),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
         creds = self.auth.channel_credentials()
         self._channel = grpc.secure_channel(address, creds, options=options) if creds else grpc.insecure_channel(address, options=options)
         self._worker = pbg.WorkerStub(self._channel)

@@ -22,16 +22,17 @@ from typing import Any
 import grpc
 
 from kvd.client import FinishedFeed, KvdClient
+from kvd.convert import params_to_pb
+from kvd.core.requests import TransferParams
 from kvd.errors import DeadlineExceeded, KvdError, Unavailable
-from kvd.proto import kvd_pb2 as pb
 
 log = logging.getLogger("vllm.kvd")
 
 # After a refusal that retrying will not cure (the daemon runs another
 # engine, the worker's caches no longer match it), try again this seldom.
 REFUSED_RETRY_SECONDS = 60.0
-# Releases kept for sending once the worker registered again (the newest;
-# an older one is left to its publication's lease).
+# Releases kept until the daemon takes them (the newest; an older one is
+# left to its publication's lease).
 MAX_PENDING_RELEASES = 4096
 
 
@@ -47,33 +48,62 @@ class DaemonLink:
         self._rejoined = threading.Event()  # the rejoin under way registered again
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        # Loads refused while the daemon was down: P holds their blocks for its
-        # lease (120 s by default) unless told; a D sidecar restart under load
-        # filled P's cache that way. Sent once the worker registered again.
-        self._releases: collections.deque[tuple[str, pb.TransferParams]] = collections.deque(maxlen=MAX_PENDING_RELEASES)
+        # Releases the daemon could not take (it was down: loads it refused, or
+        # a lost registration's): P holds their blocks for its lease (120 s by
+        # default) unless told, and a D sidecar restart under load filled P's
+        # cache that way. Sent from a thread of their own once the link is whole.
+        self._releases: collections.deque[tuple[str, TransferParams]] = collections.deque(maxlen=MAX_PENDING_RELEASES)
+        self._dropped = 0  # past MAX_PENDING_RELEASES: left to their leases
+        self._flusher: threading.Thread | None = None
 
-    def release_later(self, request_id: str, params: pb.TransferParams) -> None:
-        """A release the daemon could not take (it was down): sent after the next registration."""
+    def release_later(self, request_id: str, params: TransferParams) -> None:
+        """A release for the daemon once it answers this worker registered (``flush_releases``)."""
         with self._lock:
+            if len(self._releases) == MAX_PENDING_RELEASES:
+                self._dropped += 1
             self._releases.append((request_id, params))
 
-    def _send_releases(self) -> None:
+    def flush_releases(self) -> None:
+        """From the engine thread: with releases kept and the link whole (a
+        feed taken up, no rejoin under way), send them off the engine thread.
+        (The rejoin starts the same once registered: an idle engine does not step.)"""
         with self._lock:
-            pending = list(self._releases)
-            self._releases.clear()
+            if self._thread is None and self._lost is None and self.feed is not None:
+                self._start_flusher()
+
+    def _start_flusher(self) -> None:
+        """Under the lock, this worker registered with the daemon that answers."""
+        if self._releases and self._flusher is None and not self._stop.is_set():
+            self._flusher = threading.Thread(target=self._send_releases, name="kvd-releases", daemon=True)
+            self._flusher.start()
+
+    def _send_releases(self) -> None:
         sent = 0
-        for i, (rid, params) in enumerate(pending):
-            try:
-                self.client.abort(rid, release=params)
-                sent += 1
-            except (Unavailable, DeadlineExceeded):  # gone again: the next registration sends the rest
+        try:
+            while not self._stop.is_set():
                 with self._lock:
-                    self._releases.extendleft(reversed(pending[i:]))
-                break
-            except KvdError as e:
-                log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
-        if sent:
-            log.warning("kvd: released %d publications whose loads were refused while the daemon was down", sent)
+                    if not self._releases:
+                        break
+                    rid, params = self._releases.popleft()
+                try:
+                    self.client.abort(rid, release=params_to_pb(params))
+                    sent += 1
+                except (Unavailable, DeadlineExceeded):  # gone again: sent once the link is whole again
+                    with self._lock:
+                        if len(self._releases) < MAX_PENDING_RELEASES:
+                            self._releases.appendleft((rid, params))
+                    break
+                except KvdError as e:
+                    log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
+                except ValueError:  # the channel closed under us (close())
+                    break
+        finally:
+            with self._lock:
+                self._flusher, dropped, self._dropped = None, self._dropped, 0
+            if sent:
+                log.warning("kvd: released %d publications this worker could not read while its daemon was down", sent)
+            if dropped:
+                log.warning("kvd: %d releases past the %d kept were left to their leases", dropped, MAX_PENDING_RELEASES)
 
     def _new_feed(self) -> FinishedFeed:
         return FinishedFeed(self.client, on_error=self._failed).start()
@@ -134,21 +164,23 @@ class DaemonLink:
                             return
                         self._next = self._new_feed()
                         self._rejoined.set()
+                        self._thread = None  # a loss from now on starts a rejoin of its own
+                        self._start_flusher()
                     log.warning("kvd: registered again with the daemon at %s (it restarted)", self.address)
-                    self._send_releases()
                     return
                 self._stop.wait(delay)
                 delay = min(2.0, delay * 2) if delay < REFUSED_RETRY_SECONDS else delay
         finally:
             with self._lock:
-                self._thread = None
+                if self._thread is threading.current_thread():
+                    self._thread = None
 
     def close(self) -> None:
         """Stop any rejoin (so nothing registers after an unregister) and every feed."""
         self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout=10)
+        for thread in (self._thread, self._flusher):
+            if thread is not None:
+                thread.join(timeout=10)
         with self._lock:
             feeds = [f for f in (self.feed, self._next, self._lost) if f is not None]
             self.feed = self._next = self._lost = None

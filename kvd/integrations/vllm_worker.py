@@ -71,7 +71,7 @@ class _LostTransfers:
     """A lost registration's outstanding transfers, until they are reported."""
 
     sending: set[str]
-    loading: dict[str, set[int]]
+    loading: dict[str, tuple[set[int], TransferParams]]  # its blocks, and what it read (to release on P)
     at: float
     unreachable: bool  # the daemon was gone, and its work with it
     rejoined: threading.Event  # set once the worker registered again
@@ -100,7 +100,7 @@ class WorkerSide:
         # What the daemon still owes us an outcome for: if it goes away, its
         # publications and pulls are gone, and vLLM must hear so, not wait.
         self._sending: set[str] = set()
-        self._loading: dict[str, set[int]] = {}
+        self._loading: dict[str, tuple[set[int], TransferParams]] = {}  # its blocks, and what it reads
         # A publication named other than its request (streamed: the proxy named it) -> the request.
         self._names: dict[str, str] = {}
         # Published by the scheduler and already ended when its metadata came (not to be tracked then).
@@ -262,7 +262,7 @@ class WorkerSide:
             return
         self.settle_link()
         for rid, load in meta.to_load.items():
-            self._loading[rid] = {i for g in load.local_block_ids for i in g}
+            self._loading[rid] = ({i for g in load.local_block_ids for i in g}, load.params)
             answered = functools.partial(self._pull_answered, rid, load.params)
             params = params_to_pb(load.params)  # the client's message
             if after.cuda:
@@ -282,7 +282,7 @@ class WorkerSide:
             client.abort(rid, release=params_to_pb(params))
         except (Unavailable, DeadlineExceeded):
             if self.link is not None:
-                self.link.release_later(rid, params_to_pb(params))
+                self.link.release_later(rid, params)
         except KvdError as e:
             log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
 
@@ -298,9 +298,10 @@ class WorkerSide:
         with self._lock:
             refused, self._refused = self._refused, {}
         for rid, (params, error) in refused.items():
-            ids = self._loading.pop(rid, None)
-            if ids is None:
+            entry = self._loading.pop(rid, None)
+            if entry is None:
                 continue  # its outcome came first: the daemon took it, and only its answer was lost
+            ids = entry[0]
             log.error("kvd: load of request %s refused by the local daemon (%s): %s", rid, error.status.name, error.message)
             self._release(self.client, rid, params)  # P need not hold what we will not read
             out.finished_recving.add(rid)
@@ -388,9 +389,11 @@ class WorkerSide:
                 self._done_sending |= lost.sending
                 self._done_recving |= set(lost.loading)
                 self._failed_recving |= set(lost.loading)
-                for ids in lost.loading.values():
+                for rid, (ids, params) in lost.loading.items():
                     self._invalid |= ids
+                    link.release_later(rid, params)  # no pull of ours reads it any more: P may free it
                 self._reported_lost |= lost.sending | set(lost.loading)
+        link.flush_releases()
 
     def take_invalid(self) -> set[int]:
         out, self._invalid = self._invalid, set()
