@@ -197,18 +197,24 @@ class KvdClient:
         waiting (prefill must never wait on the network); a call the daemon
         refused raises from a later one, or from ``flush_saves``."""
         req = pb.LayersSavedRequest(worker=self._wid, request_ids=list(request_ids), layers_saved=layers_saved)
+        earlier = len(self._saves)
         if wait:
             self._call(self._worker.LayersSaved, req)
         else:
             self._saves.append(self._worker.LayersSaved.future(req, timeout=self.timeout, metadata=self._metadata()))
-        self._check_saves(block=False)  # after sending: an earlier refusal must not lose this save
+        # After sending, so an earlier refusal cannot lose this save; only the
+        # earlier ones, so this call's own refusal always surfaces from a later
+        # call, however fast the daemon answered.
+        self._check_saves(block=False, limit=earlier)
 
     def flush_saves(self) -> None:
         """Wait for every ``layers_saved`` sent so far; raise the first refusal."""
         self._check_saves(block=True)
 
-    def _check_saves(self, *, block: bool) -> None:
-        while self._saves and (block or self._saves[0].done()):
+    def _check_saves(self, *, block: bool, limit: int | None = None) -> None:
+        checked = 0
+        while self._saves and (limit is None or checked < limit) and (block or self._saves[0].done()):
+            checked += 1
             f = self._saves.popleft()
             try:
                 f.result()
