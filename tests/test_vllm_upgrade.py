@@ -11,7 +11,6 @@ one engine's tokens; none is lost.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import time
@@ -20,8 +19,11 @@ from pathlib import Path
 import pytest
 
 from kvd.client import daemon_status
-from tests.conftest import Daemons, free_port, scrape, wait_for
-from tests.vllm_support import OpenAIPD, complete_pd, kill_group, prefill_alone, serve, wait_http
+from tests.conftest import scrape, wait_for
+from tests.vllm_support import complete_pd, openai_pd_servers, prefill_alone
+
+# As the README says to run D: a load that fails (a sidecar restart fails what was in flight) is recomputed.
+RECOMPUTE = {"kv_load_failure_policy": "recompute"}
 
 pytestmark = [pytest.mark.vllm, pytest.mark.upgrade, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -69,21 +71,9 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
     import threading
 
     version, tree = previous
-    ds = Daemons(tmp_path)
-    ports = {"prefill": free_port(), "decode": free_port()}
-    daemons = {role: ds.start(role, grpc_port=ports[role]) for role in ports}
-    servers, procs = {}, []
-    try:
-        for role, cpus in (("prefill", "0"), ("decode", "1")):
-            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_load_failure_policy": "recompute",
-                      "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-                      "kv_connector_extra_config": {"kvd_address": daemons[role].grpc}}
-            servers[role] = serve(vllm_python, model_dir, tmp_path / f"{role}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
-            procs.append(servers[role].proc)
-        for s in servers.values():
-            wait_http(f"{s.url}/health", s.proc, 600, s.log)
-        pd = OpenAIPD(servers["prefill"], servers["decode"], daemons["decode"].metrics_url, daemons["prefill"].grpc, "", procs,
-                      [s.log for s in servers.values()])
+    with openai_pd_servers(vllm_python, model_dir, tmp_path, connector=RECOMPUTE, replaceable=True, health_timeout=600) as pd:
+        assert pd.sidecars is not None
+        daemons = pd.sidecars.current
         url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
         phase = ["both current"]
         rows: dict[str, dict[str, int]] = {}
@@ -122,7 +112,7 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
                 old.stop(signal.SIGTERM)  # drains: in-flight work finishes or is refused, then exit 0
                 t_started = time.monotonic()
                 assert old.proc.returncode == 0, old.log()[-2000:]
-                daemons[role] = new = ds.start(role, grpc_port=ports[role], **({"source": source} if source else {}))
+                new = pd.sidecars.replace(role, source)
                 if source:
                     assert daemon_status(new.grpc).version == version
                 new.info  # noqa: B018 (waits for its ready file)
@@ -138,21 +128,17 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
         # token the scheduler learned at startup; the previous release issued it another one meanwhile, so the
         # scheduler was refused and paused): within its retry pause and a request, while the load goes on.
         deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and not _published_again(servers["prefill"].log.read_text(errors="replace")):
+        while time.monotonic() < deadline and not _published_again(pd.prefill.log.read_text(errors="replace")):
             time.sleep(1)
         stop.set()
         loader.join(timeout=300)
         print("\n" + "\n".join(f"{k}: {v}" for k, v in rows.items()))
-    finally:
-        for proc in procs:
-            kill_group(proc)
-        ds.kill_all()
     assert all(r["failed"] == 0 and r["wrong"] == 0 for r in rows.values()), rows
     assert sum(r["requests"] for r in rows.values()) >= 10, rows
     # The new daemons took part: D's (whichever version) received KV through kvd in every phase after a replacement.
     # CI keeps no files: a phase without kvd loads says what the connectors logged.
     assert all(v > 0 for v in loaded.values()), (loaded, slow, _kvd_lines(tmp_path))
-    assert _published_again(servers["prefill"].log.read_text(errors="replace")), servers["prefill"].log.read_text(errors="replace")[-3000:]
+    assert _published_again(pd.prefill.log.read_text(errors="replace")), pd.prefill.log.read_text(errors="replace")[-3000:]
 
 
 def test_p_frees_what_d_could_not_load_while_its_daemon_was_down_once_it_is_back(vllm_python, model_dir, tmp_path):
@@ -161,21 +147,9 @@ def test_p_frees_what_d_could_not_load_while_its_daemon_was_down_once_it_is_back
     lease (120 s by default) unless D says it will not read it. Under a steady
     load that filled P's cache within a sidecar restart. Once D's worker
     registered again, it releases them: P holds none within seconds."""
-    ds = Daemons(tmp_path)
-    ports = {"prefill": free_port(), "decode": free_port()}
-    daemons = {role: ds.start(role, grpc_port=ports[role]) for role in ports}
-    servers, procs = {}, []
-    try:
-        for role, cpus in (("prefill", "0"), ("decode", "1")):
-            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_load_failure_policy": "recompute",
-                      "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-                      "kv_connector_extra_config": {"kvd_address": daemons[role].grpc}}
-            servers[role] = serve(vllm_python, model_dir, tmp_path / f"{role}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
-            procs.append(servers[role].proc)
-        for s in servers.values():
-            wait_http(f"{s.url}/health", s.proc, 600, s.log)
-        pd = OpenAIPD(servers["prefill"], servers["decode"], daemons["decode"].metrics_url, daemons["prefill"].grpc, "", procs,
-                      [s.log for s in servers.values()])
+    with openai_pd_servers(vllm_python, model_dir, tmp_path, connector=RECOMPUTE, replaceable=True, health_timeout=600) as pd:
+        assert pd.sidecars is not None
+        daemons = pd.sidecars.current
         url = pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
         p_metrics = daemons["prefill"].metrics_url
 
@@ -191,7 +165,7 @@ def test_p_frees_what_d_could_not_load_while_its_daemon_was_down_once_it_is_back
         held = scrape(p_metrics, "kvd_leases_held")
         assert held == n, f"P holds {held} publications for the {n} requests D could not load"
         released = scrape(p_metrics, "kvd_reader_releases_total")
-        daemons["decode"] = ds.start("decode", grpc_port=ports["decode"])
+        pd.sidecars.replace("decode")
         took = _rejoined(daemons["decode"].grpc)
         t0 = time.monotonic()
         wait_for(lambda: scrape(p_metrics, "kvd_leases_held") == 0, 30, "P still holds publications 30 s after D's worker registered again")
@@ -205,7 +179,3 @@ def test_p_frees_what_d_could_not_load_while_its_daemon_was_down_once_it_is_back
                 break
         else:
             raise AssertionError("D did not load through kvd again")
-    finally:
-        for proc in procs:
-            kill_group(proc)
-        ds.kill_all()

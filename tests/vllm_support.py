@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from kvd.testing.daemons import DaemonProc
 from tests import vllm_env
-from tests.conftest import REPO, free_port, scrape
+from tests.conftest import REPO, Daemons, free_port, scrape
 from tests.zoo import ZooModel
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 128  # vLLM's CPU default block size
@@ -163,6 +164,21 @@ def serve(py: Path, model: Path, log: Path, *extra: str, cpus: str = "0", env: d
 
 
 @dataclass
+class Sidecars:
+    """The kvd daemons beside a P/D pair of OpenAI servers, by role; with
+    fixed gRPC ports, one can be replaced under its running engine."""
+
+    ds: Daemons
+    ports: dict[str, int]
+    current: dict[str, DaemonProc]
+
+    def replace(self, role: str, source: Path | None = None) -> DaemonProc:
+        """A new daemon on the stopped one's port (``source``: another release's tree)."""
+        self.current[role] = self.ds.start(role, grpc_port=self.ports[role], **({"source": source} if source else {}))
+        return self.current[role]
+
+
+@dataclass
 class OpenAIPD:
     prefill: Server
     decode: Server
@@ -171,6 +187,7 @@ class OpenAIPD:
     p_metrics: str
     procs: list[subprocess.Popen]
     logs: list[Path]  # the servers', the daemons' and any proxy's
+    sidecars: Sidecars | None = None  # kvd's (none for NixlConnector)
 
     def proxy(self, cmd: list[str], log: Path) -> str:
         self.logs.append(log)
@@ -182,24 +199,27 @@ class OpenAIPD:
 
 
 @contextlib.contextmanager
-def openai_pd_servers(vllm_python: Path, model_dir: Path, tmp: Path, *daemon_flags: str) -> Iterator[OpenAIPD]:
-    """A prefill and a decode OpenAI server, each beside its own kvd daemon (started with ``daemon_flags``)."""
-    from tests.conftest import Daemons
-
+def openai_pd_servers(vllm_python: Path, model_dir: Path, tmp: Path, *daemon_flags: str, connector: dict | None = None, replaceable: bool = False,
+                      health_timeout: float = 300) -> Iterator[OpenAIPD]:
+    """A prefill and a decode OpenAI server, each beside its own kvd daemon (started with ``daemon_flags``);
+    ``connector`` adds to the README's connector config; ``replaceable`` gives each daemon a fixed gRPC
+    port, for ``OpenAIPD.sidecars.replace``."""
     ds = Daemons(tmp)
     procs: list[subprocess.Popen] = []  # the servers, then any proxy a test starts
     try:
-        p, d = ds.start("prefill", *daemon_flags), ds.start("decode", *daemon_flags)
+        ports = {role: free_port() if replaceable else 0 for role in ("prefill", "decode")}
+        sidecars = Sidecars(ds, ports, {role: ds.start(role, *daemon_flags, grpc_port=ports[role]) for role in ports})
+        p, d = sidecars.current["prefill"], sidecars.current["decode"]
         servers = {}
         for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):
-            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", "kv_role": role,
+            config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", **(connector or {}), "kv_role": role,
                       "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
             servers[name] = serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
             procs.append(servers[name].proc)
         for s in servers.values():
-            wait_http(f"{s.url}/health", s.proc, 300, s.log)
+            wait_http(f"{s.url}/health", s.proc, health_timeout, s.log)
         logs = [s.log for s in servers.values()] + [daemon.log_path for daemon in (p, d)]
-        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs, logs)
+        yield OpenAIPD(servers["prefill"], servers["decode"], d.metrics_url, p.grpc, p.metrics_url, procs, logs, sidecars)
     finally:
         for proc in procs:
             kill_group(proc)

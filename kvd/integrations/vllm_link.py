@@ -36,6 +36,19 @@ REFUSED_RETRY_SECONDS = 60.0
 MAX_PENDING_RELEASES = 4096
 
 
+def send_release(client: KvdClient, request_id: str, params: TransferParams) -> bool:
+    """Tell P, through our daemon, that we will not read ``params`` (P frees
+    its blocks before the lease ends). False if the daemon did not answer; a
+    refusal is logged and left to the lease."""
+    try:
+        client.abort(request_id, release=params_to_pb(params))
+    except (Unavailable, DeadlineExceeded):
+        return False
+    except KvdError as e:
+        log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
+    return True
+
+
 class DaemonLink:
     def __init__(self, client: KvdClient, register_again: Callable[[], Any], address: str) -> None:
         self.client = client
@@ -55,6 +68,11 @@ class DaemonLink:
         self._releases: collections.deque[tuple[str, TransferParams]] = collections.deque(maxlen=MAX_PENDING_RELEASES)
         self._dropped = 0  # past MAX_PENDING_RELEASES: left to their leases
         self._flusher: threading.Thread | None = None
+
+    def release(self, request_id: str, params: TransferParams) -> None:
+        """Tell P, through our daemon, that we will not read ``params``; if the daemon is down, once it is back."""
+        if not send_release(self.client, request_id, params):
+            self.release_later(request_id, params)
 
     def release_later(self, request_id: str, params: TransferParams) -> None:
         """A release for the daemon once it answers this worker registered (``flush_releases``)."""
@@ -86,22 +104,20 @@ class DaemonLink:
                         break
                     rid, params = self._releases.popleft()
                 try:
-                    self.client.abort(rid, release=params_to_pb(params))
-                    sent += 1
-                except (Unavailable, DeadlineExceeded):  # gone again: sent once the link is whole again
+                    answered = send_release(self.client, rid, params)
+                except ValueError:  # the channel closed under us (close())
+                    break
+                if not answered:  # gone again: sent once the link is whole again
                     with self._lock:
                         if len(self._releases) < MAX_PENDING_RELEASES:
                             self._releases.appendleft((rid, params))
                     break
-                except KvdError as e:
-                    log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
-                except ValueError:  # the channel closed under us (close())
-                    break
+                sent += 1
         finally:
             with self._lock:
                 self._flusher, dropped, self._dropped = None, self._dropped, 0
             if sent:
-                log.warning("kvd: released %d publications this worker could not read while its daemon was down", sent)
+                log.warning("kvd: sent %d releases of publications this worker could not read while its daemon was down", sent)
             if dropped:
                 log.warning("kvd: %d releases past the %d kept were left to their leases", dropped, MAX_PENDING_RELEASES)
 

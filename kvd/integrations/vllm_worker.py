@@ -36,7 +36,7 @@ from kvd.client import (
 )
 from kvd.convert import params_to_pb
 from kvd.core.requests import TransferParams
-from kvd.errors import DeadlineExceeded, KvdError, Status, Unavailable
+from kvd.errors import KvdError, Status
 from kvd.integrations.kv_params import Publication
 from kvd.integrations.vllm_caches import (
     cpu_cache_registration,
@@ -47,7 +47,7 @@ from kvd.integrations.vllm_caches import (
     state_shape,
 )
 from kvd.integrations.vllm_clock import ForwardClock
-from kvd.integrations.vllm_link import DaemonLink
+from kvd.integrations.vllm_link import DaemonLink, send_release
 from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, Settings
 from kvd.spec import (
     KVCacheSpec,
@@ -278,13 +278,10 @@ class WorkerSide:
 
     def _release(self, client: KvdClient, rid: str, params: TransferParams) -> None:
         """Tell P, through our daemon, that we will not read ``params``; if the daemon is down, once it is back."""
-        try:
-            client.abort(rid, release=params_to_pb(params))
-        except (Unavailable, DeadlineExceeded):
-            if self.link is not None:
-                self.link.release_later(rid, params)
-        except KvdError as e:
-            log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
+        if self.link is not None:
+            self.link.release(rid, params)
+        else:
+            send_release(client, rid, params)
 
     def _pull_answered(self, rid: str, params: TransferParams, error: KvdError | None) -> None:
         """Keep a refusal for the engine's next poll (from a gRPC thread for GPU loads)."""
