@@ -74,6 +74,27 @@ def test_engine_hub_pushes_merged_sets_to_subscribers_or_keeps_them_for_drain():
     assert set(drained.sending) == {"b"} and len(pushed) == 1
 
 
+def test_a_lower_expected_count_completes_what_already_has_that_many_reports():
+    """The expected count can fall after reports came (vLLM's
+    set_expected_finished_count once the engine starts, a rank's daemon
+    coming back): a request with enough reports for the new count must
+    complete then, as no report of it will come again."""
+    from kvd.core.aggregate import EngineFinishedHub
+
+    hub = EngineFinishedHub(expected_finished_count=2)
+    pushed = []
+    hub.subscribers.append(pushed.append)
+    hub.report(out(recving=["a", "b"], outcome="failed"))
+    hub.report(out(recving=["b"]))  # b: two of two, a: one of two
+    assert [set(p.recving) for p in pushed] == [{"b"}]
+    merged = hub.set_expected(1)
+    assert set(merged.recving) == {"a"} and merged.recving["a"].outcome == "failed"  # its worst outcome so far
+    assert [set(p.recving) for p in pushed] == [{"b"}, {"a"}]
+    assert hub.set_expected(2).empty and len(pushed) == 2  # a higher count completes nothing
+    hub.report(out(recving=["c"]))
+    assert len(pushed) == 2 and set(hub.set_expected(1).recving) == {"c"}
+
+
 def test_a_box_nobody_reads_stays_bounded_and_forgets_the_oldest():
     from kvd.core.aggregate import MAX_UNREAD, EngineFinishedHub
 

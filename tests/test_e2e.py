@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.core.errors import InvalidArgument, KvdError
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from tests.conftest import REPO, make_worker, scheduler_params, scrape, transfer
+from tests.conftest import REPO, free_port, make_worker, scheduler_params, scrape, transfer
 
 
 def test_full_path_is_byte_exact_and_reports_finished_sets(daemons):
@@ -62,7 +62,8 @@ def test_decode_daemon_restart_between_requests(daemons):
 
 @pytest.mark.faults
 def test_prefill_daemon_restart_fails_old_params_cleanly_and_serves_new(daemons):
-    p, d = daemons.start("prefill"), daemons.start("decode")
+    # P on a port picked below the ephemeral range: the new P takes it again (a port the kernel gave could be reused meanwhile).
+    p, d = daemons.start("prefill", grpc_port=free_port()), daemons.start("decode")
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
     transfer([pw], [dw], "r1", 1, [1, 2], [1, 2], 32)
     pw.fill(2, [3, 4])

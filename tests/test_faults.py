@@ -213,9 +213,11 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
     proxy.stall_after = 1 << 20
     first = pw.client.publish("first", [list(range(1, 200))], 199 * 16, lease_seconds=30)
     pw.fill(3, [500, 501])
-    second = pw.client.publish("second", [[500, 501]], 32, lease_seconds=1.0)
     dw.client.pull("first", first, [list(range(1, 200))])
     assert proxy.stalled.wait(10)
+    # Published now, not before the first pull's setup: its 1 s lease must
+    # outlive its queueing by D's heartbeat, not by how fast that setup was.
+    second = pw.client.publish("second", [[500, 501]], 32, lease_seconds=1.0)
     dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
     time.sleep(3.0)  # three lease lengths
     proxy.release()

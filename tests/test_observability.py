@@ -31,6 +31,7 @@ def test_each_pull_is_timed_by_phase_and_resolve_only_when_params_predate_the_pu
     counts = _phases(d.metrics_url, "count")
     # Published params carry their generation: nothing to resolve.
     assert counts == {**dict.fromkeys(PHASES, 1.0), "resolve": 0.0, "verify": 0.0}, counts  # verification is off by default
+    pw.client.wait_finished(sending={"r1"}, timeout=10)  # P timed its read as it sent END: it reports sending after D's ACK
     assert scrape(p.metrics_url, "kvd_read_serve_seconds_count") == 1
     # The phases are parts of the pull: together no longer than it, and the transfer its larger part.
     sums = _phases(d.metrics_url, "sum")

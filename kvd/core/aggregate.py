@@ -150,6 +150,20 @@ class KVOutputAggregator:
                     self._pending[key] = (count, worst)
         return merged
 
+    def set_expected(self, count: int) -> WorkerFinished:
+        """Expect ``count`` workers per request from now on; what already has
+        that many completes now (a lower count must not strand it: no
+        further report of it may ever come)."""
+        if count < 1:
+            raise ValueError("expected_finished_count must be >= 1")
+        self.expected = count
+        merged = WorkerFinished()
+        for key, (reported, worst) in list(self._pending.items()):
+            if reported >= count:
+                del self._pending[key]
+                merged.add(worst)
+        return merged
+
 
 class EngineFinishedHub:
     """An engine's merged finished sets: drained by one call, or pushed to
@@ -165,16 +179,17 @@ class EngineFinishedHub:
     def expected(self) -> int:
         return self.aggregator.expected
 
-    def set_expected(self, count: int) -> None:
-        if count < 1:
-            raise ValueError("expected_finished_count must be >= 1")
-        self.aggregator.expected = count
+    def set_expected(self, count: int) -> WorkerFinished:
+        """Expect ``count`` workers per request; what that completes is delivered as by ``report``."""
+        return self._deliver(self.aggregator.set_expected(count))
 
     def report(self, output: WorkerFinished) -> WorkerFinished:
         """Merge one worker's outcomes; what completes goes to the
         subscribers, or, with none, waits for ``drain`` (bounded: see
         ``MAX_UNREAD``; ``dropped`` counts what a reader never took)."""
-        merged = self.aggregator.aggregate([output])
+        return self._deliver(self.aggregator.aggregate([output]))
+
+    def _deliver(self, merged: WorkerFinished) -> WorkerFinished:
         if not merged.empty:
             if self.subscribers:  # pushed: holding it too would keep it forever
                 for notify in list(self.subscribers):

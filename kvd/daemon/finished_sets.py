@@ -10,7 +10,7 @@ aggregates on another node's daemon, that daemon through
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvd.core.aggregate import EngineFinishedHub, Outcome, WorkerFinished
 from kvd.core.leases import Ended, RankKey
@@ -37,7 +37,7 @@ class FinishedSets:
     def rank_joined(self, reg: Registration) -> None:
         """A stream the old registration of this rank opened sees it was replaced and ends."""
         self.boxes.setdefault((reg.worker.tp_rank, reg.worker.pp_rank), WorkerFinished()).wake()
-        self.engine_hub.set_expected(self._expected_override or reg.worker.tp_size * reg.worker.pp_size)
+        self._expect(self._expected_override or reg.worker.tp_size * reg.worker.pp_size)
 
     def rank_ended(self, rank: RankKey, _reason: str) -> None:
         """Its WatchFinished streams end."""
@@ -68,15 +68,23 @@ class FinishedSets:
             self._metrics.leases_expired.inc()
 
     def report_to_hub(self, output: WorkerFinished) -> None:
+        self._to_hub(lambda: self.engine_hub.report(output))
+
+    def _to_hub(self, deliver: Callable[[], object]) -> None:
+        """Deliver to the engine's hub, counting what it drops unread."""
         before = self.engine_hub.dropped
-        self.engine_hub.report(output)
+        deliver()
         if self.engine_hub.dropped > before:
             self._metrics.unread_dropped.labels("engine").inc(self.engine_hub.dropped - before)
+
+    def _expect(self, count: int) -> None:
+        """Workers per request from now on; a request the new count completes is delivered now."""
+        self._to_hub(lambda: self.engine_hub.set_expected(count))
 
     def set_expected(self, count: int, world: int) -> int:
         """vLLM's expected finished count (0: the engine's world size)."""
         self._expected_override = count
-        self.engine_hub.set_expected(count or world)
+        self._expect(count or world)
         return self.engine_hub.expected
 
     @property
