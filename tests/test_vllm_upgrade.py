@@ -121,9 +121,14 @@ def test_each_sidecar_replaced_by_the_previous_release_and_back_under_a_steady_l
                 print(f"the old daemon exited {t_started - t_stop:.1f}s after SIGTERM; the new one was ready {t_ready - t_started:.1f}s later")
                 phase[0] = name = f"{role} on {label} (worker rejoined in {took:.1f}s)"
                 print(f"{time.monotonic() - t_start:.1f}s: {name}; P holds {_held(daemons['prefill'].metrics_url)} publications")
-                before = scrape(daemons["decode"].metrics_url, "kvd_received_bytes_total", transport="tcp")
-                time.sleep(12)
-                loaded[name] = scrape(daemons["decode"].metrics_url, "kvd_received_bytes_total", transport="tcp") - before
+                before = received = scrape(daemons["decode"].metrics_url, "kvd_received_bytes_total", transport="tcp")
+                t_phase = time.monotonic()
+                # 12 s of load a phase; longer (up to 60 s) until a load went through kvd: a request takes seconds here,
+                # and the first after a replacement may be recomputed.
+                while (waited := time.monotonic() - t_phase) < 12 or (received == before and waited < 60):
+                    time.sleep(0.5)
+                    received = scrape(daemons["decode"].metrics_url, "kvd_received_bytes_total", transport="tcp")
+                loaded[name] = received - before
         # P's scheduler publishes for the engine again once P's worker is back with a current daemon (it kept the
         # token the scheduler learned at startup; the previous release issued it another one meanwhile, so the
         # scheduler was refused and paused): within its retry pause and a request, while the load goes on.
