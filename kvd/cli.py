@@ -129,6 +129,7 @@ SERVE_FLAGS = {
     "tenants": "name=share,... : each tenant's share of a contended wire (naming any turns qos on)",
     "qos-chunk-bytes": "qos on: what a read moves between two looks at the wire's order (default 1 MiB)",
     "qos-slots": "qos on: chunks of each lane (interactive; the rest) on the wire at once (default 2)",
+    "qos-read-bytes": "qos on: the most one TCP read moves; a bigger one is cut into more, for the wire's order (default 64 MiB)",
     "log-format": "text (key=value) or json",
     "log-level": "DEBUG, INFO, WARNING or ERROR",
 }

@@ -63,12 +63,13 @@ def test_planning_64_layers_2000_blocks_is_fast():
     assert elapsed < 0.5  # generous: it is numpy over 2000 ids (a few ms)
 
 
-def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
+def _one_rank_read():
+    """A read of one remote rank: 200 scattered blocks, about 52 MiB in 1 MiB segments."""
     import random
 
     from kvd.core.reads import Offer
     from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
-    from kvd.core.transfer import plan_pull, stripe
+    from kvd.core.transfer import plan_pull
     from kvd.testing.sim import make_engine
 
     rng = random.Random(3)
@@ -80,6 +81,13 @@ def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
     rank = d.ranks[(0, 0)]
     (rr,) = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
                       remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 20)
+    return rr
+
+
+def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
+    from kvd.core.transfer import stripe
+
+    rr = _one_rank_read()
     for k in (1, 2, 3, 7):
         parts = stripe(rr, k)
         assert len(parts) == min(k, len(rr.sinks))
@@ -90,6 +98,26 @@ def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
         assert sum(sizes) == rr.nbytes
         assert max(sizes) - min(sizes) <= max(s.nbytes for s in rr.sinks)  # balanced to one segment
         assert all(part.read.request_id == "r" and part.read.capability == rr.read.capability for part in parts)
+
+
+def test_a_capped_read_is_cut_into_as_many_stripes_as_keep_each_within_the_cap():
+    """--qos on: D gives its connections to reads in the wire's order, and a
+    read keeps its connection to its end, so none may be much bigger than
+    ``max_bytes`` (the order's grain); below ``min_bytes`` only the cap cuts."""
+    from kvd.core.pull import PullProgress, Striping
+    from kvd.core.reads import MAX_STRIPES
+
+    rr = _one_rank_read()
+    segment = max(s.nbytes for s in rr.sinks)
+    n = rr.nbytes
+    assert Striping(2, n + 1).of(rr) == 1 and Striping(2, n).of(rr) == 2  # as before: a big read over two connections
+    assert Striping(2, n + 1, n).of(rr) == 1 and Striping(2, n, n // 4).of(rr) == 4 and Striping(2, n + 1, n // 4 - 1).of(rr) == 5
+    assert Striping(2, 1, n // 1000).of(rr) == MAX_STRIPES  # no more than an owner takes
+    progress = PullProgress()
+    todo = progress.begin([rr], Striping(2, n, n // 4))
+    assert len(todo) == 4 and all(part.nbytes <= n // 4 + segment for part in progress.reads)  # whole segments: within one of the cap
+    assert sum(part.nbytes for part in progress.reads) == n
+    assert progress.begin([rr], Striping(2, n, n // 4), frozenset({rr.read.rank})) == [0]  # a same-host copy is not cut
 
 
 def test_an_engine_shape_is_memoised_by_identity_never_shared_between_metas():

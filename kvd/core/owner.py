@@ -30,12 +30,10 @@ from kvd.core.errors import (
 from kvd.core.leases import Ended, PinKey, Publication, PublicationTable, RankKey, check_disjoint
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import validate_segment
-from kvd.core.reads import DataRead
+from kvd.core.reads import MAX_STRIPES, DataRead
 from kvd.core.relayout import GroupTensors
 from kvd.core.spec import EngineMeta
 from kvd.core.topology import EngineShape, read_targets
-
-MAX_STRIPES = 64  # a reader claiming more would only hold the publication to its lease
 
 
 @dataclass(frozen=True)

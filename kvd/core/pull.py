@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd.core.reads import MAX_STRIPES
 from kvd.core.transfer import RankRead, stripe
 
 ReadKey = tuple[int, int, int, int, int]
@@ -24,10 +25,22 @@ ReadKey = tuple[int, int, int, int, int]
 @dataclass(frozen=True)
 class Striping:
     """A read of one remote rank of at least ``min_bytes`` goes over
-    ``stripes`` connections at once, unless it is a same-host copy."""
+    ``stripes`` connections at once, unless it is a same-host copy; with
+    ``max_bytes``, in as many more reads as keep each within it (up to
+    ``MAX_STRIPES``). A read holds its connection until it is done, so the
+    reader's order of reads (``--qos on``) is kept at that grain: tenants'
+    shares of 256 MiB reads were off by up to 15% over seconds."""
 
     stripes: int = 1
     min_bytes: int = 0
+    max_bytes: int = 0
+
+    def of(self, rr: RankRead) -> int:
+        """How many reads ``rr`` is cut into."""
+        n = self.stripes if rr.nbytes >= self.min_bytes else 1
+        if self.max_bytes:
+            n = max(n, -(-rr.nbytes // self.max_bytes))
+        return min(n, MAX_STRIPES)
 
 
 @dataclass
@@ -45,10 +58,7 @@ class PullProgress:
         """Take an attempt's plan; the indices of the reads still to run.
         Until an attempt plans, what the last one landed stands (a retry that
         fails before planning still reports exactly what did not land)."""
-        self.reads = [part for rr in reads
-                      for part in (stripe(rr, striping.stripes)
-                                   if striping.stripes > 1 and rr.nbytes >= striping.min_bytes and rr.read.rank not in local_ranks
-                                   else [rr])]
+        self.reads = [part for rr in reads for part in (stripe(rr, striping.of(rr)) if rr.read.rank not in local_ranks else [rr])]
         self.landed = [[rr.read.key in self.done] * len(rr.sinks) for rr in self.reads]
         return [i for i, rr in enumerate(self.reads) if rr.read.key not in self.done]
 

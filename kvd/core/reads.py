@@ -34,6 +34,9 @@ class DataSegment:
     head_count: int = 0
 
 
+MAX_STRIPES = 64  # stripes of one read; an owner refuses more (they would only hold the publication to its lease)
+
+
 @dataclass(frozen=True)
 class DataRead:
     owner_engine_id: str

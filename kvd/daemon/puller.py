@@ -76,7 +76,8 @@ class Puller:
         self.readers = ReaderRelease()  # P hears that we gave up once our last rank reading it ended
         self.recent_failures: collections.deque[Failure] = collections.deque(maxlen=32)
         self.retry = RetryPolicy(retries=config.pull_retries)
-        self.striping = Striping(config.stripes_per_read, config.stripe_min_bytes) if config.transport == "tcp" else Striping()
+        self.striping = (Striping(config.stripes_per_read, config.stripe_min_bytes, config.qos_read_bytes if config.qos_on else 0)
+                         if config.transport == "tcp" else Striping())
         self._slots = asyncio.Semaphore(config.max_concurrent_pulls)
         # Kept for 2 x pull_timeout after each pull, so compact: numpy ids (a Python list of
         # 1024 ids is ~37 KB; at a few hundred pulls a second the lists alone held hundreds of MB).
