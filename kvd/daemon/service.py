@@ -262,6 +262,8 @@ class WorkerService(pbg.WorkerServicer):
             if not backlog.empty:
                 yield finished_to_pb(backlog)
             while True:
+                if self.d.streams_ending and queue.empty():
+                    return  # opened after the drain's cue to end, or past it: nothing more will come
                 sets = await queue.get()
                 if not sets.empty:
                     yield finished_to_pb(sets)
