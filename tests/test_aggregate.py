@@ -93,6 +93,13 @@ def test_a_lower_expected_count_completes_what_already_has_that_many_reports():
     assert hub.set_expected(2).empty and len(pushed) == 2  # a higher count completes nothing
     hub.report(out(recving=["c"]))
     assert len(pushed) == 2 and set(hub.set_expected(1).recving) == {"c"}
+    # Another engine (another world) is not handed what the old one left half-reported.
+    hub.set_expected(2)
+    hub.report(out(recving=["d"]))
+    hub.new_engine(1)
+    assert len(pushed) == 3 and hub.expected == 1
+    hub.report(out(recving=["e"]))
+    assert [set(p.recving) for p in pushed[3:]] == [{"e"}]
 
 
 def test_a_box_nobody_reads_stays_bounded_and_forgets_the_oldest():

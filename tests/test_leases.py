@@ -14,7 +14,7 @@ def test_publish_authorize_ack_ends_publication():
     pub = t.publish((0, 0), "r1", [[1, 2, 3]], [8], 48, now=0)
     assert t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=1) is pub
     t.check_blocks(pub, (0, 0), 0, 1, 3)
-    ended = t.ack("r1", pub.generation, (0, 0), ("D", 0, 0, 0), expected=1)
+    ended = t.ack("r1", pub.generation, (0, 0), ("D", 0, 0), expected=1)
     assert [(e.request_id, e.outcome) for e in ended] == [("r1", "done")]
     with pytest.raises(Aborted, match="ended before this read: done"):
         t.authorize("r1", pub.generation, pub.capability, "D", (0, 0), now=2)
@@ -89,9 +89,9 @@ def test_ranks_share_capability_and_bad_input_is_refused():
 def test_ack_needs_every_expected_reader():
     t = table()
     pub = t.publish((0, 0), "r", [[1]], [4], 1, now=0)
-    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []
-    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []  # a repeat does not count twice
-    assert len(t.ack("r", pub.generation, (0, 0), ("D", 1, 0, 0), expected=2)) == 1
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), expected=2) == []  # a repeat does not count twice
+    assert len(t.ack("r", pub.generation, (0, 0), ("D", 1, 0), expected=2)) == 1
 
 
 def test_renewal_extends_by_the_publications_own_lease():
@@ -105,10 +105,29 @@ def test_renewal_extends_by_the_publications_own_lease():
 def test_a_striped_read_ends_the_rank_only_when_every_stripe_is_acked():
     t = table()
     pub = t.publish((0, 0), "r", [[1, 2, 3]], [8], 48, now=0)
-    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []
-    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 0), expected=2) == []  # the same stripe twice
-    ended = t.ack("r", pub.generation, (0, 0), ("D", 0, 0, 1), expected=2)
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), 1, stripe=0, stripes=2) == []
+    assert t.ack("r", pub.generation, (0, 0), ("D", 0, 0), 1, stripe=0, stripes=2) == []  # the same stripe twice
+    ended = t.ack("r", pub.generation, (0, 0), ("D", 0, 0), 1, stripe=1, stripes=2)
     assert [(e.request_id, e.outcome) for e in ended] == [("r", "done")]
+
+
+def test_readers_of_one_rank_that_cut_their_reads_differently_each_ack_all_of_theirs():
+    """Two D ranks read one P rank, one in 3 stripes and one in 2 (they read
+    different bytes of it: uneven pipeline stages, or reads cut by size):
+    the rank ends when both ACKed all of theirs, not at 2 x whichever count
+    ACKed last (which ended it a stripe early, or never)."""
+    t = table()
+    pub = t.publish((0, 0), "r", [[1, 2, 3]], [8], 48, now=0)
+    a, b = ("D", 0, 0), ("D", 0, 1)
+    for stripe in range(3):
+        assert t.ack("r", pub.generation, (0, 0), a if stripe < 2 else b, 2, stripe=stripe % 2, stripes=3 if stripe < 2 else 2) == []
+    assert t.ack("r", pub.generation, (0, 0), b, 2, stripe=1, stripes=2) == []  # b is whole; a has 2 of its 3: 4 ACKs of 5
+    assert [e.outcome for e in t.ack("r", pub.generation, (0, 0), a, 2, stripe=2, stripes=3)] == ["done"]
+    pub = t.publish((0, 0), "q", [[4]], [8], 16, now=0)
+    for reader, stripes in ((a, 3), (b, 2)):  # a whole first: counted together, b's first ACK (4 of 2 x 2) ended it early
+        for stripe in range(stripes - (reader == b)):
+            assert t.ack("q", pub.generation, (0, 0), reader, 2, stripe=stripe, stripes=stripes) == []
+    assert [e.outcome for e in t.ack("q", pub.generation, (0, 0), b, 2, stripe=1, stripes=2)] == ["done"]
 
 
 def test_an_end_while_a_reader_copies_is_reported_when_the_last_pin_goes():
@@ -148,7 +167,7 @@ def test_an_unpinned_read_then_ack_ends_the_rank_at_once():
     t = table()
     pub = t.publish((0, 0), "r1", [[1, 2]], [8], 32, now=0)
     assert t.unpin(t.pin(pub, (0, 0))) == []
-    assert [e.outcome for e in t.ack("r1", pub.generation, (0, 0), ("D", 0, 0, 0), expected=1)] == ["done"]
+    assert [e.outcome for e in t.ack("r1", pub.generation, (0, 0), ("D", 0, 0), expected=1)] == ["done"]
 
 
 def test_ranks_of_one_publication_agree_on_its_tokens_and_each_group_holds_them():

@@ -17,7 +17,7 @@ from kvd.testing.metrics import scrape
 from tests.conftest import make_worker
 
 BIG = dict(layers=4, heads=8, head_size=128, block_size=256)  # 1 MiB a block a layer: 4 MiB a block
-BULK = 64  # blocks: 256 MiB a pull, striped over two connections
+BULK = 64  # blocks: 256 MiB a pull (--qos on: four reads of qos_read_bytes, 64 MiB; off: striped over two connections)
 
 
 def finish_times(worker, rids: set[str], timeout: float = 120) -> dict[str, float]:
@@ -127,6 +127,7 @@ def test_bad_qos_fields_are_refused_by_name_and_the_daemon_serves_on(daemons, qo
     (["--tenants", "gold"], "tenants"),
     (["--tenants", "gold=0"], "tenants"),
     (["--qos", "sometimes"], "qos"),
+    (["--qos-read-bytes", "4096"], "qos_read_bytes"),
 ])
 def test_a_bad_qos_config_is_refused_naming_the_key(flags, says):
     r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x", *flags], capture_output=True, text=True, timeout=60)

@@ -170,11 +170,12 @@ class Sidecars:
 
     ds: Daemons
     ports: dict[str, int]
-    current: dict[str, DaemonProc]
+    current: dict[str, DaemonProc]  # OpenAIPD's own addresses are the first daemons'
+    flags: tuple[str, ...] = ()
 
     def replace(self, role: str, source: Path | None = None) -> DaemonProc:
-        """A new daemon on the stopped one's port (``source``: another release's tree)."""
-        self.current[role] = self.ds.start(role, grpc_port=self.ports[role], **({"source": source} if source else {}))
+        """A new daemon, with the same flags, on the stopped one's port (``source``: another release's tree)."""
+        self.current[role] = self.ds.start(role, *self.flags, grpc_port=self.ports[role], **({"source": source} if source else {}))
         return self.current[role]
 
 
@@ -208,7 +209,7 @@ def openai_pd_servers(vllm_python: Path, model_dir: Path, tmp: Path, *daemon_fla
     procs: list[subprocess.Popen] = []  # the servers, then any proxy a test starts
     try:
         ports = {role: free_port() if replaceable else 0 for role in ("prefill", "decode")}
-        sidecars = Sidecars(ds, ports, {role: ds.start(role, *daemon_flags, grpc_port=ports[role]) for role in ports})
+        sidecars = Sidecars(ds, ports, {role: ds.start(role, *daemon_flags, grpc_port=ports[role]) for role in ports}, daemon_flags)
         p, d = sidecars.current["prefill"], sidecars.current["decode"]
         servers = {}
         for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):

@@ -183,6 +183,11 @@ class EngineFinishedHub:
         """Expect ``count`` workers per request; what that completes is delivered as by ``report``."""
         return self._deliver(self.aggregator.set_expected(count))
 
+    def new_engine(self, count: int) -> None:
+        """Another engine (another world size) registered: what the old one
+        left half-reported is not the new one's, and is dropped, not completed."""
+        self.aggregator = KVOutputAggregator(count)
+
     def report(self, output: WorkerFinished) -> WorkerFinished:
         """Merge one worker's outcomes; what completes goes to the
         subscribers, or, with none, waits for ``drain`` (bounded: see

@@ -35,6 +35,7 @@ CAPABILITY_BYTES = 32
 MAX_TOMBSTONES = 4096
 RankKey = tuple[int, int]  # (tp_rank, pp_rank)
 PinKey = tuple[str, int, RankKey]  # (request_id, generation, rank)
+ReaderKey = tuple[str, int, int]  # a reading rank: (engine id, tp_rank, pp_rank)
 # A rank's layer watermark when it published whole (not streaming): every layer is saved.
 ALL_LAYERS = 1 << 31
 
@@ -50,7 +51,8 @@ class Publication:
     # per rank: per group, a bool mask over block ids
     masks: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
     block_ids: dict[RankKey, list[np.ndarray]] = field(default_factory=dict)
-    acked: dict[RankKey, set[tuple[str, int, int, int]]] = field(default_factory=dict)
+    # per rank: per reader (engine, tp rank, pp rank), its stripes and those it ACKed
+    acked: dict[RankKey, dict[ReaderKey, tuple[int, set[int]]]] = field(default_factory=dict)
     lease_s: float = 0.0  # what one renewal extends by
     first_tokens: tuple[int, ...] = ()  # per group, as the first rank published them
     # Per rank: every model layer below this is written (layer-wise
@@ -158,7 +160,7 @@ class PublicationTable:
             pub.expires_at = max(pub.expires_at, now + lease)
         pub.masks[rank] = masks
         pub.block_ids[rank] = arrays
-        pub.acked[rank] = set()
+        pub.acked[rank] = {}
         pub.saved[rank] = 0 if stream else ALL_LAYERS
         return pub
 
@@ -286,13 +288,19 @@ class PublicationTable:
         """Ranks whose blocks a read still copies."""
         return len(self._pins)
 
-    def ack(self, request_id: str, generation: int, rank: RankKey, reader: tuple[str, int, int, int], expected: int) -> list[Ended]:
-        """A reader confirmed its read; end the rank's publication once all have."""
+    def ack(self, request_id: str, generation: int, rank: RankKey, reader: ReaderKey, expected: int, stripe: int = 0, stripes: int = 1) -> list[Ended]:
+        """A reader confirmed its read (stripe ``stripe`` of its ``stripes``);
+        end the rank's publication once ``expected`` readers ACKed every one
+        of their stripes. Counted per reader: readers of one rank may cut
+        their reads into different numbers of stripes (they read different
+        bytes of it: uneven pipeline stages, or a cut by size)."""
         pub = self.by_request.get(request_id)
         if pub is None or pub.generation != generation or rank not in pub.acked:
             return []
-        pub.acked[rank].add(reader)
-        if len(pub.acked[rank]) < expected:
+        readers = pub.acked[rank]
+        _, seen = readers.setdefault(reader, (max(1, stripes), set()))
+        seen.add(stripe)
+        if sum(len(seen) >= n for n, seen in readers.values()) < expected:
             return []
         return self._end_rank(pub, rank, "done")
 

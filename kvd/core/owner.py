@@ -170,14 +170,14 @@ class Owner:
         read, reader, table = grant.read, grant.reader_engine, self.publications
         rank = read.rank
         shape = engine_shape(mine)
-        ended = table.ack(read.request_id, read.generation, rank, (reader, read.reader_tp_rank, read.reader_pp_rank, read.stripe),
-                          max(1, self.expected_readers(reader, rank, shape)) * max(1, read.stripes))
+        ended = table.ack(read.request_id, read.generation, rank, (reader, read.reader_tp_rank, read.reader_pp_rank),
+                          max(1, self.expected_readers(reader, rank, shape)), read.stripe, read.stripes)
         pub = table.by_request.get(read.request_id)
         if ended and pub is not None and pub.generation == read.generation:
             unread = [r for r in pub.masks if self.expected_readers(reader, r, shape) == 0]
             if len(unread) == len(pub.masks):
                 for r in unread:
-                    ended.extend(table.ack(read.request_id, read.generation, r, (reader, -1, -1, 0), 1))
+                    ended.extend(table.ack(read.request_id, read.generation, r, (reader, -1, -1), 1))
         return ended
 
     def expected_readers(self, reader_engine: str, rank: RankKey, mine: EngineShape) -> int:

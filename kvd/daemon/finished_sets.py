@@ -37,7 +37,9 @@ class FinishedSets:
     def rank_joined(self, reg: Registration) -> None:
         """A stream the old registration of this rank opened sees it was replaced and ends."""
         self.boxes.setdefault((reg.worker.tp_rank, reg.worker.pp_rank), WorkerFinished()).wake()
-        self._expect(self._expected_override or reg.worker.tp_size * reg.worker.pp_size)
+        count = self._expected_override or reg.worker.tp_size * reg.worker.pp_size
+        if count != self.engine_hub.expected:  # only a new engine changes it: every rank has the engine's world
+            self.engine_hub.new_engine(count)
 
     def rank_ended(self, rank: RankKey, _reason: str) -> None:
         """Its WatchFinished streams end."""

@@ -36,16 +36,17 @@ REFUSED_RETRY_SECONDS = 60.0
 MAX_PENDING_RELEASES = 4096
 
 
-def send_release(client: KvdClient, request_id: str, params: TransferParams) -> bool:
+def send_release(client: KvdClient, request_id: str, params: TransferParams) -> bool | None:
     """Tell P, through our daemon, that we will not read ``params`` (P frees
-    its blocks before the lease ends). False if the daemon did not answer; a
-    refusal is logged and left to the lease."""
+    its blocks before the lease ends). True once taken; None if the daemon
+    did not answer; False if refused (logged, and left to the lease)."""
     try:
         client.abort(request_id, release=params_to_pb(params))
     except (Unavailable, DeadlineExceeded):
-        return False
+        return None
     except KvdError as e:
         log.info("kvd: could not release request %s on %s (its lease will): %s", params.request_id, params.remote_address, e.message)
+        return False
     return True
 
 
@@ -71,7 +72,7 @@ class DaemonLink:
 
     def release(self, request_id: str, params: TransferParams) -> None:
         """Tell P, through our daemon, that we will not read ``params``; if the daemon is down, once it is back."""
-        if not send_release(self.client, request_id, params):
+        if send_release(self.client, request_id, params) is None:
             self.release_later(request_id, params)
 
     def release_later(self, request_id: str, params: TransferParams) -> None:
@@ -107,17 +108,17 @@ class DaemonLink:
                     answered = send_release(self.client, rid, params)
                 except ValueError:  # the channel closed under us (close())
                     break
-                if not answered:  # gone again: sent once the link is whole again
+                if answered is None:  # gone again: sent once the link is whole again
                     with self._lock:
                         if len(self._releases) < MAX_PENDING_RELEASES:
                             self._releases.appendleft((rid, params))
                     break
-                sent += 1
+                sent += answered
         finally:
             with self._lock:
                 self._flusher, dropped, self._dropped = None, self._dropped, 0
             if sent:
-                log.warning("kvd: sent %d releases of publications this worker could not read while its daemon was down", sent)
+                log.warning("kvd: released %d publications this worker could not read while its daemon was down", sent)
             if dropped:
                 log.warning("kvd: %d releases past the %d kept were left to their leases", dropped, MAX_PENDING_RELEASES)
 
