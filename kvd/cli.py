@@ -130,6 +130,7 @@ SERVE_FLAGS = {
     "qos-chunk-bytes": "qos on: what a read moves between two looks at the wire's order (default 1 MiB)",
     "qos-slots": "qos on: chunks of each lane (interactive; the rest) on the wire at once (default 2)",
     "qos-read-bytes": "qos on: the most one TCP read moves; a bigger one is cut into more, for the wire's order (default 64 MiB)",
+    "qos-bulk-nice": "qos on: how far above the daemon's nice value the threads moving non-interactive reads run, 0-19 (default 10)",
     "log-format": "text (key=value) or json",
     "log-level": "DEBUG, INFO, WARNING or ERROR",
 }

@@ -4,7 +4,9 @@ daemon's config, and bad fields are refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -128,6 +130,7 @@ def test_bad_qos_fields_are_refused_by_name_and_the_daemon_serves_on(daemons, qo
     (["--tenants", "gold=0"], "tenants"),
     (["--qos", "sometimes"], "qos"),
     (["--qos-read-bytes", "4096"], "qos_read_bytes"),
+    (["--qos-bulk-nice", "20"], "qos_bulk_nice"),
 ])
 def test_a_bad_qos_config_is_refused_naming_the_key(flags, says):
     r = subprocess.run([sys.executable, "-m", "kvd", "serve", "--engine-id", "x", *flags], capture_output=True, text=True, timeout=60)
@@ -139,3 +142,47 @@ def test_the_demo_names_tenants_end_to_end():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.strip().startswith("--tenants"))
     assert "gold" in line and "silver" in line and "verified" in r.stdout, r.stdout[-2000:]
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Each thread's nice value, from /proc (the 19th field of its stat)."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as f:  # OSError: a thread that ended meanwhile
+            out[int(task)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    return out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+@pytest.mark.parametrize(("priority", "increment", "niced"), [
+    ("standard", "10", True),
+    ("interactive", "10", False),  # control: an interactive read's threads keep the daemon's priority
+    ("standard", "0", False),  # control: --qos-bulk-nice 0 leaves every thread at it
+])
+def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increment, niced):
+    """--qos on: the threads that send (P) and receive (D) a read below
+    class interactive run --qos-bulk-nice above the daemon's nice value, so
+    that on a busy host an interactive read's threads come first; the
+    bytes still land whole."""
+    flags = ("--qos", "on", "--qos-bulk-nice", increment)
+    p, d = daemons.start("prefill", *flags), daemons.start("decode", *flags)
+    pw = make_worker(p.grpc, "prefill", num_blocks=BULK + 1, **BIG)
+    dw = make_worker(d.grpc, "decode", num_blocks=BULK + 1, **BIG)
+    blocks = list(range(1, BULK + 1))
+    pw.fill(7, blocks)
+    base = {side.pid: thread_nices(side.pid)[side.pid] for side in (p, d)}
+    seen: dict[int, set[int]] = {side.pid: set() for side in (p, d)}
+    dw.client.pull("bulk", pw.client.publish("bulk", [blocks], BULK * 256), [blocks], priority=priority)
+    finished: dict = {}
+    while not finished:  # watched until it finished (or, niced, until both sides showed it)
+        finished = dw.client.get_finished().details
+        for pid in seen:
+            seen[pid] |= {nice - base[pid] for nice in thread_nices(pid).values()}
+        if niced and all(10 in s for s in seen.values()):
+            break
+        time.sleep(0.002)
+    finished = finished or dw.client.wait_finished(recving={"bulk"}).details
+    assert finished[("recving", "bulk")].outcome == "done", finished
+    assert dw.mismatch(7, blocks, BULK * 256) is None
+    for side, pid in (("P", p.pid), ("D", d.pid)):
+        assert (10 in seen[pid]) == niced and seen[pid] <= {0, 10}, (side, priority, increment, seen[pid])

@@ -100,6 +100,11 @@ class DaemonConfig:
     # order and a read keeps its connection to its end. Tenants' 3:1 shares
     # over 3 s: 2.56-3.17 with 256 MiB reads, 2.96-2.99 with 64 MiB.
     qos_read_bytes: int = 64 << 20
+    # With qos on, the threads that move reads of the classes below
+    # interactive run this much above the daemon's nice value (0: at it), so
+    # that on a host with few cores the interactive read's sends, receives
+    # and handoffs come first (transport/thread_nice.py).
+    qos_bulk_nice: int = 10
 
     @property
     def qos_on(self) -> bool:
@@ -152,6 +157,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "qos_chunk_bytes": (lambda v: 64 << 10 <= v <= 1 << 30, "in [64 KiB, 1 GiB]"),
     "qos_slots": (lambda v: 1 <= v <= 64, "in [1, 64]"),
     "qos_read_bytes": (lambda v: 1 << 20 <= v <= 1 << 40, "in [1 MiB, 1 TiB]"),
+    "qos_bulk_nice": (lambda v: 0 <= v <= 19, "in [0, 19]"),
     "log_level": (lambda v: v.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"),
 }
 

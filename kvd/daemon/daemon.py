@@ -55,7 +55,8 @@ class Daemon:
         self.channels = PeerChannels(self.auth)
         self.tasks = Tasks()
         self.finished = FinishedSets(self.metrics, AggregatorReports(config.aggregator_address, self.registry, self.metrics, self.channels))
-        self.wire_gate = WireGate(WireSchedule(config.shares, config.qos_slots), config.qos_chunk_bytes, self._granted) if config.qos_on else None
+        self.wire_gate = WireGate(WireSchedule(config.shares, config.qos_slots), config.qos_chunk_bytes, self._granted,
+                                  bulk_nice_increment=config.qos_bulk_nice) if config.qos_on else None
         self.data_client = TcpDataClient(Hello(engine_id=config.engine_id, epoch=self.epoch, shared_token=self.auth.token),
                                          connections_per_peer=config.connections_per_peer, copy_threads=config.copy_threads,
                                          stall_timeout_s=config.stall_timeout_seconds, stream_wait_s=config.pull_timeout_seconds, on_relayout=self.metrics.relayout_seconds.inc,

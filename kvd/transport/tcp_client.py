@@ -40,6 +40,7 @@ from kvd.transport.framing import SOCKET_BUFFER_BYTES, FrameSocket, as_bytes, sp
 from kvd.transport.iovec import Copier
 from kvd.transport.nixl import NixlAgent, NixlIn
 from kvd.transport.samehost import LocalSource, SameHostIn
+from kvd.transport.thread_nice import set_thread_nice
 from kvd.transport.wire_gate import Admission, ReadGate, WireGate
 
 
@@ -105,6 +106,12 @@ class TcpDataClient:
         self._tokens: dict[str, bytes] = {}
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
+        # --qos on: reads of the other classes run in threads that yield the CPU
+        # to the interactive ones' (thread_nice: a thread's nice is not lowered again).
+        self._bulk_pool = self._pool
+        if gate is not None and gate.bulk_nice != gate.normal_nice:
+            self._bulk_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv-bulk",
+                                                                    initializer=set_thread_nice, initargs=(gate.bulk_nice,))
         # Copies on every core: same-host piece copies and relayouts.
         self.copy_threads = CopyThreads(copy_threads)
         self.copier = Copier(pool=self.copy_threads)
@@ -142,7 +149,7 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
-        lane = address
+        lane, pool = address, self._pool
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         else:
@@ -150,10 +157,12 @@ class TcpDataClient:
             slots = admission.connection(qos, sum(s.nbytes for s in sinks))
             if qos.priority == CLASSES[0]:  # its connections stay its own, warm: a bulk read does not take them
                 lane = f"{address} {CLASSES[0]}"
+            else:
+                pool = self._bulk_pool
         loop = asyncio.get_running_loop()
         async with slots:
             idle = self._idle.setdefault(lane, [])
-            conn = idle.pop() if idle else await loop.run_in_executor(self._pool, self._connect, address)
+            conn = idle.pop() if idle else await loop.run_in_executor(pool, self._connect, address)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
             mover = conn.mover if local_source is None else SameHostIn(local_source, self.copier, self.copy_threads.run_copies, self.on_relayout)
@@ -170,7 +179,7 @@ class TcpDataClient:
             # The side that moves the bytes orders them: the owner its sends over
             # TCP (by the tag in the READ), this daemon its same-host copies.
             gate = None if qos is None or self.gate is None or local_source is None else self.gate.for_read(qos, conn.cancel)
-            conn.work = loop.run_in_executor(self._pool, self._read, conn, address, mover, read, sinks, landed, rest, gate)
+            conn.work = loop.run_in_executor(pool, self._read, conn, address, mover, read, sinks, landed, rest, gate)
             try:
                 # Shielded: a cancelled pull abandons the read (below) and
                 # waits for its thread, so nothing lands after it is reported.

@@ -46,6 +46,7 @@ from kvd.transport.device import DeviceToHost
 from kvd.transport.framing import SOCKET_BUFFER_BYTES, FrameSocket, tune
 from kvd.transport.nixl import Arena, NixlAgent, NixlOut
 from kvd.transport.samehost import SameHostOut
+from kvd.transport.thread_nice import set_thread_nice
 from kvd.transport.wire_gate import WireGate
 
 log = logging.getLogger("kvd.tcp")
@@ -266,7 +267,10 @@ class FramesOut:
         self.staging, self.to_host, self.gate = staging, to_host, gate
 
     def serve(self, fs: FrameSocket, opened: OpenRead, read: DataRead) -> int:
-        gate = self.gate.for_peer(read) if self.gate is not None else None
+        gate = None
+        if self.gate is not None:
+            gate = self.gate.for_peer(read)
+            set_thread_nice(self.gate.nice_of(gate.tag))  # this connection's thread yields the CPU while it sends bulk
         try:
             total = send_segments(fs, opened, len(read.segments), self.staging, self.to_host, gate)
         finally:

@@ -17,8 +17,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvd.core.qos import QosTag, QueueStatus, WireSchedule, peer_tag
+from kvd.core.qos import CLASSES, QosTag, QueueStatus, WireSchedule, peer_tag
 from kvd.core.reads import DataRead
+from kvd.transport.thread_nice import base_nice, bulk_nice
 
 _POLL_SECONDS = 0.05  # how often a waiting thread looks whether its read was abandoned
 # The longest a chunk waits for the wire: past it, it moves anyway. A send
@@ -29,8 +30,13 @@ MAX_WAIT_SECONDS = 0.25
 
 class WireGate:
     def __init__(self, schedule: WireSchedule, chunk_bytes: int,
-                 on_grant: Callable[[QosTag, int, float], None] = lambda tag, nbytes, waited: None, max_wait_s: float = MAX_WAIT_SECONDS) -> None:
+                 on_grant: Callable[[QosTag, int, float], None] = lambda tag, nbytes, waited: None, max_wait_s: float = MAX_WAIT_SECONDS,
+                 bulk_nice_increment: int = 0) -> None:
         self.schedule = schedule
+        # The nice a thread moving a read of each lane runs at (thread_nice):
+        # interactive at the daemon's own, the rest ``bulk_nice_increment`` above.
+        self.normal_nice = base_nice()
+        self.bulk_nice = bulk_nice(self.normal_nice, bulk_nice_increment)
         self.max_wait_s = max_wait_s
         self.chunk_bytes = chunk_bytes  # what a read moves between looks at the order
         self.on_grant = on_grant  # (tag, bytes, seconds waited): the metrics
@@ -69,6 +75,10 @@ class WireGate:
         if granted:
             self._granted.update(granted)
             self._cond.notify_all()
+
+    def nice_of(self, tag: QosTag) -> int:
+        """The nice a thread moving a read of ``tag`` runs at."""
+        return self.normal_nice if tag.priority == CLASSES[0] else self.bulk_nice
 
     def for_read(self, tag: QosTag, cancel: threading.Event | None = None) -> ReadGate:
         return ReadGate(self, tag, cancel if cancel is not None else threading.Event(), self.chunk_bytes)

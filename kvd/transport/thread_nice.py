@@ -1,0 +1,71 @@
+"""Bulk reads yield the CPU to interactive ones (``--qos on``, ``qos_bulk_nice``).
+
+The wire's order decides which chunk moves next, but on a host with few
+cores the bulk reads' own sends, receives and copies still take the CPU the
+interactive read needs for its own. On 2 cores, small interactive pulls
+beside two bulk pulls had 2.6-4.0x their idle p99 with every thread at one
+priority, and 1.05-1.4x with the bulk threads at nice 10 (``kvd bench
+--sections qos``), which gives such a thread about a tenth of a nice-0
+thread's turn at a busy core: the bulk pulls still take every cycle the
+interactive path leaves.
+
+A thread may raise its own nice value without privilege, but lowering it
+again needs CAP_SYS_NICE, which a container seldom has; so a thread that
+moves bulk reads stays niced. The reader runs its bulk reads in a pool of
+their own; the owner's per-connection thread takes the nice of the reads its
+connection carries, and the reader keeps its interactive reads on
+connections of their own, so an owner thread that served bulk does not
+serve an interactive read (from an older reader that mixes them it still
+does, at the bulk's priority: the order of the wire is kept either way).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger("kvd.tcp")
+
+MAX_NICE = 19
+
+
+def base_nice() -> int:
+    """The calling thread's nice value (the daemon's, called at startup)."""
+    return os.getpriority(os.PRIO_PROCESS, 0) if _per_thread() else 0
+
+
+def bulk_nice(base: int, increment: int) -> int:
+    """The nice a bulk thread runs at: ``increment`` above the daemon's own (0: unchanged)."""
+    return min(MAX_NICE, base + increment) if increment > 0 else base
+
+
+def set_thread_nice(nice: int) -> bool:
+    """Set the calling thread's nice value (Linux: a thread is a task of its
+    own). True where it now has it; False where it could not be (lowering
+    without CAP_SYS_NICE, another OS), logged once a thread."""
+    if not _per_thread():
+        return False
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
+    except OSError as e:
+        if not getattr(_warned, "done", False):
+            _warned.done = True
+            log.info("this data-plane thread keeps its CPU priority (nice %d wanted): %s", nice, e)
+        return False
+
+
+def thread_nice() -> int:
+    """The calling thread's nice value."""
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if _per_thread() else 0
+
+
+def _per_thread() -> bool:
+    return sys.platform == "linux" and hasattr(os, "setpriority")
+
+
+_warned = threading.local()
