@@ -120,6 +120,23 @@ def test_a_capped_read_is_cut_into_as_many_stripes_as_keep_each_within_the_cap()
     assert progress.begin([rr], Striping(2, n, n // 4), frozenset({rr.read.rank})) == [0]  # a same-host copy is not cut
 
 
+def test_reads_of_an_owner_that_counts_acks_the_old_way_are_not_cut_by_the_cap():
+    """The cap makes each reader's count of reads depend on its own bytes, so
+    readers of one rank differ; an owner without ``PER_READER_ACKS`` (kvd
+    0.2.0) counted their ACKs against the stripes of whichever read ACKed
+    last and could end the rank a stripe early. Its reads get whole stripes,
+    as before the cap; a current owner's are cut."""
+    from kvd.core.pull import Striping
+    from kvd.core.spec import LAYER_STREAM, PER_READER_ACKS
+
+    rr = _one_rank_read()
+    n = rr.nbytes
+    capped = Striping(2, n, n // 4)
+    assert capped.for_owner((LAYER_STREAM, PER_READER_ACKS)).of(rr) == 4
+    assert capped.for_owner((LAYER_STREAM,)).of(rr) == 2 and capped.for_owner(()).of(rr) == 2
+    assert Striping(2, n).for_owner(()) == Striping(2, n)  # nothing to drop
+
+
 def test_an_engine_shape_is_memoised_by_identity_never_shared_between_metas():
     """``engine_shape`` keeps the shapes of the metas a daemon holds; another
     meta (an engine that re-registered, another peer) gets its own, past the

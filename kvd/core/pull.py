@@ -11,12 +11,13 @@ whether and when a failed attempt is tried again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from kvd.core.reads import MAX_STRIPES
+from kvd.core.spec import PER_READER_ACKS
 from kvd.core.transfer import RankRead, stripe
 
 ReadKey = tuple[int, int, int, int, int]
@@ -41,6 +42,15 @@ class Striping:
         if self.max_bytes:
             n = max(n, -(-rr.nbytes // self.max_bytes))
         return min(n, MAX_STRIPES)
+
+    def for_owner(self, features: Collection[str]) -> Striping:
+        """As reads of an owner with ``features`` are cut: by ``max_bytes``
+        only where it counts each reader's ACKs against that reader's own
+        stripes (``PER_READER_ACKS``). How many reads a cap makes depends on
+        each reader's bytes, so readers of one rank differ; an older owner
+        could end that rank a stripe early (the pull failed and vLLM
+        recomputed), and gets whole stripes as before the cap."""
+        return self if PER_READER_ACKS in features or not self.max_bytes else replace(self, max_bytes=0)
 
 
 @dataclass

@@ -291,7 +291,7 @@ class Puller:
         phase.labels("plan").observe(time.perf_counter() - t)
         progress.phase = "data"
         t = time.perf_counter()
-        todo = progress.begin(reads, self.striping, frozenset(peer.local_sources))
+        todo = progress.begin(reads, self.striping.for_owner(peer.meta.features), frozenset(peer.local_sources))
         self._replica_future(params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
         self.metrics.bytes_in_flight.inc(planned)

@@ -32,6 +32,7 @@ from kvd.core.relayout import GroupTensors, sharing_groups
 from kvd.core.requests import Region, Registered, Registering
 from kvd.core.spec import (
     LAYER_STREAM,
+    PER_READER_ACKS,
     WIRE_VERSION,
     EngineLayout,
     EngineMeta,
@@ -294,7 +295,7 @@ class Registry:
             engine_id=self.engine_id, epoch=self.epoch, host_id=self.host_id, data_address=self._data_address(),
             tp_size=w.tp_size, pp_size=w.pp_size, model=regs[0].model,
             ranks=tuple(EngineLayout(r.worker.tp_rank, r.worker.pp_rank, tuple(r.groups)) for r in sorted(regs, key=lambda r: (r.worker.pp_rank, r.worker.tp_rank))),
-            features=(LAYER_STREAM,), kvd_version=__version__, wire_version=WIRE_VERSION,
+            features=(LAYER_STREAM, PER_READER_ACKS), kvd_version=__version__, wire_version=WIRE_VERSION,
         )
         self._meta_cache = (self.version, meta)
         return meta
