@@ -79,14 +79,11 @@ class FinishedSets:
         if self.engine_hub.dropped > before:
             self._metrics.unread_dropped.labels("engine").inc(self.engine_hub.dropped - before)
 
-    def _expect(self, count: int) -> None:
-        """Workers per request from now on; a request the new count completes is delivered now."""
-        self._to_hub(lambda: self.engine_hub.set_expected(count))
-
     def set_expected(self, count: int, world: int) -> int:
-        """vLLM's expected finished count (0: the engine's world size)."""
+        """vLLM's expected finished count (0: the engine's world size); a
+        request the new count completes is delivered now."""
         self._expected_override = count
-        self._expect(count or world)
+        self._to_hub(lambda: self.engine_hub.set_expected(count or world))
         return self.engine_hub.expected
 
     @property
