@@ -59,11 +59,6 @@ def set_thread_nice(nice: int) -> bool:
         return False
 
 
-def thread_nice() -> int:
-    """The calling thread's nice value."""
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if _per_thread() else 0
-
-
 def _per_thread() -> bool:
     return sys.platform == "linux" and hasattr(os, "setpriority")
 
