@@ -96,3 +96,32 @@ def test_a_wire_version_two_away_is_refused_at_the_handshake_naming_both(daemons
     with pytest.raises(grpc.RpcError) as e:
         stub.Handshake(pb.HandshakeRequest(caller=future), timeout=10)
     assert "wire_version" not in e.value.details(), e.value.details()
+
+
+def test_an_owner_lists_per_reader_acks_in_its_handshake(daemons):
+    """A reader cuts reads by qos_read_bytes only from an owner that lists
+    ``per-reader-acks`` (it counts each reader's ACKs against that reader's
+    own stripes; kvd 0.2.0 did not, and ended a rank a stripe early when
+    readers cut theirs differently): a current owner lists it, or every pull
+    of it would silently lose the cap."""
+    import random
+
+    from kvd.convert import engine_to_pb
+    from kvd.core.requests import Introduction
+    from kvd.core.spec import (
+        LAYER_STREAM,
+        NAMED_LAYOUTS,
+        PER_READER_ACKS,
+        KVCacheSpec,
+        ModelInfo,
+        fingerprint,
+    )
+    from kvd.testing.sim import make_engine
+
+    p = daemons.start("prefill")
+    make_worker(p.grpc, "prefill")  # conftest's defaults: 4 layers, 4 heads of 16, 16-token blocks, bf16 NHD
+    reader = make_engine("decode", 1, 1, ModelInfo(4, 4), lambda r: KVCacheSpec(16, 4, 16, "bfloat16", NAMED_LAYOUTS["NHD"], 64),
+                         random.Random(0), fill=False).meta
+    caller = engine_to_pb(Introduction(reader, fingerprint(reader.model, reader.ranks[0].groups)))
+    callee = pbg.PeerStub(grpc.insecure_channel(p.grpc)).Handshake(pb.HandshakeRequest(caller=caller), timeout=10).callee
+    assert {LAYER_STREAM, PER_READER_ACKS} <= set(callee.features), list(callee.features)

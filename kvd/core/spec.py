@@ -376,10 +376,8 @@ class EngineLayout:
 
 # A daemon that serves streaming publications: reads wait for each layer's save.
 LAYER_STREAM = "layer-stream"
-# An owner that ends a striped rank once each expected reader ACKed every one
-# of its own stripes. Before it (kvd 0.2.0) an owner counted all ACKs against
-# readers x the stripes of whichever read ACKed last, so readers of one rank
-# that cut their reads differently ended it a stripe early, or at its lease.
+# An owner that ends a striped rank once each reader ACKed all of its own
+# stripes (kvd 0.2.0 counted all ACKs against readers x the last read's).
 PER_READER_ACKS = "per-reader-acks"
 
 # The wire protocol (gRPC API and data plane) this daemon speaks. It goes up

@@ -117,9 +117,15 @@ class TcpDataClient:
         self.copier = Copier(pool=self.copy_threads)
         # Relayout of received segments bound for a GPU (host ones land on the copy threads).
         self._land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land")
+        # A bulk read's landings: a pool starts its threads from the thread that
+        # submits, and a thread inherits its nice, so bulk reads get their own.
+        self._bulk_land_pool = self._land_pool
+        if self._bulk_pool is not self._pool:
+            self._bulk_land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land-bulk")
 
-    def _connect(self, address: str) -> _Conn:
-        """A new connection, its HELLO answered (in a worker thread)."""
+    def _connect(self, address: str, bulk: bool = False) -> _Conn:
+        """A new connection, its HELLO answered (in a worker thread); ``bulk``:
+        it carries reads below class interactive (--qos on), landed by niced threads."""
         host, port = split_address(address)
         raw = socket.create_connection((host, port), timeout=self.stall_timeout_s)
         sock = raw
@@ -139,7 +145,7 @@ class TcpDataClient:
             raise
         run = self.copy_threads.run_copies
         mover: ReadMover = (NixlIn(self.nixl, address, self._nixl_peers, self.stall_timeout_s, self.on_relayout, run) if self.nixl is not None
-                            else FramesIn(self.copy_threads, self._land_pool, self.on_relayout))
+                            else FramesIn(self.copy_threads, self._bulk_land_pool if bulk else self._land_pool, self.on_relayout))
         return _Conn(fs, mover)
 
     async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
@@ -162,7 +168,7 @@ class TcpDataClient:
         loop = asyncio.get_running_loop()
         async with slots:
             idle = self._idle.setdefault(lane, [])
-            conn = idle.pop() if idle else await loop.run_in_executor(pool, self._connect, address)
+            conn = idle.pop() if idle else await loop.run_in_executor(pool, self._connect, address, pool is not self._pool)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
             mover = conn.mover if local_source is None else SameHostIn(local_source, self.copier, self.copy_threads.run_copies, self.on_relayout)
@@ -257,6 +263,7 @@ class TcpDataClient:
         self.copier.close()
         self.copy_threads.close()
         self._land_pool.shutdown(wait=False, cancel_futures=True)
+        self._bulk_land_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Landing:

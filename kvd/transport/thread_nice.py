@@ -11,12 +11,17 @@ interactive path leaves.
 
 A thread may raise its own nice value without privilege, but lowering it
 again needs CAP_SYS_NICE, which a container seldom has; so a thread that
-moves bulk reads stays niced. The reader runs its bulk reads in a pool of
-their own; the owner's per-connection thread takes the nice of the reads its
-connection carries, and the reader keeps its interactive reads on
-connections of their own, so an owner thread that served bulk does not
-serve an interactive read (from an older reader that mixes them it still
-does, at the bulk's priority: the order of the wire is kept either way).
+moves bulk reads stays niced, and so does every thread it starts (a thread
+inherits its creator's nice). The reader runs its bulk reads, and their
+landings, in pools of their own; the owner's per-connection thread takes
+the nice of the reads its connection carries. A reader with --qos on keeps
+its interactive reads on connections of their own, so an owner thread that
+served bulk does not serve an interactive read; from a reader with qos off
+(or an older one), which mixes them on one connection, it may, at the bulk's
+priority where it cannot lower it (the order of the wire is kept either way).
+
+Bulk threads yield to every thread at the daemon's priority, co-located
+processes too (an engine's workers): set qos_bulk_nice 0 to keep them level.
 """
 
 from __future__ import annotations
@@ -37,14 +42,16 @@ def base_nice() -> int:
 
 
 def bulk_nice(base: int, increment: int) -> int:
-    """The nice a bulk thread runs at: ``increment`` above the daemon's own (0: unchanged)."""
-    return min(MAX_NICE, base + increment) if increment > 0 else base
+    """The nice a bulk thread runs at: ``increment`` above the daemon's own
+    (unchanged with 0, or where a thread's nice is not its own: not Linux)."""
+    return min(MAX_NICE, base + increment) if increment > 0 and _per_thread() else base
 
 
 def set_thread_nice(nice: int) -> bool:
     """Set the calling thread's nice value (Linux: a thread is a task of its
     own). True where it now has it; False where it could not be (lowering
-    without CAP_SYS_NICE, another OS), logged once a thread."""
+    without CAP_SYS_NICE, a seccomp filter), logged once a daemon."""
+    global _warned
     if not _per_thread():
         return False
     tid = threading.get_native_id()
@@ -53,9 +60,9 @@ def set_thread_nice(nice: int) -> bool:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
         return True
     except OSError as e:
-        if not getattr(_warned, "done", False):
-            _warned.done = True
-            log.info("this data-plane thread keeps its CPU priority (nice %d wanted): %s", nice, e)
+        if not _warned:
+            _warned = True
+            log.warning("a data-plane thread keeps its CPU priority (nice %d wanted; logged once): %s", nice, e)
         return False
 
 
@@ -63,4 +70,4 @@ def _per_thread() -> bool:
     return sys.platform == "linux" and hasattr(os, "setpriority")
 
 
-_warned = threading.local()
+_warned = False  # a race between two threads logs twice at worst
