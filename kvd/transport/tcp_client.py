@@ -105,27 +105,18 @@ class TcpDataClient:
         self._admission: dict[str, Admission] = {}  # --qos on: the same in the wire's order
         self._tokens: dict[str, bytes] = {}
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv")
-        # --qos on: reads of the other classes run in threads that yield the CPU
-        # to the interactive ones' (thread_nice: a thread's nice is not lowered again).
-        self._bulk_pool = self._pool
-        if gate is not None and gate.bulk_nice != gate.normal_nice:
-            self._bulk_pool = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvd-recv-bulk",
-                                                                    initializer=set_thread_nice, initargs=(gate.bulk_nice,))
         # Copies on every core: same-host piece copies and relayouts.
         self.copy_threads = CopyThreads(copy_threads)
         self.copier = Copier(pool=self.copy_threads)
-        # Relayout of received segments bound for a GPU (host ones land on the copy threads).
-        self._land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land")
-        # A bulk read's landings: a pool starts its threads from the thread that
-        # submits, and a thread inherits its nice, so bulk reads get their own.
-        self._bulk_land_pool = self._land_pool
-        if self._bulk_pool is not self._pool:
-            self._bulk_land_pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-land-bulk")
+        self._normal = self._bulk = _Lane.start("")
+        if gate is not None and gate.bulk_nice != gate.normal_nice:
+            # --qos on: reads of the other classes run in threads that yield the CPU
+            # to the interactive ones' (thread_nice: a thread's nice is not lowered again).
+            self._bulk = _Lane.start("-bulk", gate.bulk_nice)
 
-    def _connect(self, address: str, bulk: bool = False) -> _Conn:
-        """A new connection, its HELLO answered (in a worker thread); ``bulk``:
-        it carries reads below class interactive (--qos on), landed by niced threads."""
+    def _connect(self, address: str, lane: _Lane) -> _Conn:
+        """A new connection, its HELLO answered (in a worker thread of ``lane``),
+        whose reads ``lane``'s threads land."""
         host, port = split_address(address)
         raw = socket.create_connection((host, port), timeout=self.stall_timeout_s)
         sock = raw
@@ -145,7 +136,7 @@ class TcpDataClient:
             raise
         run = self.copy_threads.run_copies
         mover: ReadMover = (NixlIn(self.nixl, address, self._nixl_peers, self.stall_timeout_s, self.on_relayout, run) if self.nixl is not None
-                            else FramesIn(self.copy_threads, self._bulk_land_pool if bulk else self._land_pool, self.on_relayout))
+                            else FramesIn(self.copy_threads, lane.land_pool, self.on_relayout))
         return _Conn(fs, mover)
 
     async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
@@ -155,20 +146,20 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
-        lane, pool = address, self._pool
+        key, lane = address, self._normal
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         else:
             admission = self._admission.setdefault(address, Admission(self.gate.schedule.shares, self.connections_per_peer))
             slots = admission.connection(qos, sum(s.nbytes for s in sinks))
             if qos.priority == CLASSES[0]:  # its connections stay its own, warm: a bulk read does not take them
-                lane = f"{address} {CLASSES[0]}"
+                key = f"{address} {CLASSES[0]}"
             else:
-                pool = self._bulk_pool
+                key, lane = f"{address} bulk" if self._bulk is not self._normal else address, self._bulk
         loop = asyncio.get_running_loop()
         async with slots:
-            idle = self._idle.setdefault(lane, [])
-            conn = idle.pop() if idle else await loop.run_in_executor(pool, self._connect, address, pool is not self._pool)
+            idle = self._idle.setdefault(key, [])
+            conn = idle.pop() if idle else await loop.run_in_executor(lane.pool, self._connect, address, lane)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
             mover = conn.mover if local_source is None else SameHostIn(local_source, self.copier, self.copy_threads.run_copies, self.on_relayout)
@@ -185,7 +176,7 @@ class TcpDataClient:
             # The side that moves the bytes orders them: the owner its sends over
             # TCP (by the tag in the READ), this daemon its same-host copies.
             gate = None if qos is None or self.gate is None or local_source is None else self.gate.for_read(qos, conn.cancel)
-            conn.work = loop.run_in_executor(pool, self._read, conn, address, mover, read, sinks, landed, rest, gate)
+            conn.work = loop.run_in_executor(lane.pool, self._read, conn, address, mover, read, sinks, landed, rest, gate)
             try:
                 # Shielded: a cancelled pull abandons the read (below) and
                 # waits for its thread, so nothing lands after it is reported.
@@ -250,7 +241,7 @@ class TcpDataClient:
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""
         self._nixl_peers.pop(address, None)
-        for c in self._idle.pop(address, []) + self._idle.pop(f"{address} {CLASSES[0]}", []):
+        for c in [c for key in (address, f"{address} {CLASSES[0]}", f"{address} bulk") for c in self._idle.pop(key, [])]:
             c.fs.close()
             c.mover.close()
 
@@ -262,8 +253,27 @@ class TcpDataClient:
         self._idle.clear()
         self.copier.close()
         self.copy_threads.close()
-        self._land_pool.shutdown(wait=False, cancel_futures=True)
-        self._bulk_land_pool.shutdown(wait=False, cancel_futures=True)
+        for lane in {id(x): x for x in (self._normal, self._bulk)}.values():
+            lane.land_pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lane:
+    """The threads that move one lane's reads: ``pool`` receives them (each
+    read a thread, blocking on its socket), ``land_pool`` relays out what
+    they receive for a GPU (host segments land on the copy threads)."""
+
+    pool: concurrent.futures.ThreadPoolExecutor
+    land_pool: concurrent.futures.ThreadPoolExecutor
+
+    @classmethod
+    def start(cls, suffix: str, nice: int | None = None) -> _Lane:
+        """A lane's pools; with ``nice``, their threads run at it (a pool starts
+        its threads from the thread that submits, and a thread inherits its
+        nice, so a niced lane's landings need a pool of their own too)."""
+        niced: dict[str, Any] = {} if nice is None else {"initializer": set_thread_nice, "initargs": (nice,)}
+        return cls(concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"kvd-recv{suffix}", **niced),
+                   concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"kvd-land{suffix}"))
 
 
 class _Landing:
