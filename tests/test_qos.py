@@ -163,21 +163,24 @@ def cpu_by_nice(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, 
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
-@pytest.mark.parametrize(("priority", "increment", "niced"), [
-    ("standard", "10", True),
+@pytest.mark.parametrize(("priority", "increment", "reader_qos", "niced"), [
+    ("standard", "10", "on", True),
     # Controls: after the bulk pull niced threads on both sides, an interactive
     # pull's work runs at the daemon's priority; and --qos-bulk-nice 0 nices nothing.
-    ("interactive", "10", False),
-    ("standard", "0", False),
+    ("interactive", "10", "on", False),
+    ("standard", "0", "on", False),
+    # A reader with qos off may send any class on any connection: the owner
+    # (qos on) never nices a thread that may next serve an interactive read.
+    ("standard", "10", "off", False),
 ])
-def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increment, niced):
+def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increment, reader_qos, niced):
     """--qos on: the threads that send (P) and receive (D) a read below
     class interactive run --qos-bulk-nice above the daemon's nice value, so
     that on a busy host an interactive read's threads come first. Which
     threads did a pull's work is read from each thread's CPU time, and the
     bytes still land whole."""
-    flags = ("--qos", "on", "--qos-bulk-nice", increment)
-    p, d = daemons.start("prefill", *flags), daemons.start("decode", *flags)
+    flags = ("--qos-bulk-nice", increment)
+    p, d = daemons.start("prefill", "--qos", "on", *flags), daemons.start("decode", "--qos", reader_qos, *flags)
     pw = make_worker(p.grpc, "prefill", num_blocks=BULK + 1, **BIG)
     dw = make_worker(d.grpc, "decode", num_blocks=BULK + 1, **BIG)
     blocks = list(range(1, BULK + 1))
@@ -199,7 +202,7 @@ def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increm
         now = thread_stats(pid)
         now.pop(pid)  # the main thread: the event loop, the daemon's control plane (at its priority)
         cpu = cpu_by_nice(before[pid], now, base[pid])
-        print(f"\n{side}, {priority}, --qos-bulk-nice {increment}: the pulls' CPU ticks by nice above the daemon's: {cpu}")
+        print(f"\n{side}, {priority}, --qos-bulk-nice {increment}, reader qos {reader_qos}: the pulls' CPU ticks by nice above the daemon's: {cpu}")
         assert set(cpu) <= {0, 10}, (side, cpu)
         at = 10 if niced else 0  # where the data threads ran: most of the pulls' CPU
         assert cpu.get(at, 0) > 2 * cpu.get(10 - at, 0), (side, priority, increment, cpu)

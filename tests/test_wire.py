@@ -75,7 +75,7 @@ def test_a_whole_read_round_trips_between_two_sessions():
         head = to.receive_header(frame[:HEADER_SIZE])
         return head if isinstance(head, Data) else to.receive_body(frame[HEADER_SIZE:])
 
-    assert deliver(reader.send(Hello("D", "e", b"t")), owner) == Hello("D", "e", b"t")
+    assert deliver(reader.send(Hello("D", "e", b"t", lane="bulk")), owner) == Hello("D", "e", b"t", lane="bulk")
     assert deliver(owner.send(HelloOk()), reader) == HelloOk()
     read = _read(2)
     assert deliver(reader.send(read), owner) == read

@@ -49,6 +49,7 @@ class Hello:
     epoch: str
     data_token: bytes = b""  # from the owner's handshake
     shared_token: bytes = b""  # auth=token: the cluster's bearer token
+    lane: str = ""  # the reads the connection carries: "bulk", "interactive", "" (any class; see DataHello.lane)
 
 
 @dataclass(frozen=True)

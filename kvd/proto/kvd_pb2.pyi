@@ -673,16 +673,18 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., regions: _Optional[int] = ..., bytes: _Optional[int] = ..., layers: _Optional[int] = ..., region_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("engine_id", "epoch", "data_token", "shared_token")
+    __slots__ = ("engine_id", "epoch", "data_token", "shared_token", "lane")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SHARED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     epoch: str
     data_token: bytes
     shared_token: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ...) -> None: ...
+    lane: str
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., data_token: _Optional[bytes] = ..., shared_token: _Optional[bytes] = ..., lane: _Optional[str] = ...) -> None: ...
 
 class DataRead(_message.Message):
     __slots__ = ("owner_engine_id", "request_id", "generation", "capability", "tp_rank", "pp_rank", "head_start", "head_count", "segments", "reader_tp_rank", "reader_pp_rank", "nixl_metadata_version", "stripe", "stripes", "stream", "mapped_registration", "priority", "tenant", "deadline_ms")

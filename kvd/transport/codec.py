@@ -13,7 +13,7 @@ class PbCodec:
     def encode(self, event: Event) -> bytes:
         if isinstance(event, Hello):
             return pb.DataHello(engine_id=event.engine_id, epoch=event.epoch, data_token=event.data_token,
-                                shared_token=event.shared_token).SerializeToString()
+                                shared_token=event.shared_token, lane=event.lane).SerializeToString()
         if isinstance(event, Read):
             return read_to_pb(event.read).SerializeToString()
         if isinstance(event, End):
@@ -30,7 +30,7 @@ class PbCodec:
         try:
             if type_ is FrameType.HELLO:
                 h = pb.DataHello.FromString(body)
-                return Hello(h.engine_id, h.epoch, h.data_token, h.shared_token)
+                return Hello(h.engine_id, h.epoch, h.data_token, h.shared_token, h.lane)
             if type_ is FrameType.HELLO_OK:
                 return HelloOk()
             if type_ is FrameType.READ:

@@ -100,7 +100,7 @@ class TcpDataClient:
         # the whole prompt same-host or over NIXL. Bounded by the pull's own
         # timeout; the owner fails a read whose next layer does not come.
         self.stream_wait_s = stream_wait_s
-        self._idle: dict[str, list[_Conn]] = {}  # by peer address (and "<address> interactive": that lane's own)
+        self._idle: dict[str, list[_Conn]] = {}  # by peer address; --qos on, by "<address> <lane>" (interactive, bulk)
         self._slots: dict[str, asyncio.Semaphore] = {}  # a peer's connections, first come first served
         self._admission: dict[str, Admission] = {}  # --qos on: the same in the wire's order
         self._tokens: dict[str, bytes] = {}
@@ -114,9 +114,10 @@ class TcpDataClient:
             # to the interactive ones' (thread_nice: a thread's nice is not lowered again).
             self._bulk = _Lane.start("-bulk", gate.bulk_nice)
 
-    def _connect(self, address: str, lane: _Lane) -> _Conn:
+    def _connect(self, address: str, lane: _Lane, carries: str) -> _Conn:
         """A new connection, its HELLO answered (in a worker thread of ``lane``),
-        whose reads ``lane``'s threads land."""
+        whose reads ``lane``'s threads land; ``carries``: the reads it will
+        carry, as its HELLO tells the owner ("bulk", "interactive", "": any)."""
         host, port = split_address(address)
         raw = socket.create_connection((host, port), timeout=self.stall_timeout_s)
         sock = raw
@@ -126,7 +127,7 @@ class TcpDataClient:
                 sock = self.tls.wrap_socket(raw, server_hostname=host)
             fs = FrameSocket(sock, owner=False)
             with fs.stall_bound(self.stall_timeout_s):
-                fs.send(dataclasses.replace(self.hello, data_token=self._tokens.get(address, b"")))
+                fs.send(dataclasses.replace(self.hello, data_token=self._tokens.get(address, b""), lane=carries))
                 answer = fs.next_event()
             if isinstance(answer, Error):
                 # The owner may have restarted and forgotten us: worth a fresh handshake.
@@ -146,20 +147,20 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
-        key, lane = address, self._normal
+        key, lane, carries = address, self._normal, ""
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         else:
             admission = self._admission.setdefault(address, Admission(self.gate.schedule.shares, self.connections_per_peer))
             slots = admission.connection(qos, sum(s.nbytes for s in sinks))
-            if qos.priority == CLASSES[0]:  # its connections stay its own, warm: a bulk read does not take them
-                key = f"{address} {CLASSES[0]}"
-            else:
-                key, lane = f"{address} bulk" if self._bulk is not self._normal else address, self._bulk
+            # Each lane's connections are its own: an interactive read's stay warm
+            # (a bulk read does not take them), and the owner nices only the bulk's.
+            carries = CLASSES[0] if qos.priority == CLASSES[0] else "bulk"
+            key, lane = f"{address} {carries}", self._bulk if carries == "bulk" else self._normal
         loop = asyncio.get_running_loop()
         async with slots:
             idle = self._idle.setdefault(key, [])
-            conn = idle.pop() if idle else await loop.run_in_executor(lane.pool, self._connect, address, lane)
+            conn = idle.pop() if idle else await loop.run_in_executor(lane.pool, self._connect, address, lane, carries)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
             mover = conn.mover if local_source is None else SameHostIn(local_source, self.copier, self.copy_threads.run_copies, self.on_relayout)

@@ -13,12 +13,10 @@ A thread may raise its own nice value without privilege, but lowering it
 again needs CAP_SYS_NICE, which a container seldom has; so a thread that
 moves bulk reads stays niced, and so does every thread it starts (a thread
 inherits its creator's nice). The reader runs its bulk reads, and their
-landings, in pools of their own; the owner's per-connection thread takes
-the nice of the reads its connection carries. A reader with --qos on keeps
-its interactive reads on connections of their own, so an owner thread that
-served bulk does not serve an interactive read; from a reader with qos off
-(or an older one), which mixes them on one connection, it may, at the bulk's
-priority where it cannot lower it (the order of the wire is kept either way).
+landings, in pools of their own, on connections of their own that its HELLO
+names a bulk lane; the owner nices the thread of such a connection only, so
+a connection that may carry an interactive read (from a reader with qos off,
+or an older one) is served at the daemon's priority.
 
 Bulk threads yield to every thread at the daemon's priority, co-located
 processes too (an engine's workers): set qos_bulk_nice 0 to keep them level.
