@@ -135,21 +135,30 @@ def _layer(view: torch.Tensor | list[torch.Tensor], li: int) -> torch.Tensor:
     return view[li] if not isinstance(view, list) else view[li][0]
 
 
-def _gather_rows(t: torch.Tensor, at: tuple[np.ndarray, ...]) -> torch.Tensor:
-    """``t[at]``: rows of ``t``'s last dim. Where every row starts a whole row
-    into memory (the dim innermost: any NHD or HND cache), one index_select
-    of rows (a memcpy each), not an element-wise gather."""
+Gather = tuple["torch.Tensor", "torch.Tensor | tuple[torch.Tensor, ...]"]
+
+
+def _row_gather(t: torch.Tensor, at: tuple[np.ndarray, ...]) -> Gather:
+    """How to read ``t[at]``, rows of ``t``'s last dim: (a view, its index),
+    for ``_read_rows``. Where every row starts a whole row into memory (the
+    dim innermost: any NHD or HND cache), an index_select of rows (a memcpy
+    each) of a (rows, dim) view, not an element-wise gather."""
     import torch
 
     d, strides = t.shape[-1], t.stride()
     if (t.stride(-1) != 1 and d > 1) or any(s % d for s in strides[:-1]) or t.numel() == 0:
-        return t[tuple(torch.from_numpy(i) for i in at)]
+        return t, tuple(torch.from_numpy(i) for i in at)
     span = sum((n - 1) * s for n, s in zip(t.shape[:-1], strides[:-1], strict=True)) // d + 1
     flat = torch.as_strided(t, (span, d), (d, 1))
     row = at[0] * (strides[0] // d)
     for i, s in zip(at[1:], strides[1:-1], strict=True):
         row = row + i * (s // d)
-    return flat.index_select(0, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(t.device))
+    return flat, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(t.device)
+
+
+def _read_rows(gather: Gather) -> torch.Tensor:
+    view, index = gather
+    return view[index] if isinstance(index, tuple) else view.index_select(0, index)
 
 
 def _hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) -> np.ndarray:
@@ -186,26 +195,30 @@ def _hash_blocks(plane: torch.Tensor, ids: torch.Tensor, keys: np.ndarray, word_
 
 
 @dataclass(frozen=True)
-class RowDigests:
-    """One rank's row digests of one group: ``values[i]`` (K and V summed) of
-    the row (``layers[layer_pos[i]]``, ``tokens[i]``, global ``heads[i]``).
-    ``head_start`` and ``num_heads``: the global heads this rank holds."""
+class RowPlan:
+    """All of a digest (``RowDigests.of``) but reading the bytes: which rows,
+    their names, keys and where they lie. A reader makes it while its bytes
+    are on the way, so that what is left once they land is a gather, a hash
+    and a sum (a cold cache makes each step of numpy cost tens of us)."""
 
-    layers: tuple[int, ...]  # global layer indices
-    layer_pos: np.ndarray  # int16, into ``layers``
-    tokens: np.ndarray  # uint32
-    heads: np.ndarray  # int16, global
-    values: np.ndarray  # uint64
+    group: GroupTensors
+    layers: tuple[int, ...]
+    lpos: np.ndarray  # int64, into ``layers``; then tokens and global heads
+    tokens: np.ndarray
+    heads: np.ndarray
+    ids: torch.Tensor  # the blocks (full: hashed whole)
+    keys: np.ndarray  # the multilinear hash's, per word of a row
+    word_dtype: torch.dtype
+    named: list[np.ndarray]  # per part: each row's name, mixed, with its planes' keys: (planes, rows)
+    gathers: list[list[Gather]]  # per part, sampled: the rows to read, plane-major
+    every_row: bool  # full: blocks are hashed whole, not gathered row by row
     head_start: int
     num_heads: int
 
     @classmethod
     def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
-           head_start: int, sample: RowSample, total_heads: int = 0, total_layers: int = 0) -> RowDigests:
-        """Digest the rows of tokens ``[first_token, num_tokens)`` held in
-        ``block_ids`` (the first holding ``first_token``), local head ``h``
-        being global head ``head_start + h`` of the group's ``total_heads``,
-        of a model of ``total_layers`` (a sample draws from both)."""
+           head_start: int, sample: RowSample, total_heads: int = 0, total_layers: int = 0) -> RowPlan:
+        """As ``RowDigests.of``, which takes these arguments."""
         import torch
 
         spec = group.spec
@@ -226,40 +239,76 @@ class RowDigests:
             raise InvalidArgument("verify.total_layers", total_layers, "must be the model's layer count, at least 1")
         stop = min(num_tokens, first_token + len(block_ids) * bs)
         ids_np = np.asarray(block_ids, dtype=np.int64)
-        ids = torch.from_numpy(ids_np)
         row_bytes = spec.head_size * spec.itemsize
         word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)  # the widest words a row makes: 8 bytes needs no widening
         word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-        keys = _row_keys(sample.seed, row_bytes // word)
         layers = group.layer_indices
         lpos, tokens, heads = sample.rows(group_id, layers, first_token, stop, range(head_start, head_start + nh), total_heads, total_layers)
-        value = np.zeros(len(tokens), dtype=np.uint64)
+        named: list[np.ndarray] = []
+        gathers: list[list[Gather]] = []
         if len(tokens):
             names = (tokens.astype(np.uint64) | heads.astype(np.uint64) << np.uint64(32) | np.uint64(group_id) << np.uint64(56)
                      | np.asarray(layers, dtype=np.uint64)[lpos] << np.uint64(44))
-            named = mix(names ^ _key(sample.seed, 3))  # once a row: K and V add a key of their plane's
+            once = mix(names ^ _key(sample.seed, 3))  # once a row: K and V add a key of their plane's
             rel = tokens - first_token
             at = (lpos, ids_np[rel // bs], rel % bs, heads - head_start)
-            per_layer = len(tokens) // max(len(layers), 1)  # every row: each layer's are a slice
             bounds = np.searchsorted(lpos, np.arange(len(layers) + 1))  # rows come layer by layer
-            scratch: list[torch.Tensor] = []
             for part, view in enumerate(group.parts):
                 planes = (view if isinstance(view, torch.Tensor) else view[0]).shape[1]
-                if sample.per_window == 0:  # whole blocks, a plane of a layer at a time, gathered at copy speed
-                    hashed = np.stack([np.concatenate([_hash_blocks(_layer(view, li)[p], ids, keys, word_dtype, scratch)[:per_layer]
-                                                       for li in range(len(layers))]) for p in range(planes)])
+                kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
+                plane_keys = np.array([_key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64)
+                named.append(once ^ plane_keys.reshape(-1, 1))
+                if sample.per_window == 0:  # whole blocks, gathered at copy speed when digested
+                    gathers.append([])
                 elif isinstance(view, torch.Tensor):  # a few rows of every layer and plane: one gather
                     pl = np.repeat(np.arange(planes, dtype=np.int64), len(tokens))
-                    rows = _gather_rows(view, (np.tile(at[0], planes), pl, *(np.tile(i, planes) for i in at[1:])))
-                    hashed = _hash_rows(rows, keys, word_dtype).reshape(planes, -1)
+                    gathers.append([_row_gather(view, (np.tile(at[0], planes), pl, *(np.tile(i, planes) for i in at[1:])))])
                 else:
-                    hashed = np.stack([np.concatenate([_hash_rows(_gather_rows(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:])), keys, word_dtype)
-                                                       for li, (lo, hi) in enumerate(itertools.pairwise(bounds))]) for p in range(planes)])
-                kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
-                plane_keys = np.array([_key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64).reshape(-1, 1)
-                value += mix(hashed ^ named ^ plane_keys).sum(axis=0, dtype=np.uint64)
+                    gathers.append([_row_gather(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:]))
+                                    for p in range(planes) for li, (lo, hi) in enumerate(itertools.pairwise(bounds))])
+        return cls(group, tuple(layers), lpos, tokens, heads, torch.from_numpy(ids_np), _row_keys(sample.seed, row_bytes // word), word_dtype,
+                   named, gathers, sample.per_window == 0, head_start, nh)
+
+    def digest(self) -> RowDigests:
+        """Read the planned rows and digest them."""
+        value = np.zeros(len(self.tokens), dtype=np.uint64)
+        scratch: list[torch.Tensor] = []
+        for view, named, gathers in zip(self.group.parts, self.named, self.gathers, strict=False):  # none where no row was drawn
+            planes = named.shape[0]
+            if not self.every_row:
+                hashed = np.concatenate([_hash_rows(_read_rows(g), self.keys, self.word_dtype) for g in gathers]).reshape(planes, -1)
+            else:  # every row: each layer's are a slice of its blocks' hashes
+                per_layer = len(self.tokens) // max(len(self.layers), 1)
+                hashed = np.stack([np.concatenate([_hash_blocks(_layer(view, li)[p], self.ids, self.keys, self.word_dtype, scratch)[:per_layer]
+                                                   for li in range(len(self.layers))]) for p in range(planes)])
+            value += mix(hashed ^ named).sum(axis=0, dtype=np.uint64)
         # Kept to the lease's end and past it: 16 bytes a row (a full digest of 128k tokens x 32 layers x 8 heads: 0.5 GB).
-        return cls(tuple(layers), lpos.astype(np.int16), tokens.astype(np.uint32), heads.astype(np.int16), value, head_start=head_start, num_heads=nh)
+        return RowDigests(self.layers, self.lpos.astype(np.int16), self.tokens.astype(np.uint32), self.heads.astype(np.int16), value,
+                          head_start=self.head_start, num_heads=self.num_heads)
+
+
+@dataclass(frozen=True)
+class RowDigests:
+    """One rank's row digests of one group: ``values[i]`` (K and V summed) of
+    the row (``layers[layer_pos[i]]``, ``tokens[i]``, global ``heads[i]``).
+    ``head_start`` and ``num_heads``: the global heads this rank holds."""
+
+    layers: tuple[int, ...]  # global layer indices
+    layer_pos: np.ndarray  # int16, into ``layers``
+    tokens: np.ndarray  # uint32
+    heads: np.ndarray  # int16, global
+    values: np.ndarray  # uint64
+    head_start: int
+    num_heads: int
+
+    @classmethod
+    def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
+           head_start: int, sample: RowSample, total_heads: int = 0, total_layers: int = 0) -> RowDigests:
+        """Digest the rows of tokens ``[first_token, num_tokens)`` held in
+        ``block_ids`` (the first holding ``first_token``), local head ``h``
+        being global head ``head_start + h`` of the group's ``total_heads``,
+        of a model of ``total_layers`` (a sample draws from both)."""
+        return RowPlan.of(group, group_id, block_ids, first_token, num_tokens, head_start, sample, total_heads, total_layers).digest()
 
     @property
     def nbytes(self) -> int:

@@ -35,6 +35,7 @@ from kvd.core.digest import (
     DigestRows,
     Mismatch,
     RowDigests,
+    RowPlan,
     RowSample,
     VerifyMismatch,
     answer,
@@ -242,23 +243,37 @@ class Verifier:
         return DigestQuery(params.remote_engine_id, params.request_id, params.generation, params.capability, tuple(rows))
 
     @staticmethod
-    def check(reg: Registration, query: DigestQuery, theirs: DigestAnswer, local: Sequence[Sequence[int]],
-              first_tokens: Sequence[int]) -> list[tuple[DigestRows, Mismatch, list[int]]]:
-        """Digest what landed with the owner's sample and compare (blocking: off the loop unless small, ``_digest_work``).
-        Per group that differs: its rows, where, and the local block ids to fail."""
+    def plan(reg: Registration, query: DigestQuery, sample: RowSample, local: Sequence[Sequence[int]],
+             first_tokens: Sequence[int]) -> list[_Check]:
+        """What checking the read with the owner's ``sample`` takes, all but reading
+        what landed (blocking: off the loop unless small, ``_digest_work``)."""
         out = []
-        for rows, sums in zip(query.rows, theirs.sums, strict=True):
+        for rows in query.rows:
             g = next(i for i, spec in enumerate(reg.groups) if spec.group_id == rows.group_id)
             ids, first, stop = rows_of(reg.groups[g], local[g], first_tokens[g], rows.token_stop) or ([], 0, 0)
             heads = group_heads(reg.groups[g], reg.worker, reg.model)
-            mine = RowDigests.of(reg.tensors[g], rows.group_id, ids, first, stop, heads.start, theirs.sample,
-                                 total_heads(reg.groups[g], reg.worker, reg.model), reg.model.num_layers)
-            ours = mine.bins(rows.layers, rows.heads, rows.token_start, rows.token_stop, rows.bin_tokens)
+            out.append(_Check(rows, list(ids), first, RowPlan.of(reg.tensors[g], rows.group_id, ids, first, stop, heads.start, sample,
+                                                                 total_heads(reg.groups[g], reg.worker, reg.model), reg.model.num_layers)))
+        return out
+
+    @staticmethod
+    def check(checks: Sequence[_Check], theirs: DigestAnswer) -> list[tuple[DigestRows, Mismatch, list[int]]]:
+        """Digest what landed as planned and compare (blocking, as ``plan``).
+        Per group that differs: its rows, where, and the local block ids to fail."""
+        out = []
+        for c, sums in zip(checks, theirs.sums, strict=True):
+            rows = c.rows
+            ours = c.plan.digest().bins(rows.layers, rows.heads, rows.token_start, rows.token_stop, rows.bin_tokens)
             found = compare(rows.layers, ours, np.asarray(sums, dtype=np.uint64).reshape(rows.shape))
             if found is not None:
-                first_bin = first // rows.bin_tokens
-                out.append((rows, found, [int(ids[b - first_bin]) for b in found.bins]))
+                first_bin = c.first // rows.bin_tokens
+                out.append((rows, found, [int(c.ids[b - first_bin]) for b in found.bins]))
         return out
+
+    @classmethod
+    def plan_and_check(cls, reg: Registration, query: DigestQuery, theirs: DigestAnswer, local: Sequence[Sequence[int]],
+                       first_tokens: Sequence[int]) -> list[tuple[DigestRows, Mismatch, list[int]]]:
+        return cls.check(cls.plan(reg, query, theirs.sample, local, first_tokens), theirs)
 
     def ask_early(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams) -> _Asked | None:
         """Ask the owner for its digests as the pull starts (it took them
@@ -273,9 +288,20 @@ class Verifier:
         query = self.query(reg, params, local, firsts)
         if query is None:
             return _Asked(None, None, local, firsts, askable=False)
-        task = asyncio.ensure_future(channels.digest(params.remote_address, query, timeout=10))
+        task = asyncio.ensure_future(self._answer_and_plan(channels, params.remote_address, reg, query, local, firsts))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read here: a failed pull may never await it
         return _Asked(query, task, local, firsts)
+
+    async def _answer_and_plan(self, channels: PeerChannels, address: str, reg: Registration, query: DigestQuery,
+                               local: list[list[int]], firsts: list[int]) -> tuple[DigestAnswer, list[_Check] | None]:
+        """The owner's answer, and for a sample the check's plan, made while
+        the bytes travel (a full check's plan holds every row's name: made
+        when it is needed, not held through the transfer)."""
+        theirs = await channels.digest(address, query, timeout=10)
+        if not theirs.sample.per_window:
+            return theirs, None
+        tokens = sum(r.token_stop - r.token_start for r in query.rows)
+        return theirs, await _digest_work(theirs.sample, tokens, [reg], self.plan, reg, query, theirs.sample, local, firsts)
 
     async def verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
         """After a pull landed: take the owner's digests of what was read
@@ -290,16 +316,17 @@ class Verifier:
             self.metrics.pull_phase_seconds.labels("verify").observe(time.perf_counter() - t)
 
     @staticmethod
-    async def _early_answer(asked: _Asked) -> DigestAnswer | None:
-        """The answer to the question put as the pull started; None where none was put or it was NOT_FOUND."""
+    async def _early_answer(asked: _Asked) -> tuple[DigestAnswer | None, list[_Check] | None]:
+        """The answer to the question put as the pull started, and its plan;
+        None where none was put or it was NOT_FOUND."""
         if asked.task is None:
-            return None
+            return None, None
         try:
             return await asked.task
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-            return None
+            return None, None
 
     async def _verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
         local, firsts = asked.local, asked.firsts
@@ -308,11 +335,14 @@ class Verifier:
             self.metrics.verify_checks.labels("unverified").inc()
             return
         try:
-            theirs = await self._early_answer(asked)
+            theirs, checks = await self._early_answer(asked)
             if theirs is None:  # not asked yet, or asked before a rank of the owner published: ask now
                 theirs = await channels.digest(params.remote_address, query, timeout=10)
-            found = await _digest_work(theirs.sample, sum(r.token_stop - r.token_start for r in query.rows), [reg],
-                                       self.check, reg, query, theirs, local, firsts)
+            tokens = sum(r.token_stop - r.token_start for r in query.rows)
+            if checks is not None:
+                found = await _digest_work(theirs.sample, tokens, [reg], self.check, checks, theirs)
+            else:
+                found = await _digest_work(theirs.sample, tokens, [reg], self.plan_and_check, reg, query, theirs, local, firsts)
         except grpc.aio.AioRpcError as e:
             # The owner does not verify, or no longer holds the digests.
             self.metrics.verify_checks.labels("unverified").inc()
@@ -357,7 +387,7 @@ class _Asked:
     """A reader's question, put as its pull started, and the answer on its way."""
 
     query: DigestQuery | None  # None: no group of the read can be verified
-    task: asyncio.Future[DigestAnswer] | None
+    task: asyncio.Future[tuple[DigestAnswer, list[_Check] | None]] | None
     local: list[list[int]]
     firsts: list[int]
     askable: bool = True  # False: no group of the read can be verified
@@ -366,3 +396,14 @@ class _Asked:
         """The pull failed: its answer is not wanted."""
         if self.task is not None:
             self.task.cancel()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Check:
+    """One asked group's check, planned: its rows, the local blocks (from
+    the one holding ``first``) a mismatch fails, and the digest's plan."""
+
+    rows: DigestRows
+    ids: list[int]
+    first: int
+    plan: RowPlan
