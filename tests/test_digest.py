@@ -225,3 +225,23 @@ def test_an_answer_missing_a_rank_is_no_answer(pd):
     assert answer(query, RowSample(3), []) is None
     narrow = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1), range(0, 6), 0, TOKENS, 16),))  # heads 4, 5 held nowhere
     assert answer(narrow, RowSample(3), [full]) is None
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("per_window", [2, 0])
+def test_a_plan_made_before_the_bytes_land_digests_them_as_they_are_when_read(stacked, per_window):
+    """A reader plans its check while its bytes travel (RowPlan): the plan
+    reads nothing, so its digest is of the bytes at digest time, as one made
+    then; and bytes that change after planning change it (the control)."""
+    from kvd.core.digest import RowPlan
+
+    e = engine("D", 1, 1, 16, "NHD", 4, stacked=stacked)
+    rank = e.ranks[(0, 0)]
+    ids, sample = [3, 7, 5, 1, 9, 2, 8, 4, 6, 10], RowSample(11, per_window)
+    pattern.fill(rank.tensors, 1, ids, rank.coords)  # what was there before the pull
+    plan = RowPlan.of(rank.tensors, 0, ids, 0, TOKENS, 0, sample, 4, 4)
+    before = plan.digest().values.copy()
+    pattern.fill(rank.tensors, 2, ids, rank.coords)  # what landed
+    landed = RowDigests.of(rank.tensors, 0, ids, 0, TOKENS, 0, sample, 4, 4)
+    assert np.array_equal(plan.digest().values, landed.values)
+    assert not np.array_equal(before, landed.values)

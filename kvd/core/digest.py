@@ -194,7 +194,7 @@ def _hash_blocks(plane: torch.Tensor, ids: torch.Tensor, keys: np.ndarray, word_
     return np.concatenate(out) if out else np.zeros(0, np.uint64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays and views: compared by identity
 class RowPlan:
     """All of a digest (``RowDigests.of``) but reading the bytes: which rows,
     their names, keys and where they lie. A reader makes it while its bytes
@@ -273,7 +273,7 @@ class RowPlan:
         """Read the planned rows and digest them."""
         value = np.zeros(len(self.tokens), dtype=np.uint64)
         scratch: list[torch.Tensor] = []
-        for view, named, gathers in zip(self.group.parts, self.named, self.gathers, strict=False):  # none where no row was drawn
+        for view, named, gathers in zip(self.group.parts, self.named, self.gathers, strict=bool(len(self.tokens))):  # none where no row was drawn
             planes = named.shape[0]
             if not self.every_row:
                 hashed = np.concatenate([_hash_rows(_read_rows(g), self.keys, self.word_dtype) for g in gathers]).reshape(planes, -1)

@@ -296,7 +296,8 @@ class Verifier:
                                local: list[list[int]], firsts: list[int]) -> tuple[DigestAnswer, list[_Check] | None]:
         """The owner's answer, and for a sample the check's plan, made while
         the bytes travel (a full check's plan holds every row's name: made
-        when it is needed, not held through the transfer)."""
+        when it is needed, not held through the transfer; a sampled one's, of
+        a state group, every row of its last block's state: a few)."""
         theirs = await channels.digest(address, query, timeout=10)
         if not theirs.sample.per_window:
             return theirs, None

@@ -147,7 +147,7 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
-        key, lane, carries = address, self._normal, ""
+        key, lane, carries = address, self._normal, ""  # untagged (qos off): any class, never niced
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         else:
@@ -269,12 +269,13 @@ class _Lane:
 
     @classmethod
     def start(cls, suffix: str, nice: int | None = None) -> _Lane:
-        """A lane's pools; with ``nice``, their threads run at it (a pool starts
+        """A lane's pools; with ``nice``, their threads run at it. A pool starts
         its threads from the thread that submits, and a thread inherits its
-        nice, so a niced lane's landings need a pool of their own too)."""
+        nice, so a niced lane's landings need a pool of their own too (and the
+        plain lane's landing threads are never started by a niced thread)."""
         niced: dict[str, Any] = {} if nice is None else {"initializer": set_thread_nice, "initargs": (nice,)}
         return cls(concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"kvd-recv{suffix}", **niced),
-                   concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"kvd-land{suffix}"))
+                   concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"kvd-land{suffix}", **niced))
 
 
 class _Landing:

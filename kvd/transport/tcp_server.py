@@ -277,8 +277,8 @@ class FramesOut:
         gate = None
         if self.gate is not None:
             gate = self.gate.for_peer(read)
-            if self.bulk_lane:
-                set_thread_nice(self.gate.nice_of(gate.tag))
+            if self.bulk_lane:  # the lane is the contract: a tag that says otherwise does not lower it
+                set_thread_nice(self.gate.bulk_nice)
         try:
             total = send_segments(fs, opened, len(read.segments), self.staging, self.to_host, gate)
         finally:

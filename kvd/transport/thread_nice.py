@@ -12,9 +12,9 @@ interactive path leaves.
 A thread may raise its own nice value without privilege, but lowering it
 again needs CAP_SYS_NICE, which a container seldom has; so a thread that
 moves bulk reads stays niced, and so does every thread it starts (a thread
-inherits its creator's nice). The reader runs its bulk reads, and their
-landings, in pools of their own, on connections of their own that its HELLO
-names a bulk lane; the owner nices the thread of such a connection only, so
+inherits its creator's nice). A reader with a bulk nice runs its bulk
+reads, and their landings, in pools of their own, on connections of their
+own that its HELLO names a bulk lane; the owner nices the thread of such a connection only, so
 a connection that may carry an interactive read (from a reader with qos off,
 or an older one) is served at the daemon's priority.
 
@@ -74,6 +74,7 @@ def _per_thread() -> bool:
 
 
 _warned = False  # a race between two threads logs twice at worst
-# The nice each thread last asked for, and whether it got it (only this module
-# sets a data-plane thread's nice, so that is the nice it has).
+# The nice each thread last asked for, and whether it got it: only this module
+# sets a data-plane thread's nice, so a thread that asked has it (one that
+# inherited a nice has asked nothing, and asks the kernel the first time).
 _asked = threading.local()
