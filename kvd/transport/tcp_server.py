@@ -161,7 +161,14 @@ class TcpDataServer:
                     fs.send(Error.of(e))
                     return
                 fs.send(HelloOk())
-            movers = self._movers(fs, arena, hello.lane)
+            if self.gate is not None and hello.lane == "bulk":
+                # The reader keeps this connection for reads below class
+                # interactive: its thread yields the CPU (thread_nice) for good,
+                # as it will never serve an interactive read. A connection that
+                # may carry any class (a reader with qos off, or an older one)
+                # is never niced: a thread's nice is not lowered again.
+                set_thread_nice(self.gate.bulk_nice)
+            movers = self._movers(fs, arena)
             while True:
                 with fs.stall_bound(None):  # idle between reads
                     ev = fs.next_event()  # only READ is admitted here
@@ -200,10 +207,9 @@ class TcpDataServer:
                 arena.release()
             self._threads.discard(threading.current_thread())
 
-    def _movers(self, fs: FrameSocket, arena: Arena | None, lane: str) -> dict[str, ServeMover]:
-        """The byte movers this connection offers, by the name a READ asks for
-        (``lane``: what reads the reader's HELLO says it carries)."""
-        movers: list[ServeMover] = [FramesOut(Staging(), DeviceToHost(), self.gate, bulk_lane=lane == "bulk"), SameHostOut()]
+    def _movers(self, fs: FrameSocket, arena: Arena | None) -> dict[str, ServeMover]:
+        """The byte movers this connection offers, by the name a READ asks for."""
+        movers: list[ServeMover] = [FramesOut(Staging(), DeviceToHost(), self.gate), SameHostOut()]
         if self.nixl is not None and arena is not None and not fs.tls:
             movers.append(NixlOut(self.nixl, arena, self.nixl_staging_bytes))
         return {m.name: m for m in movers}
@@ -264,21 +270,11 @@ class FramesOut:
 
     name = "tcp"
 
-    def __init__(self, staging: Staging, to_host: DeviceToHost, gate: WireGate | None = None, bulk_lane: bool = False) -> None:
+    def __init__(self, staging: Staging, to_host: DeviceToHost, gate: WireGate | None = None) -> None:
         self.staging, self.to_host, self.gate = staging, to_host, gate
-        # The reader keeps this connection for reads below class interactive:
-        # its thread may yield the CPU (thread_nice), as it will never need to
-        # send an interactive read at the daemon's priority again. A connection
-        # that may carry any class (a reader with qos off, or an older one) is
-        # never niced: a thread's nice is not lowered again.
-        self.bulk_lane = bulk_lane
 
     def serve(self, fs: FrameSocket, opened: OpenRead, read: DataRead) -> int:
-        gate = None
-        if self.gate is not None:
-            gate = self.gate.for_peer(read)
-            if self.bulk_lane:  # the lane is the contract: a tag that says otherwise does not lower it
-                set_thread_nice(self.gate.bulk_nice)
+        gate = None if self.gate is None else self.gate.for_peer(read)
         try:
             total = send_segments(fs, opened, len(read.segments), self.staging, self.to_host, gate)
         finally:

@@ -52,21 +52,16 @@ def set_thread_nice(nice: int) -> bool:
     global _warned
     if not _per_thread():
         return False
-    asked = getattr(_asked, "last", None)
-    if asked is not None and asked[0] == nice:  # an owner's thread asks once a read: no syscall for what it has
-        return bool(asked[1])
     tid = threading.get_native_id()
     try:
         if os.getpriority(os.PRIO_PROCESS, tid) != nice:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-        ok = True
+        return True
     except OSError as e:
-        ok = False
         if not _warned:
             _warned = True
             log.warning("a data-plane thread keeps its CPU priority (nice %d wanted; logged once): %s", nice, e)
-    _asked.last = (nice, ok)
-    return ok
+        return False
 
 
 def _per_thread() -> bool:
@@ -74,7 +69,3 @@ def _per_thread() -> bool:
 
 
 _warned = False  # a race between two threads logs twice at worst
-# The nice each thread last asked for, and whether it got it: only this module
-# sets a data-plane thread's nice, so a thread that asked has it (one that
-# inherited a nice has asked nothing, and asks the kernel the first time).
-_asked = threading.local()

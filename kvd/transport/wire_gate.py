@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvd.core.qos import CLASSES, QosTag, QueueStatus, WireSchedule, peer_tag
+from kvd.core.qos import QosTag, QueueStatus, WireSchedule, peer_tag
 from kvd.core.reads import DataRead
 from kvd.transport.thread_nice import base_nice, bulk_nice
 
@@ -75,10 +75,6 @@ class WireGate:
         if granted:
             self._granted.update(granted)
             self._cond.notify_all()
-
-    def nice_of(self, tag: QosTag) -> int:
-        """The nice a thread moving a read of ``tag`` runs at."""
-        return self.normal_nice if tag.priority == CLASSES[0] else self.bulk_nice
 
     def for_read(self, tag: QosTag, cancel: threading.Event | None = None) -> ReadGate:
         return ReadGate(self, tag, cancel if cancel is not None else threading.Event(), self.chunk_bytes)
