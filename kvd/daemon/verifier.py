@@ -270,11 +270,6 @@ class Verifier:
                 out.append((rows, found, [int(c.ids[b - first_bin]) for b in found.bins]))
         return out
 
-    @classmethod
-    def plan_and_check(cls, reg: Registration, query: DigestQuery, theirs: DigestAnswer, local: Sequence[Sequence[int]],
-                       first_tokens: Sequence[int]) -> list[tuple[DigestRows, Mismatch, list[int]]]:
-        return cls.check(cls.plan(reg, query, theirs.sample, local, first_tokens), theirs)
-
     def ask_early(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams) -> _Asked | None:
         """Ask the owner for its digests as the pull starts (it took them
         before it published), so the answer travels while the bytes do;
@@ -301,8 +296,7 @@ class Verifier:
         theirs = await channels.digest(address, query, timeout=10)
         if not theirs.sample.per_window:
             return theirs, None
-        tokens = sum(r.token_stop - r.token_start for r in query.rows)
-        return theirs, await _digest_work(theirs.sample, tokens, [reg], self.plan, reg, query, theirs.sample, local, firsts)
+        return theirs, await _digest_work(theirs.sample, _positions(query), [reg], self.plan, reg, query, theirs.sample, local, firsts)
 
     async def verify_landed(self, channels: PeerChannels, reg: Registration, req: PullOrder, params: TransferParams, asked: _Asked) -> None:
         """After a pull landed: take the owner's digests of what was read
@@ -339,11 +333,9 @@ class Verifier:
             theirs, checks = await self._early_answer(asked)
             if theirs is None:  # not asked yet, or asked before a rank of the owner published: ask now
                 theirs = await channels.digest(params.remote_address, query, timeout=10)
-            tokens = sum(r.token_stop - r.token_start for r in query.rows)
-            if checks is not None:
-                found = await _digest_work(theirs.sample, tokens, [reg], self.check, checks, theirs)
-            else:
-                found = await _digest_work(theirs.sample, tokens, [reg], self.plan_and_check, reg, query, theirs, local, firsts)
+            if checks is None:  # a full check, or an answer asked for after landing
+                checks = await _digest_work(theirs.sample, _positions(query), [reg], self.plan, reg, query, theirs.sample, local, firsts)
+            found = await _digest_work(theirs.sample, _positions(query), [reg], self.check, checks, theirs)
         except grpc.aio.AioRpcError as e:
             # The owner does not verify, or no longer holds the digests.
             self.metrics.verify_checks.labels("unverified").inc()
@@ -373,6 +365,11 @@ class Verifier:
 # digested whole, every row, in sampled mode too) go to a thread.
 ON_THE_LOOP_TOKENS = 4096
 R = TypeVar("R")
+
+
+def _positions(query: DigestQuery) -> int:
+    """The token positions a reader's question covers, over its groups (what ``_digest_work`` sizes)."""
+    return sum(r.token_stop - r.token_start for r in query.rows)
 
 
 async def _digest_work(sample: RowSample, tokens: int, regs: Sequence[Registration], fn: Callable[..., R], *args: Any) -> R:

@@ -147,7 +147,7 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
-        key, lane, carries = address, self._normal, ""  # untagged (qos off): any class, never niced
+        lane, carries = self._normal, ""  # untagged (qos off): any class, never niced
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
         else:
@@ -156,10 +156,10 @@ class TcpDataClient:
             # Each lane's connections are its own: an interactive read's stay warm
             # (a bulk read does not take them), and the owner nices only the bulk's.
             carries = CLASSES[0] if qos.priority == CLASSES[0] else "bulk"
-            key, lane = f"{address} {carries}", self._bulk if carries == "bulk" else self._normal
+            lane = self._bulk if carries == "bulk" else self._normal
         loop = asyncio.get_running_loop()
         async with slots:
-            idle = self._idle.setdefault(key, [])
+            idle = self._idle.setdefault(_idle_key(address, carries), [])
             conn = idle.pop() if idle else await loop.run_in_executor(lane.pool, self._connect, address, lane, carries)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
@@ -242,7 +242,7 @@ class TcpDataClient:
     async def forget(self, address: str) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted)."""
         self._nixl_peers.pop(address, None)
-        for c in [c for key in (address, f"{address} {CLASSES[0]}", f"{address} bulk") for c in self._idle.pop(key, [])]:
+        for c in [c for carries in ("", CLASSES[0], "bulk") for c in self._idle.pop(_idle_key(address, carries), [])]:
             c.fs.close()
             c.mover.close()
 
@@ -256,6 +256,11 @@ class TcpDataClient:
         self.copy_threads.close()
         for lane in {id(x): x for x in (self._normal, self._bulk)}.values():
             lane.land_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _idle_key(address: str, carries: str) -> str:
+    """Where a connection to ``address`` that carries these reads waits between reads."""
+    return f"{address} {carries}" if carries else address
 
 
 @dataclasses.dataclass(frozen=True)
