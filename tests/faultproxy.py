@@ -31,6 +31,8 @@ class FaultProxy:
         self._release = threading.Event()
         self._closed = False
         self._open: list[socket.socket] = []
+        self.live = 0  # client connections open now (a pair whose pipes have not both closed)
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -66,10 +68,13 @@ class FaultProxy:
             assert self.target is not None
             server = socket.create_connection(self.target)
             self._open += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+            with self._lock:
+                self.live += 1
+            pair = [2]  # pipes of this pair still running: the last to end counts it closed
+            threading.Thread(target=self._pipe, args=(client, server, False, pair), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True, pair), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, downstream: bool, pair: list[int]) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
@@ -99,7 +104,13 @@ class FaultProxy:
         finally:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)  # wakes the pair's other pipe, blocked in recv, and passes the close on
+                with contextlib.suppress(OSError):
                     s.close()
+            with self._lock:
+                pair[0] -= 1
+                if not pair[0]:
+                    self.live -= 1
 
 
 def prefill_behind_proxy(daemons, *extra: str):  # type: ignore[no-untyped-def]

@@ -180,6 +180,36 @@ def test_reset_connection_mid_stream_is_retried_and_lands_exactly(daemons):
     assert dw.mismatch(11, ids, len(ids) * 16) is None
 
 
+def test_a_reset_beside_other_reads_leaves_no_connection_outside_the_pool(daemons):
+    """One of two concurrent reads to a peer is reset: D forgets the peer's
+    pooled connections and retries. The other read, still running then, must
+    close its connection when it ends (it belongs to the forgotten pool), not
+    keep it open and unreachable; so, round after round, D never holds more
+    connections to the peer than --connections-per-peer."""
+    p, proxy = prefill_behind_proxy(daemons)
+    d = daemons.start("decode", "--connections-per-peer", "2")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    ids = list(range(1, 601))  # two requests of 300 blocks x 8 layers x 16 KiB: 37.5 MiB each, one read each
+    halves = {"a": ids[:300], "b": ids[300:]}
+    pw.fill(13, ids)
+    for round_ in range(3):
+        proxy.reset_after = proxy.forwarded + (8 << 20)  # while both reads are on the wire
+        names = {f"{k}{round_}" for k in halves}
+        for k, blocks in halves.items():
+            params = pw.client.publish(f"{k}{round_}", [blocks], len(blocks) * 16)
+            dw.client.pull(f"{k}{round_}", params, [blocks])
+        f = dw.client.wait_finished(recving=names, timeout=60)
+        assert all(f.details[("recving", n)].outcome == "done" for n in names), f.details
+        assert proxy.resets == round_ + 1
+    assert dw.mismatch(13, ids, len(ids) * 16) is None
+    deadline = time.monotonic() + 10
+    while proxy.live > 2 and time.monotonic() < deadline:  # a forgotten connection closes as its read ends
+        time.sleep(0.05)
+    assert proxy.live <= 2, f"D holds {proxy.live} connections to P, past its pool of 2"
+    proxy.close()
+    assert_no_leaks(p.grpc, d.grpc)
+
+
 def test_a_retry_reads_only_the_ranks_that_did_not_land(daemons):
     """D reads two P ranks one after the other (one connection); the second
     read's connection is reset. The retry must not read the first rank again:

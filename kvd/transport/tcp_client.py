@@ -101,6 +101,9 @@ class TcpDataClient:
         # timeout; the owner fails a read whose next layer does not come.
         self.stream_wait_s = stream_wait_s
         self._idle: dict[str, list[_Conn]] = {}  # by peer address; --qos on, by "<address> <lane>" (interactive, bulk)
+        # Bumped by ``forget``: a connection taken before then is closed when its read ends, not pooled.
+        self._epochs: dict[str, int] = {}
+        self._closed = False
         self._slots: dict[str, asyncio.Semaphore] = {}  # a peer's connections, first come first served
         self._admission: dict[str, Admission] = {}  # --qos on: the same in the wire's order
         self._tokens: dict[str, bytes] = {}
@@ -159,7 +162,8 @@ class TcpDataClient:
             lane = self._bulk if carries == "bulk" else self._normal
         loop = asyncio.get_running_loop()
         async with slots:
-            idle = self._idle.setdefault(_idle_key(address, carries), [])
+            key, epoch = _idle_key(address, carries), self._epochs.get(address, 0)
+            idle = self._idle.get(key)
             conn = idle.pop() if idle else await loop.run_in_executor(lane.pool, self._connect, address, lane, carries)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
@@ -186,7 +190,11 @@ class TcpDataClient:
                 await self._abandon(conn)
                 raise
             conn.work = None
-            idle.append(conn)
+            if self._closed or self._epochs.get(address, 0) != epoch:  # forgotten while it read: its pool is gone
+                conn.fs.close()
+                conn.mover.close()
+            else:
+                self._idle.setdefault(key, []).append(conn)
             return int(moved)
 
     async def _abandon(self, conn: _Conn) -> None:
@@ -240,13 +248,17 @@ class TcpDataClient:
         self._tokens[address] = data_token
 
     async def forget(self, address: str) -> None:
-        """Drop pooled connections to ``address`` (its daemon may have restarted)."""
+        """Drop pooled connections to ``address`` (its daemon may have restarted);
+        one reading now is closed when its read ends."""
+        self._epochs[address] = self._epochs.get(address, 0) + 1
         self._nixl_peers.pop(address, None)
         for c in [c for carries in ("", CLASSES[0], "bulk") for c in self._idle.pop(_idle_key(address, carries), [])]:
             c.fs.close()
             c.mover.close()
 
     async def close(self) -> None:
+        """Close pooled connections and stop the threads (a read still running closes its connection as it ends)."""
+        self._closed = True
         for conns in self._idle.values():
             for c in conns:
                 c.fs.close()
@@ -255,6 +267,7 @@ class TcpDataClient:
         self.copier.close()
         self.copy_threads.close()
         for lane in {id(x): x for x in (self._normal, self._bulk)}.values():
+            lane.pool.shutdown(wait=False, cancel_futures=True)
             lane.land_pool.shutdown(wait=False, cancel_futures=True)
 
 
