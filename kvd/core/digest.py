@@ -34,41 +34,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvd.core.errors import InvalidArgument, KvdError
+from kvd.core.row_hash import (
+    Gather,
+    hash_blocks,
+    hash_rows,
+    key,
+    mix,
+    mix_in_place,
+    read_rows,
+    row_gather,
+    row_keys,
+)
 
 if TYPE_CHECKING:  # torch is loaded only to digest: the requests here travel without it (kvd status stays light)
     import torch
 
     from kvd.core.relayout import GroupTensors
 
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 # A row's name packs into 64 bits: token 32, head 11, kv 1, layer 12, group 8.
 _LIMITS = {"group": 1 << 8, "layer": 1 << 12, "head": 1 << 11, "token": 1 << 32}
-
-
-def mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise on uint64 (wrapping modulo 2^64)."""
-    x = x.astype(np.uint64, copy=True)
-    x ^= x >> np.uint64(30)
-    x *= _M1
-    x ^= x >> np.uint64(27)
-    x *= _M2
-    x ^= x >> np.uint64(31)
-    return x
-
-
-def _mix_int(x: int) -> int:
-    """``mix`` of one value, in Python ints (a key: no arrays for one number)."""
-    mask = (1 << 64) - 1
-    x &= mask
-    x ^= x >> 30
-    x = (x * int(_M1)) & mask
-    x ^= x >> 27
-    x = (x * int(_M2)) & mask
-    return x ^ (x >> 31)
-
-
-def _key(seed: int, salt: int) -> np.uint64:
-    return np.uint64(_mix_int(seed ^ (salt * 0x9E3779B97F4A7C15)))
 
 
 WINDOW = 16  # sampled rows are drawn per aligned window of this many positions (and per layer)
@@ -107,7 +91,7 @@ class RowSample:
                     np.tile(np.arange(heads.start, heads.stop, dtype=np.int64), nl * nt))
         windows = np.arange(start // WINDOW, -(-stop // WINDOW), dtype=np.uint64)
         h = mix((windows.reshape(-1, 1) << np.uint64(8) | np.arange(self.per_window, dtype=np.uint64)).reshape(-1)
-                ^ _key(self.seed, 1) ^ np.uint64(group_id << 52))
+                ^ key(self.seed, 1) ^ np.uint64(group_id << 52))
         tokens = np.repeat(windows, self.per_window).astype(np.int64) * WINDOW + (h & np.uint64(WINDOW - 1)).astype(np.int64)
         head = ((h >> np.uint64(4)) % np.uint64(max(total_heads, 1))).astype(np.int64)
         layer = (mix(h) % np.uint64(max(total_layers, 1))).astype(np.int64)
@@ -122,76 +106,9 @@ class RowSample:
 MAX_PER_WINDOW = 255  # a window's draws pack into 8 bits of the hash's input
 
 
-def _row_keys(seed: int, words: int) -> np.ndarray:
-    """The multilinear hash's key per word: odd, so a change to any one word always changes the sum."""
-    return mix(np.arange(words, dtype=np.uint64) ^ _key(seed, 2)) | np.uint64(1)
-
-
-_CHUNK_BYTES = 2 << 20  # blocks are hashed a cache-sized chunk at a time: gathered, then read again from cache
-
-
 def _layer(view: torch.Tensor | list[torch.Tensor], li: int) -> torch.Tensor:
     """One layer's (kv, block, token, head, dim) view of a part, layers stacked or not."""
     return view[li] if not isinstance(view, list) else view[li][0]
-
-
-Gather = tuple["torch.Tensor", "torch.Tensor | tuple[torch.Tensor, ...]"]
-
-
-def _row_gather(t: torch.Tensor, at: tuple[np.ndarray, ...]) -> Gather:
-    """How to read ``t[at]``, rows of ``t``'s last dim: (a view, its index),
-    for ``_read_rows``. Where every row starts a whole row into memory (the
-    dim innermost: any NHD or HND cache), an index_select of rows (a memcpy
-    each) of a (rows, dim) view, not an element-wise gather."""
-    import torch
-
-    d, strides = t.shape[-1], t.stride()
-    if (t.stride(-1) != 1 and d > 1) or any(s % d for s in strides[:-1]) or t.numel() == 0:
-        return t, tuple(torch.from_numpy(i) for i in at)
-    span = sum((n - 1) * s for n, s in zip(t.shape[:-1], strides[:-1], strict=True)) // d + 1
-    flat = torch.as_strided(t, (span, d), (d, 1))
-    row = at[0] * (strides[0] // d)
-    for i, s in zip(at[1:], strides[1:-1], strict=True):
-        row = row + i * (s // d)
-    return flat, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64)).to(t.device)
-
-
-def _read_rows(gather: Gather) -> torch.Tensor:
-    view, index = gather
-    return view[index] if isinstance(index, tuple) else view.index_select(0, index)
-
-
-def _hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) -> np.ndarray:
-    """Each row's multilinear hash: its bytes as words, dotted with ``keys``
-    (one pass, wrapping modulo 2^64). ``rows``: (n, head_size)."""
-    import torch
-
-    if not len(rows):  # a layer the sample drew no row of
-        return np.zeros(0, dtype=np.uint64)
-    words = rows.contiguous().view(torch.uint8).view(word_dtype).reshape(len(rows), -1)
-    if word_dtype != torch.int64:
-        words = words.to(torch.int64)
-    return np.asarray(words.cpu().numpy().view(np.uint64).dot(keys))  # a GPU cache's rows come to the host
-
-
-def _hash_blocks(plane: torch.Tensor, ids: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype, scratch: list[torch.Tensor]) -> np.ndarray:
-    """The hashes of every row of blocks ``ids`` of one plane ``(block, token, head, dim)``,
-    in (block, token, head) order; ``scratch`` keeps the chunk's buffer for the next call
-    (a fresh one costs its first touch)."""
-    import torch
-
-    per_block = plane[0].numel()
-    chunk = max(1, _CHUNK_BYTES // max(per_block * plane.element_size(), 1))
-    if not scratch or scratch[0].device != plane.device or scratch[0].numel() < chunk * per_block * plane.element_size():
-        scratch[:] = [torch.empty(chunk * per_block * plane.element_size(), dtype=torch.uint8, device=plane.device)]
-    buf = scratch[0]
-    out = []
-    for at in range(0, len(ids), chunk):
-        take = ids[at: at + chunk]
-        part = buf[: len(take) * per_block * plane.element_size()].view(plane.dtype).view(len(take), *plane.shape[1:])
-        torch.index_select(plane, 0, take.to(plane.device), out=part)
-        out.append(_hash_rows(part.view(-1, plane.shape[-1]), keys, word_dtype))
-    return np.concatenate(out) if out else np.zeros(0, np.uint64)
 
 
 @dataclass(frozen=True, eq=False)  # arrays and views: compared by identity
@@ -199,19 +116,26 @@ class RowPlan:
     """All of a digest (``RowDigests.of``) but reading the bytes: which rows,
     their names, keys and where they lie. A reader makes it while its bytes
     are on the way, so that what is left once they land is a gather, a hash
-    and a sum (a cold cache makes each step of numpy cost tens of us)."""
+    and a sum (a cold cache makes each step of numpy cost tens of us). Every
+    row (full) is planned as a grid, its names made a layer at a time as the
+    blocks are hashed: nothing a row is held through the transfer."""
 
     group: GroupTensors
+    group_id: int
     layers: tuple[int, ...]
-    lpos: np.ndarray  # int64, into ``layers``; then tokens and global heads
+    lpos: np.ndarray  # sampled: int64, into ``layers``; then tokens and global heads (full: empty)
     tokens: np.ndarray
     heads: np.ndarray
-    ids: torch.Tensor  # the blocks (full: hashed whole)
+    ids: tuple[int, ...]  # the blocks (full: hashed whole)
     keys: np.ndarray  # the multilinear hash's, per word of a row
     word_dtype: torch.dtype
-    named: list[np.ndarray]  # per part: each row's name, mixed, with its planes' keys: (planes, rows)
-    gathers: list[list[Gather]]  # per part, sampled: the rows to read, plane-major
+    name_key: np.uint64  # mixed into every row's name
+    plane_keys: list[np.ndarray]  # per part, per plane: K and V each add their own
+    named: list[np.ndarray]  # sampled, per part: each row's name, mixed, with its planes' keys: (planes, rows)
+    gathers: list[list[Gather]]  # sampled, per part: the rows to read, plane-major
     every_row: bool  # full: blocks are hashed whole, not gathered row by row
+    first_token: int
+    stop: int
     head_start: int
     num_heads: int
 
@@ -243,54 +167,78 @@ class RowPlan:
         word = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)  # the widest words a row makes: 8 bytes needs no widening
         word_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
         layers = group.layer_indices
-        lpos, tokens, heads = sample.rows(group_id, layers, first_token, stop, range(head_start, head_start + nh), total_heads, total_layers)
+        plane_keys = []
+        for part, view in enumerate(group.parts):
+            planes = (view if isinstance(view, torch.Tensor) else view[0]).shape[1]
+            kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
+            plane_keys.append(np.array([key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64))
+        empty = np.zeros(0, dtype=np.int64)
+        lpos, tokens, heads = (empty, empty, empty) if sample.per_window == 0 else sample.rows(
+            group_id, layers, first_token, stop, range(head_start, head_start + nh), total_heads, total_layers)
         named: list[np.ndarray] = []
         gathers: list[list[Gather]] = []
         if len(tokens):
             names = (tokens.astype(np.uint64) | heads.astype(np.uint64) << np.uint64(32) | np.uint64(group_id) << np.uint64(56)
                      | np.asarray(layers, dtype=np.uint64)[lpos] << np.uint64(44))
-            once = mix(names ^ _key(sample.seed, 3))  # once a row: K and V add a key of their plane's
+            once = mix(names ^ key(sample.seed, 3))  # once a row: K and V add a key of their plane's
             rel = tokens - first_token
             at = (lpos, ids_np[rel // bs], rel % bs, heads - head_start)
-            bounds = np.searchsorted(lpos, np.arange(len(layers) + 1))  # rows come layer by layer
-            for part, view in enumerate(group.parts):
-                planes = (view if isinstance(view, torch.Tensor) else view[0]).shape[1]
-                kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
-                plane_keys = np.array([_key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64)
-                named.append(once ^ plane_keys.reshape(-1, 1))
-                if sample.per_window == 0:  # whole blocks, gathered at copy speed when digested
-                    gathers.append([])
-                elif isinstance(view, torch.Tensor):  # a few rows of every layer and plane: one gather
-                    pl = np.repeat(np.arange(planes, dtype=np.int64), len(tokens))
-                    gathers.append([_row_gather(view, (np.tile(at[0], planes), pl, *(np.tile(i, planes) for i in at[1:])))])
-                else:
-                    gathers.append([_row_gather(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:]))
-                                    for p in range(planes) for li, (lo, hi) in enumerate(itertools.pairwise(bounds))])
-        return cls(group, tuple(layers), lpos, tokens, heads, torch.from_numpy(ids_np), _row_keys(sample.seed, row_bytes // word), word_dtype,
-                   named, gathers, sample.per_window == 0, head_start, nh)
+            bounds = np.searchsorted(lpos, np.arange(len(layers) + 1)) if any(isinstance(v, list) for v in group.parts) else None
+            for view, keys in zip(group.parts, plane_keys, strict=True):
+                named.append(once ^ keys.reshape(-1, 1))
+                if isinstance(view, torch.Tensor):  # a few rows of every layer and plane: one gather
+                    gathers.append([row_gather(view, (at[0], np.arange(len(keys)).reshape(-1, 1), *at[1:]))])
+                else:  # rows come layer by layer
+                    assert bounds is not None
+                    gathers.append([row_gather(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:]))
+                                    for p in range(len(keys)) for li, (lo, hi) in enumerate(itertools.pairwise(bounds))])
+        return cls(group, group_id, tuple(layers), lpos, tokens, heads, tuple(block_ids), row_keys(sample.seed, row_bytes // word), word_dtype,
+                   key(sample.seed, 3), plane_keys, named, gathers, sample.per_window == 0, first_token, stop, head_start, nh)
 
     def digest(self) -> RowDigests:
         """Read the planned rows and digest them."""
+        if self.every_row:
+            return self._digest_every_row()
         value = np.zeros(len(self.tokens), dtype=np.uint64)
-        scratch: list[torch.Tensor] = []
-        for view, named, gathers in zip(self.group.parts, self.named, self.gathers, strict=bool(len(self.tokens))):  # none where no row was drawn
-            planes = named.shape[0]
-            if not self.every_row:
-                hashed = np.concatenate([_hash_rows(_read_rows(g), self.keys, self.word_dtype) for g in gathers]).reshape(planes, -1)
-            else:  # every row: each layer's are a slice of its blocks' hashes
-                per_layer = len(self.tokens) // max(len(self.layers), 1)
-                hashed = np.stack([np.concatenate([_hash_blocks(_layer(view, li)[p], self.ids, self.keys, self.word_dtype, scratch)[:per_layer]
-                                                   for li in range(len(self.layers))]) for p in range(planes)])
+        for named, gathers in zip(self.named, self.gathers, strict=True):  # none where no row was drawn
+            hashed = np.concatenate([hash_rows(read_rows(g), self.keys, self.word_dtype) for g in gathers]).reshape(named.shape[0], -1)
             value += mix(hashed ^ named).sum(axis=0, dtype=np.uint64)
-        # Kept to the lease's end and past it: 16 bytes a row (a full digest of 128k tokens x 32 layers x 8 heads: 0.5 GB).
+        # Kept to the lease's end and past it: 16 bytes a row.
         return RowDigests(self.layers, self.lpos.astype(np.int16), self.tokens.astype(np.uint32), self.heads.astype(np.int16), value,
                           head_start=self.head_start, num_heads=self.num_heads)
+
+    def _digest_every_row(self) -> RowDigests:
+        """Every row, a layer at a time: each plane's rows are a slice of its
+        blocks' hashes, in (token, head) order, as the names are made."""
+        nt, nh = max(self.stop - self.first_token, 0), self.num_heads
+        per_layer = nt * nh
+        values = np.zeros(len(self.layers) * per_layer, dtype=np.uint64)
+        tokens = np.arange(self.first_token, self.first_token + nt, dtype=np.uint64).reshape(-1, 1)
+        base = (tokens | np.arange(self.head_start, self.head_start + nh, dtype=np.uint64) << np.uint64(32)
+                | np.uint64(self.group_id) << np.uint64(56)).reshape(-1) ^ self.name_key
+        scratch: list[torch.Tensor] = []
+        for li, layer in enumerate(self.layers if per_layer else ()):
+            once = mix(base ^ (np.uint64(layer) << np.uint64(44)))  # the layer's bits lie where the name's others are 0
+            out = values[li * per_layer:(li + 1) * per_layer]
+            for view, keys in zip(self.group.parts, self.plane_keys, strict=True):
+                for p, plane_key in enumerate(keys):
+                    hashed = hash_blocks(_layer(view, li)[p], self.ids, self.keys, self.word_dtype, scratch)[:per_layer]
+                    hashed ^= once
+                    hashed ^= plane_key
+                    out += mix_in_place(hashed)
+        # Kept to the lease's end and past it: 8 bytes a row (128k tokens x 32 layers x 8 heads: 0.25 GB).
+        return RowDigests(self.layers, _NONE16, _NONE32, _NONE16, values, self.head_start, nh, grid=(self.first_token, nt))
+
+
+_NONE16, _NONE32 = np.zeros(0, dtype=np.int16), np.zeros(0, dtype=np.uint32)
 
 
 @dataclass(frozen=True)
 class RowDigests:
     """One rank's row digests of one group: ``values[i]`` (K and V summed) of
-    the row (``layers[layer_pos[i]]``, ``tokens[i]``, global ``heads[i]``).
+    the row (``layers[layer_pos[i]]``, ``tokens[i]``, global ``heads[i]``);
+    or, with ``grid`` (first token, tokens), of every row: ``values`` is
+    (layer, token, head) dense and the row arrays are empty.
     ``head_start`` and ``num_heads``: the global heads this rank holds."""
 
     layers: tuple[int, ...]  # global layer indices
@@ -300,6 +248,7 @@ class RowDigests:
     values: np.ndarray  # uint64
     head_start: int
     num_heads: int
+    grid: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
@@ -320,6 +269,8 @@ class RowDigests:
         ``(len(layers), ceil(stop / bin_tokens))``: 0 where this rank holds none.
         Add such arrays over ranks that hold disjoint rows."""
         nbins = -(-stop // bin_tokens)
+        if self.grid is not None:
+            return self._grid_bins(layers, heads, start, stop, bin_tokens, nbins)
         out = np.zeros(len(layers) * nbins, dtype=np.uint64)
         asked = np.full(len(self.layers) + 1, -1, dtype=np.int64)  # this rank's layer position -> row of ``out``
         where = {layer: i for i, layer in enumerate(layers)}
@@ -328,6 +279,24 @@ class RowDigests:
         keep = (row >= 0) & (self.tokens >= start) & (self.tokens < stop) & (self.heads >= heads.start) & (self.heads < heads.stop)
         np.add.at(out, row[keep] * nbins + self.tokens[keep] // bin_tokens, self.values[keep])
         return out.reshape(len(layers), nbins)
+
+    def _grid_bins(self, layers: Sequence[int], heads: range, start: int, stop: int, bin_tokens: int, nbins: int) -> np.ndarray:
+        """``bins`` of every row: sums of slices of the grid, no row by row."""
+        assert self.grid is not None
+        first, nt = self.grid
+        out = np.zeros((len(layers), nbins), dtype=np.uint64)
+        lo, hi = max(heads.start, self.head_start) - self.head_start, min(heads.stop, self.head_start + self.num_heads) - self.head_start
+        a, b = max(start, first), min(stop, first + nt)
+        held = [(i, self.layers.index(layer)) for i, layer in enumerate(layers) if layer in self.layers]
+        if hi <= lo or b <= a or not held:
+            return out
+        grid = self.values.reshape(len(self.layers), nt, self.num_heads)
+        per_token = grid[[j for _, j in held], a - first:b - first, lo:hi].sum(axis=2, dtype=np.uint64)
+        first_bin, last_bin = a // bin_tokens, -(-b // bin_tokens)
+        padded = np.zeros((len(held), (last_bin - first_bin) * bin_tokens), dtype=np.uint64)  # whole bins: then a reshape sums them
+        padded[:, a - first_bin * bin_tokens:b - first_bin * bin_tokens] = per_token
+        out[[i for i, _ in held], first_bin:last_bin] = padded.reshape(len(held), -1, bin_tokens).sum(axis=2, dtype=np.uint64)
+        return out
 
 
 @dataclass(frozen=True)
