@@ -96,6 +96,35 @@ def test_a_flipped_byte_marks_exactly_its_readers_block(pd):
     assert all(m is None for m in bad.values())
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_big_blocks_hashed_where_they_lie_digest_as_small_ones_gathered(layout):
+    """P's blocks of 256 tokens x 4 heads x 128 (256 KiB a layer and plane:
+    hashed in place, HND's rows in memory in (head, token) order) against D's
+    TP2 64-token blocks (gathered a chunk at a time): every row agrees; one
+    flipped byte in P's third block fails exactly the D block that holds it."""
+    big = ModelInfo(4, 4)
+    p = make_engine("P", 1, 1, big, lambda r: KVCacheSpec(256, 4, 128, "bfloat16", NAMED_LAYOUTS[layout], 6), random.Random(1), stacked=layout == "NHD")
+    d = make_engine("D", 2, 1, big, lambda r: KVCacheSpec(64, 2, 128, "bfloat16", NAMED_LAYOUTS["NHD"], 16), random.Random(2))
+    tokens, p_ids, d_ids = 700, [4, 1, 3], [9, 2, 14, 5, 11, 7, 1, 12, 3, 15, 6]
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, 5, p_ids, r.coords)
+    transfer(p, d, "r", p_ids, d_ids, tokens)
+
+    def check() -> dict[int, object]:
+        sample, out = RowSample(77), {}
+        held = [[RowDigests.of(p.ranks[(0, 0)].tensors, 0, p_ids, 0, tokens, 0, sample, 4, 4)]]
+        for (tp, _pp), rank in d.ranks.items():
+            heads = heads_of_rank(tp, 2, 4, False)
+            query = DigestQuery("P", "r", 1, b"", (DigestRows(0, (0, 1, 2, 3), range(heads.start, heads.stop), 0, tokens, 64),))
+            ours = RowDigests.of(rank.tensors, 0, d_ids, 0, tokens, heads.start, sample, 4, 4).bins((0, 1, 2, 3), heads, 0, tokens, 64)
+            out[tp] = compare((0, 1, 2, 3), ours, answer(query, sample, held).sums[0])
+        return out
+
+    assert check() == {0: None, 1: None}
+    layer_view(p.ranks[(0, 0)], 2)[0, p_ids[2], 130, 3, 77] += 1  # K, tokens 512..767, its token 642, head 3: D rank 1's
+    assert check() == {0: None, 1: Mismatch(bins=(10,), first_layer=2, first_bin=10)}
+
+
 def test_two_heads_swapped_by_a_relayout_bug_are_caught(pd):
     """Same values, wrong place: a sum over the block alone would not see it."""
     p, p_ids, d, d_ids = pd
