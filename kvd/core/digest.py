@@ -291,11 +291,15 @@ class RowDigests:
         if hi <= lo or b <= a or not held:
             return out
         grid = self.values.reshape(len(self.layers), nt, self.num_heads)
-        per_token = grid[[j for _, j in held], a - first:b - first, lo:hi].sum(axis=2, dtype=np.uint64)
+        rows = [j for _, j in held]
+        if rows != list(range(len(self.layers))):
+            grid = grid[rows]  # a copy, of the layers asked only
+        # A bin's sum is a run of (token, head) values: with every head, a run of the row itself.
+        picked = grid[:, a - first:b - first, lo:hi]
+        flat = picked.reshape(len(held), -1) if hi - lo == self.num_heads else picked.sum(axis=2, dtype=np.uint64)
         first_bin, last_bin = a // bin_tokens, -(-b // bin_tokens)
-        padded = np.zeros((len(held), (last_bin - first_bin) * bin_tokens), dtype=np.uint64)  # whole bins: then a reshape sums them
-        padded[:, a - first_bin * bin_tokens:b - first_bin * bin_tokens] = per_token
-        out[[i for i, _ in held], first_bin:last_bin] = padded.reshape(len(held), -1, bin_tokens).sum(axis=2, dtype=np.uint64)
+        starts = (np.maximum(np.arange(first_bin, last_bin) * bin_tokens, a) - a) * (flat.shape[1] // (b - a))
+        out[[i for i, _ in held], first_bin:last_bin] = np.add.reduceat(flat, starts, axis=1, dtype=np.uint64)
         return out
 
 
