@@ -75,6 +75,7 @@ def test_bench_json_prints_every_ratio_from_one_real_run():
         assert 0 < last[f"verify_sampled_cost_{path}"] < 1 and last[f"verify_{path}_sampled_gbps"] > 0
         assert last[f"verify_full_cpu_vs_off_{path}"] == last[f"verify_{path}_full_cpu_s_per_gb"] / last[f"verify_{path}_off_cpu_s_per_gb"]
         assert last[f"verify_full_floor_{path}"] > 1
+        assert last[f"verify_full_hash_floor_{path}"] > last[f"verify_full_floor_{path}"]  # hashing a byte costs more than reading it
         assert verdict[f"verify_sampled_cost_{path}"]["limit"] == "<= 0.02" and verdict[f"verify_full_cpu_vs_off_{path}"]["limit"] == "<= 1.3"
     # The wire's order: small pulls' p99 under bulk over idle, two tenants' bytes against their shares, a best-effort tenant.
     assert last["qos_small_p99_loaded_vs_unloaded"] == last["qos_small_p99_loaded_ms"] / last["qos_small_p99_unloaded_ms"]
