@@ -274,3 +274,24 @@ def test_a_plan_made_before_the_bytes_land_digests_them_as_they_are_when_read(st
     landed = RowDigests.of(rank.tensors, 0, ids, 0, TOKENS, 0, sample, 4, 4)
     assert np.array_equal(plan.digest().values, landed.values)
     assert not np.array_equal(before, landed.values)
+
+
+def test_a_big_block_not_on_a_whole_word_is_hashed_as_an_aligned_copy_of_it():
+    """A block hashed where it lies is read as 8-byte words, which needs it to
+    start on one: a cache that starts 2 bytes into its memory (a state packed
+    after another) is gathered instead, and hashes as the same bytes aligned."""
+    import torch
+
+    from kvd.core.row_hash import hash_blocks, row_keys
+
+    blocks, shape = 3, (256, 4, 128)  # 256 KiB of bf16 a block: big enough to hash in place
+    numel = blocks * 256 * 4 * 128
+    raw = torch.empty(numel * 2 + 2, dtype=torch.uint8)
+    shifted = raw[2:].view(torch.bfloat16).view(blocks, *shape)
+    shifted.view(torch.int16).copy_(torch.randint(-2**15, 2**15, (blocks, *shape), dtype=torch.int16))
+    aligned = shifted.clone()
+    assert shifted.storage_offset() * 2 % 8 and not aligned.storage_offset()
+    keys = row_keys(5, 32)
+    ours = hash_blocks(shifted, [2, 0], keys, torch.int64, [])
+    assert np.array_equal(ours, hash_blocks(aligned, [2, 0], keys, torch.int64, []))
+    assert len(ours) == 2 * 256 * 4 and len(set(ours.tolist())) == len(ours)

@@ -112,7 +112,11 @@ def hash_blocks(plane: torch.Tensor, ids: Sequence[int], keys: np.ndarray, word_
 
     per_block = plane[0].numel()
     block_bytes = per_block * plane.element_size()
-    order = _dense_order(plane[0]) if plane.device.type == "cpu" and block_bytes >= _IN_PLACE_BYTES else None
+    word = torch.empty(0, dtype=word_dtype).element_size()
+    # In place only where each block starts on a whole word (a view as words needs it) and every id is one of the plane's.
+    aligned = (plane.storage_offset() * plane.element_size()) % word == 0 and (plane.stride(0) * plane.element_size()) % word == 0
+    in_place = plane.device.type == "cpu" and block_bytes >= _IN_PLACE_BYTES and aligned and min(ids, default=0) >= 0
+    order = _dense_order(plane[0]) if in_place else None
     if order is not None:
         return np.concatenate([_hash_block_in_place(plane[i], order, keys, word_dtype) for i in ids]) if len(ids) else np.zeros(0, np.uint64)
     chunk = max(1, _CHUNK_BYTES // max(block_bytes, 1))

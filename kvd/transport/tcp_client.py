@@ -177,6 +177,7 @@ class TcpDataClient:
                 rest = frame[conn.fs.send_nowait(frame):]
             except BaseException:
                 conn.fs.close()
+                conn.mover.close()
                 raise
             # The side that moves the bytes orders them: the owner its sends over
             # TCP (by the tag in the READ), this daemon its same-host copies.
