@@ -292,6 +292,6 @@ def test_a_big_block_not_on_a_whole_word_is_hashed_as_an_aligned_copy_of_it():
     aligned = shifted.clone()
     assert shifted.storage_offset() * 2 % 8 and not aligned.storage_offset()
     keys = row_keys(5, 32)
-    ours = hash_blocks(shifted, [2, 0], keys, torch.int64, [])
-    assert np.array_equal(ours, hash_blocks(aligned, [2, 0], keys, torch.int64, []))
+    ours = hash_blocks(shifted, np.array([2, 0]), keys, torch.int64, [])
+    assert np.array_equal(ours, hash_blocks(aligned, np.array([2, 0]), keys, torch.int64, []))
     assert len(ours) == 2 * 256 * 4 and len(set(ours.tolist())) == len(ours)

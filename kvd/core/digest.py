@@ -126,7 +126,7 @@ class RowPlan:
     lpos: np.ndarray  # sampled: int64, into ``layers``; then tokens and global heads (full: empty)
     tokens: np.ndarray
     heads: np.ndarray
-    ids: tuple[int, ...]  # the blocks (full: hashed whole)
+    ids: np.ndarray  # int64, the blocks (full: hashed whole)
     keys: np.ndarray  # the multilinear hash's, per word of a row
     word_dtype: torch.dtype
     name_key: np.uint64  # mixed into every row's name
@@ -192,7 +192,7 @@ class RowPlan:
                     assert bounds is not None
                     gathers.append([row_gather(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:]))
                                     for p in range(len(keys)) for li, (lo, hi) in enumerate(itertools.pairwise(bounds))])
-        return cls(group, group_id, tuple(layers), lpos, tokens, heads, tuple(block_ids), row_keys(sample.seed, row_bytes // word), word_dtype,
+        return cls(group, group_id, tuple(layers), lpos, tokens, heads, ids_np, row_keys(sample.seed, row_bytes // word), word_dtype,
                    key(sample.seed, 3), plane_keys, named, gathers, sample.per_window == 0, first_token, stop, head_start, nh)
 
     def digest(self) -> RowDigests:

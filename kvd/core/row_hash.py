@@ -11,7 +11,6 @@ cache-sized chunk at a time and hashed from cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -104,18 +103,18 @@ _CHUNK_BYTES = 2 << 20  # small blocks are hashed a cache-sized chunk at a time:
 _IN_PLACE_BYTES = 256 << 10
 
 
-def hash_blocks(plane: torch.Tensor, ids: Sequence[int], keys: np.ndarray, word_dtype: torch.dtype, scratch: list[torch.Tensor]) -> np.ndarray:
-    """The hashes of every row of blocks ``ids`` of one plane ``(block, token, head, dim)``,
+def hash_blocks(plane: torch.Tensor, ids: np.ndarray, keys: np.ndarray, word_dtype: torch.dtype, scratch: list[torch.Tensor]) -> np.ndarray:
+    """The hashes of every row of blocks ``ids`` (int64) of one plane ``(block, token, head, dim)``,
     in (block, token, head) order; ``scratch`` keeps the chunk's buffer for the next call
     (a fresh one costs its first touch)."""
     import torch
 
     per_block = plane[0].numel()
     block_bytes = per_block * plane.element_size()
-    word = torch.empty(0, dtype=word_dtype).element_size()
+    word = word_dtype.itemsize
     # In place only where each block starts on a whole word (a view as words needs it) and every id is one of the plane's.
     aligned = (plane.storage_offset() * plane.element_size()) % word == 0 and (plane.stride(0) * plane.element_size()) % word == 0
-    in_place = plane.device.type == "cpu" and block_bytes >= _IN_PLACE_BYTES and aligned and min(ids, default=0) >= 0
+    in_place = plane.device.type == "cpu" and block_bytes >= _IN_PLACE_BYTES and aligned and (not len(ids) or ids.min() >= 0)
     order = _dense_order(plane[0]) if in_place else None
     if order is not None:
         return np.concatenate([_hash_block_in_place(plane[i], order, keys, word_dtype) for i in ids]) if len(ids) else np.zeros(0, np.uint64)
@@ -123,7 +122,7 @@ def hash_blocks(plane: torch.Tensor, ids: Sequence[int], keys: np.ndarray, word_
     if not scratch or scratch[0].device != plane.device or scratch[0].numel() < chunk * block_bytes:
         scratch[:] = [torch.empty(chunk * block_bytes, dtype=torch.uint8, device=plane.device)]
     buf = scratch[0]
-    index = torch.as_tensor(list(ids), dtype=torch.int64)
+    index = torch.from_numpy(ids)
     out = []
     for at in range(0, len(index), chunk):
         take = index[at: at + chunk]

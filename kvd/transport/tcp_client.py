@@ -82,6 +82,11 @@ class _Conn:
         self.cancel = threading.Event()
         self.work: asyncio.Future[Any] | None = None
 
+    def close(self) -> None:
+        """Close the socket and the mover's scratch (no thread may still be in a read on it)."""
+        self.fs.close()
+        self.mover.close()
+
 
 class TcpDataClient:
     name = "tcp"
@@ -176,8 +181,7 @@ class TcpDataClient:
                 frame = memoryview(conn.fs.session.send(mover.request(read)))
                 rest = frame[conn.fs.send_nowait(frame):]
             except BaseException:
-                conn.fs.close()
-                conn.mover.close()
+                conn.close()
                 raise
             # The side that moves the bytes orders them: the owner its sends over
             # TCP (by the tag in the READ), this daemon its same-host copies.
@@ -192,8 +196,7 @@ class TcpDataClient:
                 raise
             conn.work = None
             if self._closed or self._epochs.get(address, 0) != epoch:  # forgotten while it read: its pool is gone
-                conn.fs.close()
-                conn.mover.close()
+                conn.close()
             else:
                 self._idle.setdefault(key, []).append(conn)
             return int(moved)
@@ -254,16 +257,14 @@ class TcpDataClient:
         self._epochs[address] = self._epochs.get(address, 0) + 1
         self._nixl_peers.pop(address, None)
         for c in [c for carries in ("", CLASSES[0], "bulk") for c in self._idle.pop(_idle_key(address, carries), [])]:
-            c.fs.close()
-            c.mover.close()
+            c.close()
 
     async def close(self) -> None:
         """Close pooled connections and stop the threads (a read still running closes its connection as it ends)."""
         self._closed = True
         for conns in self._idle.values():
             for c in conns:
-                c.fs.close()
-                c.mover.close()
+                c.close()
         self._idle.clear()
         self.copier.close()
         self.copy_threads.close()
