@@ -191,7 +191,7 @@ def test_scattered_remote_blocks_onto_a_local_run_land_by_a_slice_copy_exactly(d
         for rr in reads:
             for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
                 assert seg.block_ids, "P's scattered blocks are batched"
-                assert (sink.local_index is None) == (d_ids == sorted(d_ids)), "a run lands by slice, a scatter by index"
+                assert sink.local_run == (d_ids == sorted(d_ids)), "a run lands by slice, a scatter by index"
                 if shift:
                     sink = dataclasses.replace(sink, local_block=(sink.local_block[0] + shift, sink.local_block[1]))
                 sink.put(serve_segment(p.ranks[(0, 0)].tensors, seg, *rr.read.heads_of(seg), Staging()).clone())
@@ -200,3 +200,44 @@ def test_scattered_remote_blocks_onto_a_local_run_land_by_a_slice_copy_exactly(d
     assert land(0) is None
     if d_ids == sorted(d_ids):
         assert land(1) is not None  # the negative control: one block off is caught
+
+
+@pytest.mark.parametrize("p_ids", [[12, 3, 8, 1], [3, 4, 5, 6]], ids=["batched", "one run"])
+def test_segments_of_one_shape_share_their_copies_and_land_each_at_its_own_blocks(p_ids, monkeypatch):
+    """Requests of one shape land through one cached copy template (worked
+    out for the first, moved to each request's own local blocks): every
+    request lands exactly. The control: a template that is not moved to a
+    request's blocks lands the later requests over the first one's, caught."""
+    import random
+
+    from kvd.core import sinks
+    from kvd.core.pieces import serve_segment
+    from kvd.core.reads import Offer
+    from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+    from kvd.core.transfer import plan_pull
+    from kvd.testing import pattern
+    from kvd.testing.sim import make_engine
+    from kvd.transport.base import Staging
+
+    model = ModelInfo(2, 4)
+    p = make_engine("P", 1, 1, model, lambda r: KVCacheSpec(16, 4, 8, "bfloat16", NAMED_LAYOUTS["HND"], 16), random.Random(1))
+    for r in p.ranks.values():
+        pattern.fill(r.tensors, 7, p_ids, r.coords)
+    runs = [[1, 2, 3, 4], [9, 10, 11, 12], [5, 6, 7, 8]]
+
+    def land() -> list[str | None]:
+        d = make_engine("D", 1, 1, model, lambda r: KVCacheSpec(16, 4, 8, "bfloat16", NAMED_LAYOUTS["NHD"], 16), random.Random(2))
+        rank = d.ranks[(0, 0)]
+        for d_ids in runs:
+            reads = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
+                              remote=p.meta, params=Offer("r", 1, b"", (tuple(p_ids),), 64), local_block_ids=[d_ids])
+            for rr in reads:
+                for seg, sink in zip(rr.read.segments, rr.sinks, strict=True):
+                    sink.put(serve_segment(p.ranks[(0, 0)].tensors, seg, *rr.read.heads_of(seg), Staging()).clone())
+        assert sum(1 for k in rank.tensors.templates if k[0] == "copies") >= 1, "the copies' template is cached on the group"
+        return [pattern.mismatch(rank.tensors, 7, d_ids, rank.coords, 64) for d_ids in runs]
+
+    assert land() == [None, None, None]
+    unmoved = sinks.CopyTemplate.at
+    monkeypatch.setattr(sinks.CopyTemplate, "at", lambda self, payload, block: unmoved(self, payload, self.block))
+    assert all(bad is not None for bad in land()[1:])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -219,9 +220,10 @@ def template_of(runs: Sequence[tuple[int, int, int, torch.Tensor]], block_dim: i
 
 
 _UNBUILT = object()
+T = TypeVar("T")
 
 
-def cached_template(group: GroupTensors, key: tuple[object, ...], build: Callable[[], PieceTemplate | None]) -> PieceTemplate | None:
+def cached_template(group: GroupTensors, key: tuple[object, ...], build: Callable[[], T | None]) -> T | None:
     # Several connection threads share a group: read the cache once, and
     # return what was built, not a second lookup another thread may clear.
     cache = group.templates

@@ -351,7 +351,6 @@ def _plan_batched(
     per_batch = int(min(MAX_BATCH_BLOCKS, max(1, segment_bytes // (block_layer_bytes * layer_chunk))))
     tokens = 1 if rspec.opaque else rspec.block_size
     heads = target.head_count
-    relayout = rspec.layout != ltensors.spec.layout or rspec.parts_per_layer != ltensors.spec.parts_per_layer
     # Per segment only slicing and two records: a 128k-token request has
     # over a thousand segments, and this loop is most of its plan.
     r_list, l_index = r_ids.tolist(), torch.from_numpy(l_ids.astype(np.int64))
@@ -361,9 +360,9 @@ def _plan_batched(
         # Local blocks that happen to be one run (a state block always is)
         # are relaid out by a slice copy, not an index scatter: the copies of
         # kvd bench's Mamba2 state row ran 2.4x faster, the row 1.2-1.4x.
-        # Not where the bytes land in place as pieces (same layout): that
-        # needs no copy at all.
-        local_run = relayout and bool((np.diff(lb) == 1).all())  # one block is a run too (no diffs)
+        # The index stays: where the bytes land in place as pieces (same
+        # layout), it says where, and no copy runs at all.
+        local_run = bool((np.diff(lb) == 1).all())  # one block is a run too (no diffs)
         local_block = (int(lb[0]), len(lb)) if local_run else (0, len(lb))
         for r_layers, l_layers in chunks:
             segments.append(DataSegment(group_id=rgroup.group_id, layers=r_layers, block_start=0,
@@ -374,5 +373,5 @@ def _plan_batched(
                 nbytes=math.prod(shape) * rspec.itemsize, remote_spec=rspec, wire_dims=wire_dims, local=ltensors,
                 local_positions=l_layers, local_block=local_block, local_token=(0, tokens),
                 local_head=(target.local_head_start, heads), kv=(0, rspec.num_kv), n=len(lb), u=1,
-                local_block_ids=lb, local_index=None if local_run else local_index,
+                local_block_ids=lb, local_index=local_index, local_run=local_run,
             ))

@@ -48,7 +48,10 @@ class Batch:
         self._finished = False
         self._lock = threading.Lock()
         self._on_done = on_done
-        self._done = threading.Event()
+        # Held until the batch is done: a lock costs 0.05 us to make, an Event
+        # 2 (a state part's segment, a few KiB, lands in about as long).
+        self._unfinished = threading.Lock()
+        self._unfinished.acquire()
         self.failure: BaseException | None = None
         self.started_at: float | None = None  # perf_counter when its first job started
         self.seconds = 0.0  # first job's start to last job's end
@@ -93,18 +96,19 @@ class Batch:
         except BaseException as e:  # on a copy thread: it must not die of it
             self.failure = self.failure or e
         finally:
-            self._done.set()
+            self._unfinished.release()
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return not self._unfinished.locked()
 
     def wait(self, help: bool = True) -> None:
         """Return when every job has run (helping with them, with ``help``);
         raise the first failure."""
         if help:
             self.drain()
-        self._done.wait()
+        with self._unfinished:  # taken once released; handed straight back for any other waiter
+            pass
         if self.failure is not None:
             raise self.failure
 
