@@ -105,7 +105,8 @@ def _one_round(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str
         results.update(t)
         say("  ratios (this round):")
         say(f"    tcp_vs_socket_1m    {t['tcp_vs_socket_1m']:.2f}")
-        say(f"    tcp_16k_vs_1m       {t['tcp_16k_vs_1m']:.2f}  (plain sendmsg of the same pieces: {t['socket_scattered_16k_vs_1m']:.2f})")
+        say(f"    tcp_16k_vs_1m       {t['tcp_16k_vs_1m']:.2f}  (plain sendmsg of the same pieces: {t['socket_scattered_16k_vs_1m']:.2f}; "
+            f"over it, the median of {len(t['tcp_16k_vs_kernel_tries'])} paired tries: {t['tcp_16k_vs_kernel']:.2f})")
         say(f"    tcp_cpu_vs_socket   {t['tcp_cpu_vs_socket']:.2f}  (CPU s per GB: {t['tcp_cpu_s_per_gb']:.2f} both daemons and the workers, "
             f"{t['socket_cpu_s_per_gb']:.2f} both socket ends)")
         say(f"    samehost_vs_memcpy  {t['samehost_vs_memcpy']:.2f}")
