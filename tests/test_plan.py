@@ -239,5 +239,26 @@ def test_segments_of_one_shape_share_their_copies_and_land_each_at_its_own_block
 
     assert land() == [None, None, None]
     unmoved = sinks.CopyTemplate.at
-    monkeypatch.setattr(sinks.CopyTemplate, "at", lambda self, payload, block: unmoved(self, payload, self.block))
+    monkeypatch.setattr(sinks.CopyTemplate, "at", lambda self, payload, run: unmoved(self, payload, (self.block, run[1])))
     assert all(bad is not None for bad in land()[1:])
+
+
+def test_a_copy_template_is_not_moved_past_the_caches_blocks():
+    """A run moved past the cache's last block is no view of it: torch's
+    as_strided checks only the memory underneath, which for stacked layers
+    goes on into the next layer. The template declines such a run (the
+    copies made from scratch then refuse it)."""
+    import torch
+
+    from kvd.core.relayout import Copy
+    from kvd.core.sinks import CopyTemplate
+
+    cache = torch.zeros(2, 8, 4, dtype=torch.uint8)  # 2 layers of 8 blocks of 4 bytes
+    payload = torch.arange(8, dtype=torch.uint8)
+    template = CopyTemplate.of([(Copy(cache[0, 2:4], payload.view(2, 4)), 4)], (2, 2), 8, payload)
+    assert template is not None
+    for c in template.at(payload, (6, 2)):  # the last two blocks of layer 0
+        c.run()
+    assert cache[0, 6:].flatten().tolist() == list(range(8)) and not cache[1].any()
+    assert template.at(payload, (7, 2)) is None  # one past them: it would have written layer 1's block 0
+    assert template.at(payload, (-1, 2)) is None

@@ -156,14 +156,18 @@ class SegmentSink:
         scatter = self._scatter
         key = ("copies", self.remote_spec, self.wire_dims, self.local_positions, self.local_token, self.local_head, self.kv,
                self.n, self.u, scatter, self.local_block[1])
-        template = cached_template(self.local, key, lambda: CopyTemplate.of(self._copies(payload, scatter), self.local_block[0], payload))
-        found = None if template is None else template.at(payload, self.local_block[0])
+        template = cached_template(self.local, key, lambda: CopyTemplate.of(self._copies(payload, scatter), self.local_block, self._blocks(), payload))
+        found = None if template is None else template.at(payload, self.local_block)
         if found is None:
             return [c for c, _ in self._copies(payload, scatter)]
         if scatter:
             index = index_on(self.local_index, self.device)  # type: ignore[arg-type]
             return [Copy(c.dst, c.src, index) for c in found]
         return found
+
+    def _blocks(self) -> int:
+        """How many blocks the local cache has (each part's canonical view: layer, kv, block, ...)."""
+        return min((v if isinstance(v, torch.Tensor) else v[0]).shape[2] for v in self.local.parts)
 
     def _copies(self, payload: torch.Tensor, scatter: bool) -> list[tuple[Copy, int]]:
         """(copy, bytes from one local block to the next in its destination)."""
@@ -236,13 +240,15 @@ class CopyTemplate:
     the payload and writes from the shape's first local block."""
 
     block: int
+    blocks: int  # the local blocks there are: a run moved past them is no view of the cache (as_strided checks only the storage)
     shapes: tuple[_CopyShape, ...]
 
     @classmethod
-    def of(cls, copies: list[tuple[Copy, int]], block: int, payload: torch.Tensor) -> CopyTemplate | None:
-        """``copies`` (made for ``payload``, landing from local block ``block``,
-        each with its destination's block step in bytes) as a template; None
-        where a copy is not a plain view of the payload."""
+    def of(cls, copies: list[tuple[Copy, int]], run: tuple[int, int], blocks: int, payload: torch.Tensor) -> CopyTemplate | None:
+        """``copies`` (made for ``payload``, landing on the local blocks
+        ``run``, (start, count), of the ``blocks`` the cache has, each copy
+        with its destination's block step in bytes) as a template; None where
+        a copy is not a plain view of the payload."""
         shapes = []
         for c, step in copies:
             item = c.dst.element_size()
@@ -252,11 +258,16 @@ class CopyTemplate:
             if offset % c.src.element_size():
                 return None
             shapes.append(_CopyShape(c.dst, step // item, c.src.dtype, tuple(c.src.shape), c.src.stride(), offset // c.src.element_size()))
-        return cls(block, tuple(shapes))
+        return cls(run[0], blocks, tuple(shapes))
 
-    def at(self, payload: torch.Tensor, block: int) -> list[Copy] | None:
-        """The copies for ``payload`` landing from local block ``block``; None
-        where the payload's start does not allow a copy's element size."""
+    def at(self, payload: torch.Tensor, run: tuple[int, int]) -> list[Copy] | None:
+        """The copies for ``payload`` landing on the local blocks ``run``;
+        None where the run is not within the cache's blocks or the payload's
+        start does not allow a copy's element size (the caller then makes
+        them from scratch, and fails as that does)."""
+        block = run[0]
+        if block < 0 or block + run[1] > self.blocks:
+            return None
         out = []
         try:
             for s in self.shapes:

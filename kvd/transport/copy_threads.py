@@ -100,6 +100,7 @@ class Batch:
 
     @property
     def done(self) -> bool:
+        # (may read False for an instant after the end, while a waiter holds the latch on its way through)
         return not self._unfinished.locked()
 
     def wait(self, help: bool = True) -> None:
