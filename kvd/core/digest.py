@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,6 +45,7 @@ from kvd.core.row_hash import (
     read_rows,
     row_gather,
     row_keys,
+    row_view,
 )
 
 if TYPE_CHECKING:  # torch is loaded only to digest: the requests here travel without it (kvd status stays light)
@@ -89,18 +91,33 @@ class RowSample:
         if self.per_window == 0:
             return (np.repeat(np.arange(nl, dtype=np.int64), nt * nh), np.tile(np.repeat(np.arange(start, start + nt, dtype=np.int64), nh), nl),
                     np.tile(np.arange(heads.start, heads.stop, dtype=np.int64), nl * nt))
-        windows = np.arange(start // WINDOW, -(-stop // WINDOW), dtype=np.uint64)
-        h = mix((windows.reshape(-1, 1) << np.uint64(8) | np.arange(self.per_window, dtype=np.uint64)).reshape(-1)
-                ^ key(self.seed, 1) ^ np.uint64(group_id << 52))
-        tokens = np.repeat(windows, self.per_window).astype(np.int64) * WINDOW + (h & np.uint64(WINDOW - 1)).astype(np.int64)
-        head = ((h >> np.uint64(4)) % np.uint64(max(total_heads, 1))).astype(np.int64)
-        layer = (mix(h) % np.uint64(max(total_layers, 1))).astype(np.int64)
-        position = np.full(max(max(layers, default=0), total_layers) + 1, -1, dtype=np.int64)
-        position[np.asarray(layers, dtype=np.int64)] = np.arange(nl)
-        lpos = position[layer]
-        keep = (lpos >= 0) & (tokens >= start) & (tokens < stop) & (head >= heads.start) & (head < heads.stop)
-        order = np.argsort(lpos[keep], kind="stable")
-        return lpos[keep][order], tokens[keep][order], head[keep][order]
+        # Each step below costs tens of us in a cache a transfer left cold: as
+        # few as the draw takes, and none where every row drawn is held.
+        windows = np.arange(start // WINDOW, -(-stop // WINDOW), dtype=np.int64)
+        drawn = ((windows.view(np.uint64) << np.uint64(8)).reshape(-1, 1) | np.arange(self.per_window, dtype=np.uint64)).reshape(-1)
+        h = mix_in_place(drawn ^ (key(self.seed, 1) ^ np.uint64(group_id << 52)))
+        # Each below 2^63: viewed as int64, not converted.
+        tokens = np.repeat(windows * WINDOW, self.per_window) + (h & np.uint64(WINDOW - 1)).view(np.int64)
+        head = ((h >> np.uint64(4)) % np.uint64(max(total_heads, 1))).view(np.int64)
+        lpos = (mix(h) % np.uint64(max(total_layers, 1))).view(np.int64)
+        keep = None
+        if tuple(layers) != tuple(range(total_layers)):
+            position = np.full(max(max(layers, default=0), total_layers) + 1, -1, dtype=np.int64)
+            position[np.asarray(layers, dtype=np.int64)] = np.arange(nl)
+            lpos = position[lpos]
+            keep = lpos >= 0
+        if start % WINDOW or stop % WINDOW:
+            keep = _and(keep, (tokens >= start) & (tokens < stop))
+        if heads != range(total_heads):
+            keep = _and(keep, (head >= heads.start) & (head < heads.stop))
+        if keep is not None:
+            lpos, tokens, head = lpos[keep], tokens[keep], head[keep]
+        order = np.argsort(lpos, kind="stable")
+        return lpos[order], tokens[order], head[order]
+
+
+def _and(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
+    return b if a is None else a & b
 
 
 MAX_PER_WINDOW = 255  # a window's draws pack into 8 bits of the hash's input
@@ -184,10 +201,11 @@ class RowPlan:
             rel = tokens - first_token
             at = (lpos, ids_np[rel // bs], rel % bs, heads - head_start)
             bounds = np.searchsorted(lpos, np.arange(len(layers) + 1)) if any(isinstance(v, list) for v in group.parts) else None
-            for view, keys in zip(group.parts, plane_keys, strict=True):
+            for part, (view, keys) in enumerate(zip(group.parts, plane_keys, strict=True)):
                 named.append(once ^ keys.reshape(-1, 1))
                 if isinstance(view, torch.Tensor):  # a few rows of every layer and plane: one gather
-                    gathers.append([row_gather(view, (at[0], np.arange(len(keys)).reshape(-1, 1), *at[1:]))])
+                    rows = group.cached(("row-view", part), partial(row_view, view))
+                    gathers.append([row_gather(view, (at[0], np.arange(len(keys)).reshape(-1, 1), *at[1:]), rows)])
                 else:  # rows come layer by layer
                     assert bounds is not None
                     gathers.append([row_gather(_layer(view, li)[p], tuple(i[lo:hi] for i in at[1:]))
@@ -201,8 +219,9 @@ class RowPlan:
             return self._digest_every_row()
         value = np.zeros(len(self.tokens), dtype=np.uint64)
         for named, gathers in zip(self.named, self.gathers, strict=True):  # none where no row was drawn
-            hashed = np.concatenate([hash_rows(read_rows(g), self.keys, self.word_dtype) for g in gathers]).reshape(named.shape[0], -1)
-            value += mix(hashed ^ named).sum(axis=0, dtype=np.uint64)
+            each = [hash_rows(read_rows(g), self.keys, self.word_dtype) for g in gathers]
+            hashed = (each[0] if len(each) == 1 else np.concatenate(each)).reshape(named.shape[0], -1)
+            value += mix_in_place(hashed ^ named).sum(axis=0, dtype=np.uint64)
         # Kept to the lease's end and past it: 16 bytes a row.
         return RowDigests(self.layers, self.lpos.astype(np.int16), self.tokens.astype(np.uint32), self.heads.astype(np.int16), value,
                           head_start=self.head_start, num_heads=self.num_heads)
@@ -272,11 +291,17 @@ class RowDigests:
         if self.grid is not None:
             return self._grid_bins(layers, heads, start, stop, bin_tokens, nbins)
         out = np.zeros(len(layers) * nbins, dtype=np.uint64)
-        asked = np.full(len(self.layers) + 1, -1, dtype=np.int64)  # this rank's layer position -> row of ``out``
-        where = {layer: i for i, layer in enumerate(layers)}
-        asked[:-1] = [where.get(layer, -1) for layer in self.layers]
-        row = asked[self.layer_pos]
-        keep = (row >= 0) & (self.tokens >= start) & (self.tokens < stop) & (self.heads >= heads.start) & (self.heads < heads.stop)
+        keep = (self.tokens >= start) & (self.tokens < stop)
+        if tuple(layers) == self.layers:  # a reader asks of its own layers (each step costs tens of us in a cold cache)
+            row = self.layer_pos.astype(np.int64)
+        else:
+            asked = np.full(len(self.layers) + 1, -1, dtype=np.int64)  # this rank's layer position -> row of ``out``
+            where = {layer: i for i, layer in enumerate(layers)}
+            asked[:-1] = [where.get(layer, -1) for layer in self.layers]
+            row = asked[self.layer_pos]
+            keep &= row >= 0
+        if heads.start > self.head_start or heads.stop < self.head_start + self.num_heads:
+            keep &= (self.heads >= heads.start) & (self.heads < heads.stop)
         np.add.at(out, row[keep] * nbins + self.tokens[keep] // bin_tokens, self.values[keep])
         return out.reshape(len(layers), nbins)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -219,22 +218,6 @@ def template_of(runs: Sequence[tuple[int, int, int, torch.Tensor]], block_dim: i
     return PieceTemplate(base, stride, piece)
 
 
-_UNBUILT = object()
-T = TypeVar("T")
-
-
-def cached_template(group: GroupTensors, key: tuple[object, ...], build: Callable[[], T | None]) -> T | None:
-    # Several connection threads share a group: read the cache once, and
-    # return what was built, not a second lookup another thread may clear.
-    cache = group.templates
-    found = cache.get(key, _UNBUILT)
-    if found is _UNBUILT:
-        if len(cache) >= 1024:  # shapes are few; this only bounds a pathological reader
-            cache.clear()
-        found = cache[key] = build()
-    return found  # type: ignore[return-value]
-
-
 def owner_template(group: GroupTensors, seg: DataSegment, head_start: int, head_count: int) -> PieceTemplate | None:
     """The owner's piece template for a batched segment's shape (cached on the group)."""
     spec = group.spec
@@ -248,7 +231,7 @@ def owner_template(group: GroupTensors, seg: DataSegment, head_start: int, head_
         return template_of(runs, block_dim, len(positions), len(parts))
 
     key = ("owner", positions, seg.token_start, seg.token_count, head_start, head_count, seg.kv_start, seg.kv_count)
-    return cached_template(group, key, build)
+    return group.cached(key, build)
 
 
 def batched_pieces(group: GroupTensors, seg: DataSegment, head_start: int, head_count: int) -> tuple[np.ndarray, int] | None:

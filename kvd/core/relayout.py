@@ -20,7 +20,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -102,6 +102,10 @@ def stack_layers(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(shape, stride, offs[0])
 
 
+_UNBUILT = object()
+T = TypeVar("T")
+
+
 @dataclass
 class GroupTensors:
     """A group's registered caches on one rank, as canonical views.
@@ -118,6 +122,18 @@ class GroupTensors:
     # Piece templates of batched segments by shape (see transfer.PieceTemplate):
     # addresses into these tensors, so they live exactly as long as the views.
     templates: dict[tuple[object, ...], Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def cached(self, key: tuple[object, ...], build: Callable[[], T]) -> T:
+        """What ``build`` makes for ``key`` (a segment's shape, a view's
+        rows), made once: views and templates of these tensors."""
+        # Several connection threads share a group: read the cache once, and
+        # return what was built, not a second lookup another thread may clear.
+        found = self.templates.get(key, _UNBUILT)
+        if found is _UNBUILT:
+            if len(self.templates) >= 1024:  # shapes are few; this only bounds a pathological reader
+                self.templates.clear()
+            found = self.templates[key] = build()
+        return found  # type: ignore[no-any-return]
 
     @property
     def device(self) -> torch.device:

@@ -11,6 +11,7 @@ cache-sized chunk at a time and hashed from cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,24 +60,44 @@ def row_keys(seed: int, words: int) -> np.ndarray:
 Gather = tuple["torch.Tensor", "torch.Tensor | tuple[torch.Tensor, ...]"]
 
 
-def row_gather(t: torch.Tensor, at: tuple[np.ndarray, ...]) -> Gather:
-    """How to read ``t[at]`` (index arrays that broadcast), rows of ``t``'s
-    last dim: (a view, its index), for ``read_rows``. Where every row starts
-    a whole row into memory (the dim innermost: any NHD or HND cache), an
-    index_select of rows (a memcpy each) of a (rows, dim) view, not an
-    element-wise gather."""
+@dataclass(frozen=True, eq=False)  # a view: compared by identity
+class RowView:
+    """A tensor whose rows each start a whole row into memory (the dim
+    innermost: any NHD or HND cache) as one (rows, dim) view, and how many
+    rows one step of each of its other dims moves."""
+
+    flat: torch.Tensor
+    steps: tuple[int, ...]
+    on_cpu: bool  # an index into a device's rows goes there
+
+
+def row_view(t: torch.Tensor) -> RowView | None:
+    """``t``'s rows as a ``RowView``; None where they are not so laid out."""
     import torch
 
     d, strides = t.shape[-1], t.stride()
     if (t.stride(-1) != 1 and d > 1) or any(s % d for s in strides[:-1]) or t.numel() == 0:
+        return None
+    span = sum((n - 1) * s for n, s in zip(t.shape[:-1], strides[:-1], strict=True)) // d + 1
+    return RowView(torch.as_strided(t, (span, d), (d, 1)), tuple(s // d for s in strides[:-1]), t.device.type == "cpu")
+
+
+def row_gather(t: torch.Tensor, at: tuple[np.ndarray, ...], rows: RowView | None = None) -> Gather:
+    """How to read ``t[at]`` (index arrays that broadcast), rows of ``t``'s
+    last dim: (a view, its index), for ``read_rows``. Where ``t`` has a
+    ``RowView`` (``rows``, if made already), an index_select of rows (a
+    memcpy each), not an element-wise gather."""
+    import torch
+
+    rows = rows or row_view(t)
+    if rows is None:
         full = np.broadcast_arrays(*at)
         return t, tuple(torch.from_numpy(np.ascontiguousarray(i).reshape(-1)) for i in full)
-    span = sum((n - 1) * s for n, s in zip(t.shape[:-1], strides[:-1], strict=True)) // d + 1
-    flat = torch.as_strided(t, (span, d), (d, 1))
-    row = at[0] * (strides[0] // d)
-    for i, s in zip(at[1:], strides[1:-1], strict=True):
-        row = row + i * (s // d)
-    return flat, torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64).reshape(-1)).to(t.device)
+    row = at[0] * rows.steps[0]
+    for i, step in zip(at[1:], rows.steps[1:], strict=True):
+        row = row + i * step
+    index = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64).reshape(-1))
+    return rows.flat, index if rows.on_cpu else index.to(t.device)
 
 
 def read_rows(gather: Gather) -> torch.Tensor:
@@ -89,9 +110,10 @@ def hash_rows(rows: torch.Tensor, keys: np.ndarray, word_dtype: torch.dtype) -> 
     (one pass, wrapping modulo 2^64). ``rows``: (n, head_size)."""
     import torch
 
-    if not len(rows):  # a layer the sample drew no row of
+    n = rows.shape[0]
+    if not n:  # a layer the sample drew no row of
         return np.zeros(0, dtype=np.uint64)
-    words = rows.contiguous().view(torch.uint8).view(word_dtype).reshape(len(rows), -1)
+    words = rows.contiguous().view(word_dtype)  # a row's bytes are a whole number of words
     if word_dtype != torch.int64:
         words = words.to(torch.int64)
     return np.asarray(words.cpu().numpy().view(np.uint64).dot(keys))  # a GPU cache's rows come to the host

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvd.core.pieces import PieceTemplate, cached_template, pieces_iov, template_of, tensor_iov
+from kvd.core.pieces import PieceTemplate, pieces_iov, template_of, tensor_iov
 from kvd.core.relayout import (
     Copy,
     CopyRunner,
@@ -111,7 +111,7 @@ class SegmentSink:
 
         # _targets() depends on these and on the group the cache lives on.
         key = ("sink", self.local_positions, self.local_token, self.local_head, self.kv, self.wire_dims[0])
-        template = cached_template(self.local, key, build)
+        template = self.local.cached(key, build)
         if template is None:
             return None
         return template.addresses(self.local_index.cpu().numpy()), template.piece
@@ -151,7 +151,7 @@ class SegmentSink:
         scatter = self.local_index is not None and not self.local_run
         key = ("copies", self.remote_spec, self.wire_dims, self.local_positions, self.local_token, self.local_head, self.kv,
                self.n, self.u, scatter, self.local_block[1])
-        template = cached_template(self.local, key, lambda: CopyTemplate.of(self._copies(payload, scatter), self.local_block, self._blocks(), payload))
+        template = self.local.cached(key, lambda: CopyTemplate.of(self._copies(payload, scatter), self.local_block, self._blocks(), payload))
         found = None if template is None else template.at(payload, self.local_block)
         if found is None:
             return [c for c, _ in self._copies(payload, scatter)]
