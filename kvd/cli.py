@@ -110,6 +110,7 @@ SERVE_FLAGS = {
     "nixl-progress-delay-us": "transport nixl: how long NIXL's progress thread waits for a UCX event (default 10000; 0 spins a core)",
     "pull-timeout-seconds": "bound on one pull (default 60)",
     "stall-timeout-seconds": "a peer silent this long fails the read (default 10)",
+    "peer-idle-seconds": "an engine not read from this long is forgotten: its same-host mappings unmapped, its connections closed (default 300)",
     "max-concurrent-pulls": "more are queued and kept alive by heartbeat (default 64)",
     "aggregator-address": "the engine's aggregator daemon (default: this one)",
     "same-host": "auto: direct copies between mapped regions when peers share a host; off: always TCP",

@@ -39,6 +39,9 @@ class DaemonConfig:
     drain_seconds: float = 10.0
     drain_report_seconds: float = 5.0  # after draining, how long workers get to collect outcomes (from the newest)
     handshake_retries: int = 3
+    # An engine not read from this long is forgotten: its handshake, the
+    # same-host mappings of its memory, and the connections pooled to it.
+    peer_idle_seconds: float = 300.0
     pull_retries: int = 2
     aggregator_address: str = ""  # the engine's aggregator daemon; empty: this one
     same_host: str = "auto"  # auto: copy directly between mapped regions when peers share a host; off: always TCP
@@ -133,6 +136,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "drain_seconds": (lambda v: v >= 0, ">= 0"),
     "drain_report_seconds": (lambda v: v >= 0, ">= 0"),
     "handshake_retries": (lambda v: v >= 1, ">= 1"),
+    "peer_idle_seconds": (lambda v: v > 0, "> 0"),
     "pull_retries": (lambda v: v >= 0, ">= 0"),
     "same_host": (lambda v: v in ("auto", "off"), "auto or off"),
     "copy_threads": (lambda v: 1 <= v <= 64, "in [1, 64]"),

@@ -112,9 +112,17 @@ class Daemon:
         reaper = Reaper(self.registry.shm_by_rank, self.registry.retire,
                         lambda now: self.registry.end_retired(now, self.publications.holds, GONE_GRACE_SECONDS))
         self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat()),
-                            asyncio.create_task(self.finished.reports.run()), asyncio.create_task(reaper.run())]
+                            asyncio.create_task(self.finished.reports.run()), asyncio.create_task(reaper.run()),
+                            asyncio.create_task(self._forget_idle_peers())]
         self._watchdog = LoopWatchdog(asyncio.get_running_loop(), self.metrics.event_loop_lag)
         self._watchdog.start()
+
+    async def _forget_idle_peers(self) -> None:
+        """Now and then, forget the engines no pull has used for ``peer_idle_seconds``."""
+        while True:
+            await asyncio.sleep(min(self.config.peer_idle_seconds / 4, 30.0))
+            busy = {p.params.remote_engine_id for p in self.puller.pulls.values()}
+            await self.handshakes.forget_idle(time.monotonic(), busy)
 
     @property
     def draining(self) -> bool:

@@ -64,6 +64,7 @@ class Handshakes:
         self.channels = channels
         self.data_client = data_client
         self.peers: dict[str, Peer] = {}  # engines we read from, by engine id
+        self.last_used: dict[str, float] = {}  # by engine id: when a pull last asked for it, or was under way
         self._locks: dict[str, asyncio.Lock] = {}
         self.slots = asyncio.Semaphore(config.max_pending_handshakes)  # as the callee
 
@@ -106,6 +107,7 @@ class Handshakes:
         """The remote engine's metadata, handshaking once and again only after a
         restart on either side."""
         eid = params.remote_engine_id
+        self.last_used[eid] = time.monotonic()
         lock = self._locks.setdefault(eid, asyncio.Lock())
         async with lock:
             peer = self.peers.get(eid)
@@ -143,6 +145,30 @@ class Handshakes:
             self.data_client.set_token(theirs.data_address, callee.data_token)
             self.peers[eid] = peer
             return peer
+
+    async def forget_idle(self, now: float, busy: set[str]) -> list[str]:
+        """Forget the engines not read from for ``peer_idle_seconds`` by
+        ``now`` (``busy``: those a pull is queued for or under way from, in
+        use now): an engine scaled away never fails a pull, so nothing else
+        would unmap its memory (which a mapping here keeps from the host,
+        however long ago it exited) or close the connections pooled to it.
+        A pull from one later handshakes again."""
+        for eid in busy:
+            self.last_used[eid] = now
+        gone = []
+        for eid, at in list(self.last_used.items()):
+            lock = self._locks.get(eid)  # held: a handshake under way, in use after all
+            if now - at < self.config.peer_idle_seconds or eid in busy or (lock is not None and lock.locked()):
+                continue
+            gone.append(eid)
+            del self.last_used[eid]
+            self._locks.pop(eid, None)
+            mapped = len(self.peers[eid].mapped) if eid in self.peers else 0
+            peer = self.drop_peer(eid)
+            if peer is not None:
+                await self.data_client.forget(peer.meta.data_address, for_good=True)
+                log.info("forgot engine=%s: not read from for %gs (%d same-host regions unmapped)", eid, self.config.peer_idle_seconds, mapped)
+        return gone
 
     async def _map_same_host(self, peer: Peer, memory: tuple[RankMemory, ...]) -> None:
         """Map the owner's regions, in a thread (mapping faults in every page:

@@ -16,6 +16,7 @@ The ACK is sent by the thread that saw the last byte land.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -112,6 +113,7 @@ class TcpDataClient:
         self._slots: dict[str, asyncio.Semaphore] = {}  # a peer's connections, first come first served
         self._admission: dict[str, Admission] = {}  # --qos on: the same in the wire's order
         self._tokens: dict[str, bytes] = {}
+        self._reading: collections.Counter[str] = collections.Counter()  # reads under way, by peer address
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
         # Copies on every core: same-host piece copies and relayouts.
         self.copy_threads = CopyThreads(copy_threads)
@@ -155,6 +157,16 @@ class TcpDataClient:
         With ``qos`` (and a gate), reads get connections in the wire's order
         (``Admission``): an interactive read has connections of its own, so
         bulk reads holding every pooled one do not keep it waiting."""
+        self._reading[address] += 1
+        try:
+            return await self._read_pooled(address, read, sinks, landed, local_source, qos)
+        finally:
+            self._reading[address] -= 1
+            if not self._reading[address]:
+                del self._reading[address]
+
+    async def _read_pooled(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
+                           local_source: LocalSource | None, qos: QosTag | None) -> int:
         lane, carries = self._normal, ""  # untagged (qos off): any class, never niced
         if qos is None or self.gate is None:
             slots: contextlib.AbstractAsyncContextManager[Any] = self._slots.setdefault(address, asyncio.Semaphore(self.connections_per_peer))
@@ -251,13 +263,21 @@ class TcpDataClient:
         """The secret ``address``'s owner issued us in its handshake."""
         self._tokens[address] = data_token
 
-    async def forget(self, address: str) -> None:
+    async def forget(self, address: str, for_good: bool = False) -> None:
         """Drop pooled connections to ``address`` (its daemon may have restarted);
-        one reading now is closed when its read ends."""
+        one reading now is closed when its read ends. ``for_good``: the peer
+        is not read from any more; with no read under way, nothing of it is kept."""
         self._epochs[address] = self._epochs.get(address, 0) + 1
         self._nixl_peers.pop(address, None)
         for c in [c for carries in ("", CLASSES[0], "bulk") for c in self._idle.pop(_idle_key(address, carries), [])]:
             c.close()
+        if for_good and not self._reading[address]:
+            # Nothing waits on its connection slots or compares its epoch: a
+            # daemon whose peers come and go keeps no trace of each.
+            self._epochs.pop(address, None)
+            self._slots.pop(address, None)
+            self._admission.pop(address, None)
+            self._tokens.pop(address, None)
 
     async def close(self) -> None:
         """Close pooled connections and stop the threads (a read still running closes its connection as it ends)."""

@@ -1,0 +1,69 @@
+"""A reader forgets an engine it has not read from for ``peer_idle_seconds``.
+
+A prefill engine scaled away never fails a pull, so before this nothing
+unmapped its memory in the decode daemon (a mapping keeps the pages from the
+host however long ago the engine exited) or closed the connections pooled to
+it. Real daemons, the same-host path: the mapping is read from
+/proc/PID/maps and the connections from /proc/net/tcp.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_worker, wait_for
+
+
+def _shm_mapped(pid: int) -> set[str]:
+    """The /dev/shm files ``pid`` maps (unlinked ones too)."""
+    out = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/dev/shm/" in line:
+            out.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+    return out
+
+
+def _connected_to(port: int) -> int:
+    """Established TCP connections whose far end is ``port`` on this host."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+def _pull(p, d, rid: str, seed: int) -> None:
+    p.fill(seed, [1, 2])
+    d.client.pull(rid, p.client.publish(rid, [[1, 2]], 32), [[3, 4]])
+    f = d.client.wait_finished(recving={rid})
+    assert f.details[("recving", rid)].outcome == "done", f.details
+    assert d.mismatch(seed, [3, 4], 32) is None
+
+
+@pytest.mark.parametrize("idle", [1.0, 300.0], ids=["forgotten", "kept"])
+def test_an_engine_not_read_from_is_forgotten_and_handshaken_again(daemons, idle):
+    p = daemons.start("prefill", same_host="auto")
+    d = daemons.start("decode", "--peer-idle-seconds", str(idle), same_host="auto")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    _pull(pw, dw, "first", 1)
+    data_port = int(p.info["data"].rsplit(":", 1)[1])
+    owners = _shm_mapped(d.pid) & _shm_mapped(p.pid)  # the owner's regions, mapped by the reader too
+    assert owners, "the reader took the same-host path"
+    assert _connected_to(data_port) >= 1  # a connection pooled to the owner (the reads' authorisation)
+    if idle > 10:  # the control: well inside the idle time, everything is kept
+        time.sleep(3)
+        assert owners <= _shm_mapped(d.pid)
+        assert _connected_to(data_port) >= 1
+        return
+    wait_for(lambda: not owners & _shm_mapped(d.pid), 15, "the reader to unmap the idle owner's memory")
+    wait_for(lambda: _connected_to(data_port) == 0, 5, "the connections pooled to the idle owner to close")
+    assert "forgot engine=prefill" in d.log()
+    _pull(pw, dw, "again", 2)  # handshaken and mapped again
+    assert owners <= _shm_mapped(d.pid)
