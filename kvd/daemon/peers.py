@@ -146,7 +146,16 @@ class Handshakes:
             self.peers[eid] = peer
             return peer
 
-    async def forget_idle(self, now: float, busy: set[str]) -> list[str]:
+    async def forget(self, engine_id: str, for_good: bool = False) -> Peer | None:
+        """Drop an engine's handshake and the connections pooled to it (it
+        may have restarted); ``for_good``: it is not read from any more, and
+        the data client keeps nothing of it. The peer dropped, if any."""
+        peer = self.drop_peer(engine_id)
+        if peer is not None:
+            await self.data_client.forget(peer.meta.data_address, for_good=for_good)
+        return peer
+
+    async def forget_idle(self, now: float, busy: set[str]) -> None:
         """Forget the engines not read from for ``peer_idle_seconds`` by
         ``now`` (``busy``: those a pull is queued for or under way from, in
         use now): an engine scaled away never fails a pull, so nothing else
@@ -155,20 +164,15 @@ class Handshakes:
         A pull from one later handshakes again."""
         for eid in busy:
             self.last_used[eid] = now
-        gone = []
         for eid, at in list(self.last_used.items()):
             lock = self._locks.get(eid)  # held: a handshake under way, in use after all
             if now - at < self.config.peer_idle_seconds or eid in busy or (lock is not None and lock.locked()):
                 continue
-            gone.append(eid)
             del self.last_used[eid]
             self._locks.pop(eid, None)
-            mapped = len(self.peers[eid].mapped) if eid in self.peers else 0
-            peer = self.drop_peer(eid)
-            if peer is not None:
-                await self.data_client.forget(peer.meta.data_address, for_good=True)
+            mapped = len(self.peers[eid].mapped) if eid in self.peers else 0  # counted before the peer is closed
+            if await self.forget(eid, for_good=True) is not None:
                 log.info("forgot engine=%s: not read from for %gs (%d same-host regions unmapped)", eid, self.config.peer_idle_seconds, mapped)
-        return gone
 
     async def _map_same_host(self, peer: Peer, memory: tuple[RankMemory, ...]) -> None:
         """Map the owner's regions, in a thread (mapping faults in every page:

@@ -218,9 +218,7 @@ class Puller:
             except (ConnectionError, OSError, Unavailable) as e:
                 # Transient: the peer may have restarted. Forget what we knew
                 # (handshake, pooled connections) and try again, boundedly.
-                stale = self.handshakes.drop_peer(active.params.remote_engine_id)
-                if stale is not None:
-                    await self.data_client.forget(stale.meta.data_address)
+                await self.handshakes.forget(active.params.remote_engine_id)
                 delay = self.retry.delay(attempt, transient=True)
                 if delay is None:
                     raise
