@@ -216,7 +216,7 @@ def _owner_with_a_publication():
     owner = Owner("P", "host", PublicationTable(60.0, "e"), same_host=False, max_segments_per_read=1024)
     tensors = [p.ranks[(0, 0)].tensors]
     pub, _ = owner.publish((0, 0), "r", [list(range(1, 9))], tensors, 8 * 16, 0.0, capability=b"c" * 32)
-    return owner, owner.reader_joined(d.meta), tensors, pub
+    return owner, owner.reader_joined(d.meta, 0.0), tensors, pub
 
 
 def _batched_read(pub, segment_ids):

@@ -67,3 +67,48 @@ def test_an_engine_not_read_from_is_forgotten_and_handshaken_again(daemons, idle
     assert "forgot engine=prefill" in d.log()
     _pull(pw, dw, "again", 2)  # handshaken and mapped again
     assert owners <= _shm_mapped(d.pid)
+
+
+def _readers(daemon) -> float:
+    from kvd.testing.metrics import scrape
+
+    return scrape(daemon.metrics_url, "kvd_readers")
+
+
+@pytest.mark.parametrize("reader_idle", [1.0, 300.0], ids=["reader-left", "reader-connected"])
+def test_an_owner_forgets_a_reader_that_left_and_keeps_one_still_connected(daemons, reader_idle):
+    """The owner's side: a reader's handshake is kept while it holds a data
+    connection, and forgotten once it has neither read nor stayed connected
+    for peer_idle_seconds (here 1 s on the owner). The control: a reader that
+    keeps its connection pooled (its own idle time 300 s) is kept, and reads
+    again on the same handshake."""
+    p = daemons.start("prefill", "--peer-idle-seconds", "1")
+    d = daemons.start("decode", "--peer-idle-seconds", str(reader_idle))
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    _pull(pw, dw, "first", 1)
+    assert _readers(p) == 1
+    if reader_idle > 10:
+        time.sleep(3)  # three times the owner's idle time: the pooled connection keeps the reader
+        assert _readers(p) == 1
+        _pull(pw, dw, "again", 2)
+        assert "forgot reader" not in p.log()
+        return
+    wait_for(lambda: _readers(p) == 0, 15, "the owner to forget the reader that left")
+    assert "forgot reader engine=decode" in p.log()
+    _pull(pw, dw, "again", 2)  # the reader handshakes again and lands exactly
+    assert _readers(p) == 1
+
+
+def test_a_reader_rescheduled_under_a_new_address_replaces_its_old_entry(daemons):
+    """A decode daemon that restarts under another address (a pod
+    rescheduled) holds the same rank: the owner keeps one entry of it, not
+    one per address it ever had (before, the old entry stayed for the
+    owner's life)."""
+    p = daemons.start("prefill")
+    pw = make_worker(p.grpc, "prefill")
+    first = daemons.start("decode")
+    _pull(pw, make_worker(first.grpc, "decode"), "before", 1)
+    first.stop()
+    second = daemons.start("decode")  # new ports: a new data address, the same rank
+    _pull(pw, make_worker(second.grpc, "decode"), "after", 2)
+    assert _readers(p) == 1

@@ -15,7 +15,7 @@ import dataclasses
 import hmac
 import itertools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,32 +65,58 @@ class Owner:
         self.same_host = same_host  # readers on this host may copy our memory themselves
         self.max_segments_per_read = max_segments_per_read
         self.readers: dict[tuple[str, str], Reader] = {}  # by (engine id, epoch)
+        self._seen: dict[tuple[str, str], float] = {}  # when each reader last handshook, said HELLO or read
         self._expected: dict[tuple[str, RankKey], int] = {}
 
     # ------------------------------------------------------------ handshakes
 
-    def reader_joined(self, theirs: EngineMeta) -> Reader:
-        """A reader handshook: a restarted daemon of the same engine replaces
-        its old epoch's entry, and reader counts for its engine are redone."""
-        for key in [k for k, r in self.readers.items() if k[0] == theirs.engine_id and r.meta.host_id == theirs.host_id
-                    and r.meta.data_address == theirs.data_address]:
-            del self.readers[key]
-        reader = self.readers[(theirs.engine_id, theirs.epoch)] = Reader(theirs, secrets.token_bytes(32))
+    def reader_joined(self, theirs: EngineMeta, now: float) -> Reader:
+        """A reader handshook. It replaces the entries of its engine that it
+        succeeds: a restarted daemon at the same address, and any daemon that
+        held one of its ranks (a rank lives on one daemon: one rescheduled to
+        another host comes back under a new address). Reader counts for its
+        engine are redone."""
+        mine = {(r.tp_rank, r.pp_rank) for r in theirs.ranks}
+        for key in [k for k, r in self.readers.items() if k[0] == theirs.engine_id and (
+                (r.meta.host_id == theirs.host_id and r.meta.data_address == theirs.data_address)
+                or any((x.tp_rank, x.pp_rank) in mine for x in r.meta.ranks))]:
+            self._drop_reader(key)
+        key = (theirs.engine_id, theirs.epoch)
+        reader = self.readers[key] = Reader(theirs, secrets.token_bytes(32))
+        self._seen[key] = now
         self._expected = {k: v for k, v in self._expected.items() if k[0] != theirs.engine_id}
         return reader
 
-    def reader(self, engine_id: str, epoch: str) -> Reader:
+    def _drop_reader(self, key: tuple[str, str]) -> None:
+        del self.readers[key]
+        self._seen.pop(key, None)
+
+    def forget_idle_readers(self, now: float, idle_s: float, connected: Collection[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Forget the readers (engine id, epoch) that have neither handshook,
+        said HELLO nor read for ``idle_s`` and hold no data connection
+        (``connected``): a reader scaled away never says goodbye. One that
+        comes back handshakes again (its next HELLO is refused UNAVAILABLE,
+        which a reader retries with a new handshake). The keys forgotten."""
+        gone = [k for k in self.readers if k not in connected and now - self._seen.get(k, now) >= idle_s]
+        for key in gone:
+            self._drop_reader(key)
+        engines = {k[0] for k in gone}
+        self._expected = {k: v for k, v in self._expected.items() if k[0] not in engines}
+        return gone
+
+    def reader(self, engine_id: str, epoch: str, now: float) -> Reader:
         """The reader as it last handshook (a connection it authenticated
-        before a new handshake stays its own)."""
+        before a new handshake stays its own), seen at ``now``."""
         reader = self.readers.get((engine_id, epoch))
         if reader is None:
             raise Unauthenticated(f"engine {engine_id!r} epoch {epoch[:8]} has not handshaken with this daemon")
+        self._seen[(engine_id, epoch)] = now
         return reader
 
-    def check_hello(self, engine_id: str, epoch: str, data_token: bytes, shared_token_ok: bool) -> Reader:
+    def check_hello(self, engine_id: str, epoch: str, data_token: bytes, shared_token_ok: bool, now: float) -> Reader:
         """Before a single byte of KV: the shared token (auth=token), then the
         per-reader secret our handshake issued."""
-        reader = self.reader(engine_id, epoch)
+        reader = self.reader(engine_id, epoch, now)
         if not shared_token_ok or not hmac.compare_digest(data_token, reader.data_token):
             raise Unauthenticated("data-plane HELLO without valid credentials")
         return reader

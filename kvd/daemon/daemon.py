@@ -118,11 +118,13 @@ class Daemon:
         self._watchdog.start()
 
     async def _forget_idle_peers(self) -> None:
-        """Now and then, forget the engines no pull has used for ``peer_idle_seconds``."""
+        """Now and then, forget the engines no pull has used for
+        ``peer_idle_seconds``, and as their owner the readers idle as long."""
         while True:
             await asyncio.sleep(min(self.config.peer_idle_seconds / 4, 30.0))
             busy = {p.params.remote_engine_id for p in self.puller.pulls.values()}
             await self.handshakes.forget_idle(time.monotonic(), busy)
+            self.publisher.forget_idle_readers(time.monotonic(), self.data_server.connected_readers())
 
     @property
     def draining(self) -> bool:

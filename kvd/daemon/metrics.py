@@ -46,6 +46,7 @@ class Metrics:
         self.data_reads = Counter("kvd_data_reads", "Data-plane reads sent (one per remote rank, or one per stripe of a striped read)", ["transport"], registry=r)
         self.refused_reads = Counter("kvd_refused_reads", "Data-plane reads refused, by reason", ["reason"], registry=r)
         self.leases_held = Gauge("kvd_leases_held", "Publications holding blocks", registry=r)
+        self.readers = Gauge("kvd_readers", "Reader daemons (engine, epoch) handshaken with this daemon as their owner, not yet forgotten", registry=r)
         self.pinned_ranks = Gauge("kvd_pinned_ranks", "Published ranks a same-host or NIXL reader is copying; their end waits for it", registry=r)
         self.leases_expired = Counter("kvd_leases_expired", "Publications that ended by lease expiry", registry=r)
         self.reader_releases = Counter("kvd_reader_releases", "Published ranks ended early by their reader (it failed, aborted, or did not need them)", registry=r)

@@ -89,7 +89,8 @@ class Handshakes:
             self.metrics.handshakes.labels("callee", "refused").inc()
             raise
         with self.publisher.lock:
-            data_token = self.publisher.owner.reader_joined(theirs).data_token
+            data_token = self.publisher.owner.reader_joined(theirs, time.monotonic()).data_token
+            self.metrics.readers.set(len(self.publisher.owner.readers))
         self.metrics.handshakes.labels("callee", "ok").inc()
         same_host = self.config.same_host != "off" and theirs.host_id == self.registry.host_id
         log.info("handshake from engine=%s epoch=%s tp=%d pp=%d same_host=%s", theirs.engine_id, theirs.epoch[:8], theirs.tp_size, theirs.pp_size, same_host)

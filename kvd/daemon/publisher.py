@@ -237,11 +237,21 @@ class Publisher:
         self.metrics.leases_held.set(len(self.publications))
         self.metrics.pinned_ranks.set(self.publications.pinned)
 
+    def forget_idle_readers(self, now: float, connected: set[tuple[str, str]]) -> None:
+        """Forget the readers idle for ``peer_idle_seconds`` with no data connection open (``Owner.forget_idle_readers``)."""
+        with self.lock:
+            gone = self.owner.forget_idle_readers(now, self.config.peer_idle_seconds, connected)
+            self.metrics.readers.set(len(self.owner.readers))
+        for engine_id, epoch in gone:
+            log.info("forgot reader engine=%s epoch=%s: no read, HELLO or handshake for %gs and no data connection open",
+                     engine_id, epoch[:8], self.config.peer_idle_seconds)
+
     # ------------------------------------------------------------ data plane
 
     def check_hello(self, hello: Hello) -> None:
         try:
-            self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, self.auth.check_hello_token(hello.shared_token))
+            self.owner.check_hello(hello.engine_id, hello.epoch, hello.data_token, self.auth.check_hello_token(hello.shared_token),
+                                   time.monotonic())
         except KvdError as e:
             no_handshake = (hello.engine_id, hello.epoch) not in self.owner.readers
             self.metrics.refused_reads.labels("no_handshake" if no_handshake else "unauthenticated").inc()
@@ -256,8 +266,9 @@ class Publisher:
             if reg is not None:
                 reg.check_intact()
             with self.lock:
-                reader = self.owner.reader(hello.engine_id, hello.epoch)
-                grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, time.monotonic(),
+                now = time.monotonic()
+                reader = self.owner.reader(hello.engine_id, hello.epoch, now)
+                grant = self.owner.authorize(read, reader, reg.tensors if reg is not None else None, now,
                                              local=local, reader_copies=reader_copies, registration=reg.generation if reg is not None else 0)
         except KvdError as e:
             self.metrics.refused_reads.labels(e.status.name.lower()).inc()

@@ -70,7 +70,7 @@ def control_path(blocks: int, *, layers: int, heads: int, head_size: int, block_
     num_tokens = blocks * block_size
     p_rank, d_rank = p.ranks[(0, 0)], d.ranks[(0, 0)]
     owner = Owner("P", "host", PublicationTable(60.0, "e"), same_host=False, max_segments_per_read=1 << 20)
-    reader = owner.reader_joined(d.meta)
+    reader = owner.reader_joined(d.meta, 0.0)
     t0 = time.perf_counter()
     # P's worker publishes: its message, as the daemon's edge converts it, then the lease table's checks.
     msg = publish_to_pb(PublishOrder("r", (Blocks(tuple(p_ids)),), num_tokens, capability=b"c" * 32, worker=WorkerId("P")))

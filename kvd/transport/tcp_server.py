@@ -25,6 +25,7 @@ streaming publication's segment leaves only once prefill saved its layers
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -74,6 +75,7 @@ class TcpDataServer:
         self.max_connections_per_peer = max_connections_per_peer
         self.max_connections = max_connections
         self._per_peer: dict[str, int] = {}
+        self._readers: collections.Counter[tuple[str, str]] = collections.Counter()  # open connections by (engine id, epoch)
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,7 +139,7 @@ class TcpDataServer:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _serve(self, raw: socket.socket) -> None:
-        peer_key = ""
+        peer_key: tuple[str, str] | None = None
         arena = Arena(self.nixl) if self.nixl is not None else None
         sock = raw
         try:
@@ -155,8 +157,8 @@ class TcpDataServer:
                 assert isinstance(hello, Hello)
                 try:
                     self._on_loop(self.server.check_hello, hello)
-                    self._on_loop(self._take_slot, hello.engine_id)
-                    peer_key = hello.engine_id
+                    self._on_loop(self._take_slot, hello.engine_id, hello.epoch)
+                    peer_key = (hello.engine_id, hello.epoch)
                 except errors.KvdError as e:
                     fs.send(Error.of(e))
                     return
@@ -199,8 +201,8 @@ class TcpDataServer:
         except Exception:
             log.exception("data-plane connection failed")
         finally:
-            if peer_key:
-                self._later(self._release_slot, peer_key)
+            if peer_key is not None:
+                self._later(self._release_slot, *peer_key)
             self._conns.discard(raw)
             sock.close()
             if arena is not None:
@@ -239,15 +241,25 @@ class TcpDataServer:
             return "this daemon's data plane has no NIXL agent (set transport: nixl on both sides)"
         return f"this data plane offers no {via!r} byte mover"
 
-    def _take_slot(self, engine_id: str) -> None:
+    def _take_slot(self, engine_id: str, epoch: str) -> None:
         """Per-reader connection accounting, always on the loop."""
         if self._per_peer.get(engine_id, 0) >= self.max_connections_per_peer:
             raise errors.ResourceExhausted(f"engine {engine_id!r} already has {self.max_connections_per_peer} data connections")
         self._per_peer[engine_id] = self._per_peer.get(engine_id, 0) + 1
+        self._readers[(engine_id, epoch)] += 1
 
-    def _release_slot(self, engine_id: str) -> None:
+    def _release_slot(self, engine_id: str, epoch: str) -> None:
         if self._per_peer.get(engine_id, 0) > 0:
             self._per_peer[engine_id] -= 1
+            if self._per_peer[engine_id] == 0:
+                del self._per_peer[engine_id]
+        self._readers[(engine_id, epoch)] -= 1
+        if self._readers[(engine_id, epoch)] <= 0:
+            del self._readers[(engine_id, epoch)]
+
+    def connected_readers(self) -> set[tuple[str, str]]:
+        """The readers (engine id, epoch) holding a data connection now (on the loop)."""
+        return set(self._readers)
 
     async def close(self) -> None:
         if self._accept is not None:
