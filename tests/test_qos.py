@@ -163,26 +163,32 @@ def cpu_by_nice(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, 
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
-@pytest.mark.parametrize(("priority", "increment", "reader_qos", "niced"), [
-    ("standard", "10", "on", True),
+@pytest.mark.parametrize(("priority", "increment", "reader_qos", "niced", "d_layout", "same_host"), [
+    ("standard", "10", "on", True, "NHD", "off"),
     # Controls: after the bulk pull niced threads on both sides, an interactive
     # pull's work runs at the daemon's priority; and --qos-bulk-nice 0 nices nothing.
-    ("interactive", "10", "on", False),
-    ("standard", "0", "on", False),
+    ("interactive", "10", "on", False, "NHD", "off"),
+    ("standard", "10", "on", True, "HND", "off"),  # D relays out on copy threads: a bulk read's are niced too
+    ("interactive", "10", "on", False, "HND", "off"),
+    ("standard", "10", "on", True, "NHD", "auto"),  # same host: D copies P's memory on copy threads
+    ("interactive", "10", "on", False, "NHD", "auto"),
+    ("standard", "0", "on", False, "NHD", "off"),
     # A reader with qos off may send any class on any connection: the owner
     # (qos on) never nices a thread that may next serve an interactive read.
-    ("standard", "10", "off", False),
-])
-def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increment, reader_qos, niced):
+    ("standard", "10", "off", False, "NHD", "off"),
+], ids=["bulk", "interactive", "bulk-relayout", "interactive-relayout", "bulk-same-host", "interactive-same-host", "nice-0", "reader-qos-off"])
+def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increment, reader_qos, niced, d_layout, same_host):
     """--qos on: the threads that send (P) and receive (D) a read below
     class interactive run --qos-bulk-nice above the daemon's nice value, so
-    that on a busy host an interactive read's threads come first. Which
-    threads did a pull's work is read from each thread's CPU time, and the
-    bytes still land whole."""
+    that on a busy host an interactive read's threads come first; so do D's
+    threads that land a bulk read in another layout, or copy it from P's
+    memory on the same host. Which threads did a pull's work is read from
+    each thread's CPU time, and the bytes still land whole."""
     flags = ("--qos-bulk-nice", increment)
-    p, d = daemons.start("prefill", "--qos", "on", *flags), daemons.start("decode", "--qos", reader_qos, *flags)
+    p = daemons.start("prefill", "--qos", "on", *flags, same_host=same_host)
+    d = daemons.start("decode", "--qos", reader_qos, *flags, same_host=same_host)
     pw = make_worker(p.grpc, "prefill", num_blocks=BULK + 1, **BIG)
-    dw = make_worker(d.grpc, "decode", num_blocks=BULK + 1, **BIG)
+    dw = make_worker(d.grpc, "decode", num_blocks=BULK + 1, layout=d_layout, **BIG)
     blocks = list(range(1, BULK + 1))
     pw.fill(7, blocks)
     base = {side.pid: thread_stats(side.pid)[side.pid][1] for side in (p, d)}
@@ -198,7 +204,8 @@ def test_bulk_reads_move_in_threads_that_yield_the_cpu(daemons, priority, increm
     before = {pid: thread_stats(pid) for pid in base}
     for k in range(4):  # 1 GiB: tens of clock ticks of each side's data threads
         pull(f"measured-{k}", priority)
-    for side, pid in (("P", p.pid), ("D", d.pid)):
+    # Same host, D copies P's memory itself: P's threads move nothing.
+    for side, pid in (("P", p.pid), ("D", d.pid)) if same_host == "off" else (("D", d.pid),):
         now = thread_stats(pid)
         now.pop(pid)  # the main thread: the event loop, the daemon's control plane (at its priority)
         cpu = cpu_by_nice(before[pid], now, base[pid])

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvd.core.relayout import Copy, split_copies
+from kvd.transport.thread_nice import set_thread_nice
 
 _on_worker = threading.local()
 
@@ -126,18 +127,22 @@ class CopyThreads:
     for its own pool could wait forever); after ``close`` the caller runs
     everything."""
 
-    def __init__(self, threads: int = 2, parallel_min_bytes: int = PARALLEL_MIN_BYTES) -> None:
+    def __init__(self, threads: int = 2, parallel_min_bytes: int = PARALLEL_MIN_BYTES, *, nice: int | None = None,
+                 name: str = "kvd-copy") -> None:
         self.threads = max(1, threads)
         self.parallel_min_bytes = max(1, parallel_min_bytes)
+        self.nice = nice  # the threads' nice value (thread_nice: a bulk lane's copies yield the CPU); None: the creator's
         self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submissions against close
         self._closed = False
-        self._workers = [threading.Thread(target=self._work, name=f"kvd-copy-{i}", daemon=True) for i in range(self.threads)]
+        self._workers = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(self.threads)]
         for w in self._workers:
             w.start()
 
     def _work(self) -> None:
         _on_worker.yes = True
+        if self.nice is not None:
+            set_thread_nice(self.nice)
         while (batch := self._queue.get()) is not None:
             batch.drain()
 

@@ -115,14 +115,14 @@ class TcpDataClient:
         self._tokens: dict[str, bytes] = {}
         self._reading: collections.Counter[str] = collections.Counter()  # reads under way, by peer address
         self._nixl_peers: dict[str, tuple[str, int]] = {}  # data address -> (owner's NIXL agent, metadata version loaded)
-        # Copies on every core: same-host piece copies and relayouts.
-        self.copy_threads = CopyThreads(copy_threads)
-        self.copier = Copier(pool=self.copy_threads)
-        self._normal = self._bulk = _Lane.start("")
+        # Copies on every core (same-host piece copies and relayouts), a lane's on threads of its own.
+        self._normal = self._bulk = _Lane.start("", copy_threads)
         if gate is not None and gate.bulk_nice != gate.normal_nice:
             # --qos on: reads of the other classes run in threads that yield the CPU
-            # to the interactive ones' (thread_nice: a thread's nice is not lowered again).
-            self._bulk = _Lane.start("-bulk", gate.bulk_nice)
+            # to the interactive ones' (thread_nice: a thread's nice is not lowered again),
+            # and land on copy threads of their own: an interactive read's
+            # landings never queue behind a bulk read's.
+            self._bulk = _Lane.start("-bulk", copy_threads, gate.bulk_nice)
 
     def _connect(self, address: str, lane: _Lane, carries: str) -> _Conn:
         """A new connection, its HELLO answered (in a worker thread of ``lane``),
@@ -145,9 +145,9 @@ class TcpDataClient:
         except BaseException:
             sock.close()
             raise
-        run = self.copy_threads.run_copies
+        run = lane.copy_threads.run_copies
         mover: ReadMover = (NixlIn(self.nixl, address, self._nixl_peers, self.stall_timeout_s, self.on_relayout, run) if self.nixl is not None
-                            else FramesIn(self.copy_threads, lane.land_pool, self.on_relayout))
+                            else FramesIn(lane.copy_threads, lane.land_pool, self.on_relayout))
         return _Conn(fs, mover)
 
     async def read(self, address: str, read: DataRead, sinks: Sequence[SegmentSink], landed: list[bool],
@@ -184,7 +184,7 @@ class TcpDataClient:
             conn = idle.pop() if idle else await loop.run_in_executor(lane.pool, self._connect, address, lane, carries)
             conn.cancel.clear()
             # By what this daemon can do: the owner's memory mapped here is copied, else the connection's own mover.
-            mover = conn.mover if local_source is None else SameHostIn(local_source, self.copier, self.copy_threads.run_copies, self.on_relayout)
+            mover = conn.mover if local_source is None else SameHostIn(local_source, lane.copier, lane.copy_threads.run_copies, self.on_relayout)
             try:
                 # The READ leaves from here, as far as the socket takes it
                 # without blocking (all of it, unless it is megabytes): the
@@ -286,9 +286,9 @@ class TcpDataClient:
             for c in conns:
                 c.close()
         self._idle.clear()
-        self.copier.close()
-        self.copy_threads.close()
         for lane in {id(x): x for x in (self._normal, self._bulk)}.values():
+            lane.copier.close()
+            lane.copy_threads.close()
             lane.pool.shutdown(wait=False, cancel_futures=True)
             lane.land_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -302,20 +302,25 @@ def _idle_key(address: str, carries: str) -> str:
 class _Lane:
     """The threads that move one lane's reads: ``pool`` receives them (each
     read a thread, blocking on its socket), ``land_pool`` relays out what
-    they receive for a GPU (host segments land on the copy threads)."""
+    they receive for a GPU, ``copy_threads`` land host segments and copy
+    same-host pieces (through ``copier``)."""
 
     pool: concurrent.futures.ThreadPoolExecutor
     land_pool: concurrent.futures.ThreadPoolExecutor
+    copy_threads: CopyThreads
+    copier: Copier
 
     @classmethod
-    def start(cls, suffix: str, nice: int | None = None) -> _Lane:
-        """A lane's pools; with ``nice``, their threads run at it. A pool starts
+    def start(cls, suffix: str, copy_threads: int, nice: int | None = None) -> _Lane:
+        """A lane's threads; with ``nice``, they run at it. A pool starts
         its threads from the thread that submits, and a thread inherits its
-        nice, so a niced lane's landings need a pool of their own too (and the
-        plain lane's landing threads are never started by a niced thread)."""
+        nice, so a niced lane's landings and copies need threads of their own
+        too (and the plain lane's are never started by a niced thread)."""
         niced: dict[str, Any] = {} if nice is None else {"initializer": set_thread_nice, "initargs": (nice,)}
+        copies = CopyThreads(copy_threads, nice=nice, name=f"kvd-copy{suffix}")
         return cls(concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix=f"kvd-recv{suffix}", **niced),
-                   concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"kvd-land{suffix}", **niced))
+                   concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"kvd-land{suffix}", **niced),
+                   copies, Copier(pool=copies))
 
 
 class _Landing:

@@ -13,8 +13,8 @@ A thread may raise its own nice value without privilege, but lowering it
 again needs CAP_SYS_NICE, which a container seldom has; so a thread that
 moves bulk reads stays niced, and so does every thread it starts (a thread
 inherits its creator's nice). A reader with a bulk nice runs its bulk
-reads, and their landings, in pools of their own, on connections of their
-own that its HELLO names a bulk lane; the owner nices the thread of such a connection only, so
+reads, their landings and their copies on threads of their own, on
+connections of their own that its HELLO names a bulk lane; the owner nices the thread of such a connection only, so
 a connection that may carry an interactive read (from a reader with qos off,
 or an older one) is served at the daemon's priority.
 
