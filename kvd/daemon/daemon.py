@@ -123,8 +123,9 @@ class Daemon:
         while True:
             await asyncio.sleep(min(self.config.peer_idle_seconds / 4, 30.0))
             busy = {p.params.remote_engine_id for p in self.puller.pulls.values()}
-            await self.handshakes.forget_idle(time.monotonic(), busy)
-            self.publisher.forget_idle_readers(time.monotonic(), self.data_server.connected_readers())
+            now = time.monotonic()
+            await self.handshakes.forget_idle(now, busy)
+            self.publisher.forget_idle_readers(now, self.data_server.connected_readers())
 
     @property
     def draining(self) -> bool:

@@ -74,7 +74,6 @@ class TcpDataServer:
         # reader only blocks its own thread; capping connections caps memory.
         self.max_connections_per_peer = max_connections_per_peer
         self.max_connections = max_connections
-        self._per_peer: dict[str, int] = {}
         self._readers: collections.Counter[tuple[str, str]] = collections.Counter()  # open connections by (engine id, epoch)
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
@@ -242,17 +241,13 @@ class TcpDataServer:
         return f"this data plane offers no {via!r} byte mover"
 
     def _take_slot(self, engine_id: str, epoch: str) -> None:
-        """Per-reader connection accounting, always on the loop."""
-        if self._per_peer.get(engine_id, 0) >= self.max_connections_per_peer:
+        """Per-reader connection accounting, always on the loop: the limit
+        counts the engine's connections over all its epochs."""
+        if sum(n for (engine, _), n in self._readers.items() if engine == engine_id) >= self.max_connections_per_peer:
             raise errors.ResourceExhausted(f"engine {engine_id!r} already has {self.max_connections_per_peer} data connections")
-        self._per_peer[engine_id] = self._per_peer.get(engine_id, 0) + 1
         self._readers[(engine_id, epoch)] += 1
 
     def _release_slot(self, engine_id: str, epoch: str) -> None:
-        if self._per_peer.get(engine_id, 0) > 0:
-            self._per_peer[engine_id] -= 1
-            if self._per_peer[engine_id] == 0:
-                del self._per_peer[engine_id]
         self._readers[(engine_id, epoch)] -= 1
         if self._readers[(engine_id, epoch)] <= 0:
             del self._readers[(engine_id, epoch)]
