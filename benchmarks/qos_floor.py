@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any
 
+from kvd.tools.bench_pair import p50, p99  # as kvd bench --sections qos reads its samples
+
 CHUNK = 1 << 20
 BULK_SPAN = 256 << 20  # bulk bytes land across a span this big, as into a cache, not one hot buffer
 BULK_NICE = 10  # qos_bulk_nice's default
@@ -110,14 +112,6 @@ def _bulk_receiver(conn: socket.socket, stop: threading.Event, hold: _Hold) -> N
         at = (at + n) % (BULK_SPAN - CHUNK)
 
 
-def _p99(samples: list[float]) -> float:
-    return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
-
-
-def _p50(samples: list[float]) -> float:
-    return sorted(samples)[len(samples) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -170,9 +164,9 @@ def main() -> None:
             stop.set()
             for r in receivers:
                 r.join()
-            rows.append({"p50": _p50(loaded) / _p50(idle), "p99": _p99(loaded) / _p99(idle)})
-            print(f"  round {k + 1}: idle p50 {_p50(idle) * 1e3:.2f} p99 {_p99(idle) * 1e3:.2f} ms; under bulk p50 {_p50(loaded) * 1e3:.2f} "
-                  f"p99 {_p99(loaded) * 1e3:.2f} ms; loaded / idle: p50 {rows[-1]['p50']:.2f}, p99 {rows[-1]['p99']:.2f}", flush=True)
+            rows.append({"p50": p50(loaded) / p50(idle), "p99": p99(loaded) / p99(idle)})
+            print(f"  round {k + 1}: idle p50 {p50(idle) * 1e3:.2f} p99 {p99(idle) * 1e3:.2f} ms; under bulk p50 {p50(loaded) * 1e3:.2f} "
+                  f"p99 {p99(loaded) * 1e3:.2f} ms; loaded / idle: p50 {rows[-1]['p50']:.2f}, p99 {rows[-1]['p99']:.2f}", flush=True)
             time.sleep(0.2)
     finally:
         owner.kill()

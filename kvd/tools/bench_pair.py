@@ -26,6 +26,16 @@ def best_seconds(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
+def p50(samples: list[float]) -> float:
+    """The median of ``samples`` (the upper one of an even count)."""
+    return sorted(samples)[len(samples) // 2]
+
+
+def p99(samples: list[float]) -> float:
+    """The 99th percentile of ``samples``: of fewer than 100, the largest."""
+    return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
+
+
 class BenchPair:
     """A P and a D daemon, and one worker of each in this process."""
 

@@ -25,15 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec
-from kvd.tools.bench_pair import BenchPair
+from kvd.tools.bench_pair import BenchPair, p99
 
 LAYERS = 4
 BLOCK_MIB = LAYERS  # 256 tokens x 8 heads x 128 x bf16 x K+V = 1 MiB a block a layer
 TENANTS = "gold=3,silver=1,be=0.2"
-
-
-def _p99(samples: list[float]) -> float:
-    return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
 class _Pulls:
@@ -116,8 +112,8 @@ def bench_qos(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str,
             loop.stop.set()
         for loop in loops:
             loop.join(timeout=300)
-        out: dict[str, Any] = {"qos_small_p99_unloaded_ms": _p99(idle) * 1e3, "qos_small_p99_loaded_ms": _p99(loaded["interactive"]) * 1e3,
-                               "qos_small_p99_loaded_standard_ms": _p99(loaded["standard"]) * 1e3, "qos_bulk_pulls": sum(x.done for x in loops)}
+        out: dict[str, Any] = {"qos_small_p99_unloaded_ms": p99(idle) * 1e3, "qos_small_p99_loaded_ms": p99(loaded["interactive"]) * 1e3,
+                               "qos_small_p99_loaded_standard_ms": p99(loaded["standard"]) * 1e3, "qos_bulk_pulls": sum(x.done for x in loops)}
         out["qos_small_p99_loaded_vs_unloaded"] = out["qos_small_p99_loaded_ms"] / out["qos_small_p99_unloaded_ms"]
         say(f"  small pull p99: unloaded {out['qos_small_p99_unloaded_ms']:.2f} ms, under bulk {out['qos_small_p99_loaded_ms']:.2f} ms "
             f"({out['qos_small_p99_loaded_vs_unloaded']:.2f}x); the same in class standard {out['qos_small_p99_loaded_standard_ms']:.2f} ms "

@@ -19,7 +19,7 @@ from typing import Any
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec
 from kvd.daemon.config import DaemonConfig
 from kvd.tools.bench_memcpy import BestMemcpy
-from kvd.tools.bench_pair import BenchPair
+from kvd.tools.bench_pair import BenchPair, p50, p99
 from kvd.tools.bench_scatter import ScatteredSocket
 from kvd.tools.bench_skeleton import SkeletonPull
 from kvd.tools.bench_socket import best_socket, socket_round_trip
@@ -31,14 +31,6 @@ UNIT_SIZES = {"16k": 16 << 10, "64k": 64 << 10, "1m": 1 << 20}
 # by 2x here within minutes, taken from four different tries' bests said more
 # of the machine than of kvd.
 PAIRED_TRIES = 5
-
-
-def _p50(samples: list[float]) -> float:
-    return sorted(samples)[len(samples) // 2]
-
-
-def _p99(samples: list[float]) -> float:
-    return sorted(samples)[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
 Try = Callable[[], tuple[float, float]]  # one timed try: GB/s, CPU seconds per GB
@@ -135,9 +127,9 @@ def _small_request(pair: BenchPair, requests: int, say: Callable[[str], None]) -
     # Where the time goes: D's pull phases and P serving its read, mean ms a request.
     phases = {k: (after[k][0] - before.get(k, (0.0, 0.0))[0]) / (after[k][1] - before.get(k, (0.0, 0.0))[1]) * 1e3
               for k in after if after[k][1] > before.get(k, (0.0, 0.0))[1]}
-    out: dict[str, Any] = {"small_request_phases_ms": phases, "small_request_p50_ms": _p50(lat) * 1e3, "small_request_p99_ms": _p99(lat) * 1e3,
-           "grpc_round_trip_ms": _p50(rpc) * 1e3, "socket_round_trip_ms": _p50(sock) * 1e3,
-           "skeleton_p50_ms": _p50(skel) * 1e3, "skeleton_p99_ms": _p99(skel) * 1e3}
+    out: dict[str, Any] = {"small_request_phases_ms": phases, "small_request_p50_ms": p50(lat) * 1e3, "small_request_p99_ms": p99(lat) * 1e3,
+           "grpc_round_trip_ms": p50(rpc) * 1e3, "socket_round_trip_ms": p50(sock) * 1e3,
+           "skeleton_p50_ms": p50(skel) * 1e3, "skeleton_p99_ms": p99(skel) * 1e3}
     out["small_request_floor_ms"] = out["grpc_round_trip_ms"] + out["socket_round_trip_ms"]
     say(f"  {f'small request (16 blocks, {small_bytes / (1 << 20):.0f} MiB) p50/p99':<34} {out['small_request_p50_ms']:6.2f} / {out['small_request_p99_ms']:.2f} ms")
     say(f"  {'  floor: gRPC + socket round trips':<34} {out['small_request_floor_ms']:6.2f} ms "
