@@ -43,17 +43,54 @@ def test_stalled_reader_keeps_the_senders_memory_bounded(daemons):
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _hello_until(raw_address: str, engine: str, epoch: str, token: bytes, want: FrameType, seconds: float = 5.0) -> RawPeer:
+    """A connection whose HELLO is answered ``want``, retried while the owner
+    catches up (a closed connection's slot is released on its loop, after the close)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        raw = RawPeer(raw_address)
+        ftype, body = raw.hello(engine, epoch, token)
+        if ftype is want or time.monotonic() > deadline:
+            assert ftype is want, (ftype, body)
+            return raw
+        raw.close()
+        time.sleep(0.05)
+
+
 def test_connections_per_reader_are_capped(daemons):
+    """16 data connections an engine, counted over its epochs; another engine
+    is not refused for it, and a closed connection gives its slot back."""
     p = daemons.start("prefill")
     make_worker(p.grpc, "prefill")
     token = handshake(p.grpc, fake_engine("reader")).data_token
     peers = []
-    for _ in range(16):
+    for _ in range(8):
         raw = RawPeer(p.info["data"])
         assert raw.hello("reader", "e1", token)[0] is FrameType.HELLO_OK
         peers.append(raw)
+    # The same engine restarted (a new epoch) while its old connections linger: they still count.
+    token2 = handshake(p.grpc, fake_engine("reader", epoch="e2")).data_token
+    for _ in range(8):
+        raw = RawPeer(p.info["data"])
+        assert raw.hello("reader", "e2", token2)[0] is FrameType.HELLO_OK
+        peers.append(raw)
     extra = RawPeer(p.info["data"])
-    ftype, body = extra.hello("reader", "e1", token)
-    assert ftype is FrameType.ERROR and b"RESOURCE_EXHAUSTED" in body
+    ftype, body = extra.hello("reader", "e2", token2)
+    assert ftype is FrameType.ERROR and b"RESOURCE_EXHAUSTED" in body and b"'reader'" in body and b"16 data connections" in body, body
+    extra.close()
+    # Another engine's reads are not refused for this one's.
+    other_token = handshake(p.grpc, fake_engine("other")).data_token
+    other = RawPeer(p.info["data"])
+    assert other.hello("other", "e1", other_token)[0] is FrameType.HELLO_OK
+    # One of the old epoch's connections closes: its slot comes back, and only one.
+    peers.pop(0).close()
+    peers.append(_hello_until(p.info["data"], "reader", "e2", token2, FrameType.HELLO_OK))
+    extra = RawPeer(p.info["data"])
+    assert extra.hello("reader", "e2", token2)[0] is FrameType.ERROR
+    extra.close()
+    for raw in [*peers, other]:
+        raw.close()
+    # Every slot comes back once its connection is gone.
+    peers = [_hello_until(p.info["data"], "reader", "e2", token2, FrameType.HELLO_OK) for _ in range(16)]
     for raw in peers:
         raw.close()
