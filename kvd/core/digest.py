@@ -26,10 +26,10 @@ digest, so the engine whose bytes are checked cannot know which rows count.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +47,7 @@ from kvd.core.row_hash import (
     row_keys,
     row_view,
 )
+from kvd.core.row_sample import RowSample, both
 
 if TYPE_CHECKING:  # torch is loaded only to digest: the requests here travel without it (kvd status stays light)
     import torch
@@ -57,70 +58,6 @@ if TYPE_CHECKING:  # torch is loaded only to digest: the requests here travel wi
 _LIMITS = {"group": 1 << 8, "layer": 1 << 12, "head": 1 << 11, "token": 1 << 32}
 
 
-WINDOW = 16  # sampled rows are drawn per aligned window of this many positions (and per layer)
-
-
-@dataclass(frozen=True)
-class RowSample:
-    """Which rows to digest: every one (``per_window=0``), or ``per_window``
-    rows of each aligned window of ``WINDOW`` positions, each a (layer,
-    token, head) drawn by ``seed`` (with replacement: a row drawn twice
-    counts twice on both sides). A systematic error is found within a few
-    requests; a single changed row is found by ``full``."""
-
-    seed: int
-    per_window: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.seed < 2**64:
-            raise InvalidArgument("verify.seed", self.seed, "must be an unsigned 64-bit integer")
-        if not 0 <= self.per_window <= MAX_PER_WINDOW:
-            raise InvalidArgument("verify.per_window", self.per_window, f"must be 0 (every row) to {MAX_PER_WINDOW}")
-
-    def describe(self) -> str:
-        return "every row" if self.per_window == 0 else f"{self.per_window} rows of every {WINDOW} tokens sampled"
-
-    def rows(self, group_id: int, layers: Sequence[int], start: int, stop: int, heads: range, total_heads: int,
-             total_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rows to digest of ``layers`` (global indices) x tokens ``[start,
-        stop)`` x global ``heads``, as (position in ``layers``, token, head),
-        int64, layer by layer. Every row, each layer's in (token, head) order;
-        or the sample's draws: ``per_window`` a window, each a (layer of
-        ``total_layers``, token, head of ``total_heads``), kept where held."""
-        nl, nt, nh = len(layers), max(stop - start, 0), len(heads)
-        if self.per_window == 0:
-            return (np.repeat(np.arange(nl, dtype=np.int64), nt * nh), np.tile(np.repeat(np.arange(start, start + nt, dtype=np.int64), nh), nl),
-                    np.tile(np.arange(heads.start, heads.stop, dtype=np.int64), nl * nt))
-        # Each step below costs tens of us in a cache a transfer left cold: as
-        # few as the draw takes, and none where every row drawn is held.
-        windows = np.arange(start // WINDOW, -(-stop // WINDOW), dtype=np.int64)
-        drawn = ((windows.view(np.uint64) << np.uint64(8)).reshape(-1, 1) | np.arange(self.per_window, dtype=np.uint64)).reshape(-1)
-        h = mix_in_place(drawn ^ (key(self.seed, 1) ^ np.uint64(group_id << 52)))
-        # Each below 2^63: viewed as int64, not converted.
-        tokens = np.repeat(windows * WINDOW, self.per_window) + (h & np.uint64(WINDOW - 1)).view(np.int64)
-        head = ((h >> np.uint64(4)) % np.uint64(max(total_heads, 1))).view(np.int64)
-        lpos = (mix(h) % np.uint64(max(total_layers, 1))).view(np.int64)
-        keep = None
-        if tuple(layers) != tuple(range(total_layers)):
-            position = np.full(max(max(layers, default=0), total_layers) + 1, -1, dtype=np.int64)
-            position[np.asarray(layers, dtype=np.int64)] = np.arange(nl)
-            lpos = position[lpos]
-            keep = lpos >= 0
-        if start % WINDOW or stop % WINDOW:
-            keep = _and(keep, (tokens >= start) & (tokens < stop))
-        if heads != range(total_heads):
-            keep = _and(keep, (head >= heads.start) & (head < heads.stop))
-        if keep is not None:
-            lpos, tokens, head = lpos[keep], tokens[keep], head[keep]
-        order = np.argsort(lpos, kind="stable")
-        return lpos[order], tokens[order], head[order]
-
-
-def _and(a: np.ndarray | None, b: np.ndarray) -> np.ndarray:
-    return b if a is None else a & b
-
-
-MAX_PER_WINDOW = 255  # a window's draws pack into 8 bits of the hash's input
 
 
 def _layer(view: torch.Tensor | list[torch.Tensor], li: int) -> torch.Tensor:
@@ -190,21 +127,27 @@ class RowPlan:
             kind = group.kv_of_part[part]  # a K-only or V-only part's plane, else each plane its own
             plane_keys.append(np.array([key(sample.seed, 4 + (kind if kind is not None else p)) for p in range(planes)], dtype=np.uint64))
         empty = np.zeros(0, dtype=np.int64)
+        layer_by_layer = any(isinstance(v, list) for v in group.parts)  # its gathers need the rows in layer order
         lpos, tokens, heads = (empty, empty, empty) if sample.per_window == 0 else sample.rows(
-            group_id, layers, first_token, stop, range(head_start, head_start + nh), total_heads, total_layers)
+            group_id, layers, first_token, stop, range(head_start, head_start + nh), total_heads, total_layers, by_layer=layer_by_layer)
         named: list[np.ndarray] = []
         gathers: list[list[Gather]] = []
         if len(tokens):
-            names = (tokens.astype(np.uint64) | heads.astype(np.uint64) << np.uint64(32) | np.uint64(group_id) << np.uint64(56)
-                     | np.asarray(layers, dtype=np.uint64)[lpos] << np.uint64(44))
-            once = mix(names ^ key(sample.seed, 3))  # once a row: K and V add a key of their plane's
-            rel = tokens - first_token
-            at = (lpos, ids_np[rel // bs], rel % bs, heads - head_start)
-            bounds = np.searchsorted(lpos, np.arange(len(layers) + 1)) if any(isinstance(v, list) for v in group.parts) else None
+            # A row's name: token | head << 32 | layer << 44 | group << 56 (tokens and heads are
+            # non-negative int64: viewed as uint64, not converted); the layer and group bits a group's own.
+            name_bits = group.cached(("name-bits", group_id), lambda: _read_only(
+                np.asarray(layers, dtype=np.uint64) << np.uint64(44) | np.uint64(group_id) << np.uint64(56)))
+            names = tokens.view(np.uint64) | heads.view(np.uint64) << np.uint64(32)
+            names |= name_bits[lpos]
+            names ^= key(sample.seed, 3)
+            once = mix_in_place(names)  # once a row: K and V add a key of their plane's
+            block, slot = np.divmod(tokens - first_token, bs)
+            at = (lpos, ids_np[block], slot, heads - head_start)
+            bounds = np.searchsorted(lpos, np.arange(len(layers) + 1)) if layer_by_layer else None
             for part, (view, keys) in enumerate(zip(group.parts, plane_keys, strict=True)):
                 named.append(once ^ keys.reshape(-1, 1))
                 if isinstance(view, torch.Tensor):  # a few rows of every layer and plane: one gather
-                    rows = group.cached(("row-view", part), partial(row_view, view))
+                    rows = group.cached(("row-view", part), functools.partial(row_view, view))
                     gathers.append([row_gather(view, (at[0], np.arange(len(keys)).reshape(-1, 1), *at[1:]), rows)])
                 else:  # rows come layer by layer
                     assert bounds is not None
@@ -217,14 +160,17 @@ class RowPlan:
         """Read the planned rows and digest them."""
         if self.every_row:
             return self._digest_every_row()
-        value = np.zeros(len(self.tokens), dtype=np.uint64)
+        value: np.ndarray | None = None
         for named, gathers in zip(self.named, self.gathers, strict=True):  # none where no row was drawn
             each = [hash_rows(read_rows(g), self.keys, self.word_dtype) for g in gathers]
             hashed = (each[0] if len(each) == 1 else np.concatenate(each)).reshape(named.shape[0], -1)
-            value += mix_in_place(hashed ^ named).sum(axis=0, dtype=np.uint64)
-        # Kept to the lease's end and past it: 16 bytes a row.
-        return RowDigests(self.layers, self.lpos.astype(np.int16), self.tokens.astype(np.uint32), self.heads.astype(np.int16), value,
-                          head_start=self.head_start, num_heads=self.num_heads)
+            hashed ^= named
+            part = mix_in_place(hashed).sum(axis=0, dtype=np.uint64)
+            value = part if value is None else value + part
+        # Kept to the lease's end and past it: 32 bytes a sampled row (a few a block), the
+        # plan's own arrays (each step costs tens of us in a cold cache: none to narrow them).
+        return RowDigests(self.layers, self.lpos, self.tokens, self.heads, value if value is not None else np.zeros(0, dtype=np.uint64),
+                          head_start=self.head_start, num_heads=self.num_heads, span=(self.first_token, self.stop))
 
     def _digest_every_row(self) -> RowDigests:
         """Every row, a layer at a time: each plane's rows are a slice of its
@@ -252,6 +198,11 @@ class RowPlan:
 _NONE16, _NONE32 = np.zeros(0, dtype=np.int16), np.zeros(0, dtype=np.uint32)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
 @dataclass(frozen=True)
 class RowDigests:
     """One rank's row digests of one group: ``values[i]`` (K and V summed) of
@@ -261,13 +212,14 @@ class RowDigests:
     ``head_start`` and ``num_heads``: the global heads this rank holds."""
 
     layers: tuple[int, ...]  # global layer indices
-    layer_pos: np.ndarray  # int16, into ``layers``
-    tokens: np.ndarray  # uint32
-    heads: np.ndarray  # int16, global
+    layer_pos: np.ndarray  # integers, into ``layers``
+    tokens: np.ndarray  # integers
+    heads: np.ndarray  # integers, global
     values: np.ndarray  # uint64
     head_start: int
     num_heads: int
     grid: tuple[int, int] | None = None
+    span: tuple[int, int] | None = None  # sampled: every row's token lies in [first, stop)
 
     @classmethod
     def of(cls, group: GroupTensors, group_id: int, block_ids: Sequence[int], first_token: int, num_tokens: int,
@@ -291,18 +243,23 @@ class RowDigests:
         if self.grid is not None:
             return self._grid_bins(layers, heads, start, stop, bin_tokens, nbins)
         out = np.zeros(len(layers) * nbins, dtype=np.uint64)
-        keep = (self.tokens >= start) & (self.tokens < stop)
+        keep = None  # a reader asks of every row it drew: nothing to filter, no step
+        if self.span is None or start > self.span[0] or stop < self.span[1]:
+            keep = (self.tokens >= start) & (self.tokens < stop)
         if tuple(layers) == self.layers:  # a reader asks of its own layers (each step costs tens of us in a cold cache)
-            row = self.layer_pos.astype(np.int64)
+            row = self.layer_pos.astype(np.int64, copy=False)
         else:
             asked = np.full(len(self.layers) + 1, -1, dtype=np.int64)  # this rank's layer position -> row of ``out``
             where = {layer: i for i, layer in enumerate(layers)}
             asked[:-1] = [where.get(layer, -1) for layer in self.layers]
             row = asked[self.layer_pos]
-            keep &= row >= 0
+            keep = both(keep, row >= 0)
         if heads.start > self.head_start or heads.stop < self.head_start + self.num_heads:
-            keep &= (self.heads >= heads.start) & (self.heads < heads.stop)
-        np.add.at(out, row[keep] * nbins + self.tokens[keep] // bin_tokens, self.values[keep])
+            keep = both(keep, (self.heads >= heads.start) & (self.heads < heads.stop))
+        if keep is None:
+            np.add.at(out, row * nbins + self.tokens // bin_tokens, self.values)
+        else:
+            np.add.at(out, row[keep] * nbins + self.tokens[keep] // bin_tokens, self.values[keep])
         return out.reshape(len(layers), nbins)
 
     def _grid_bins(self, layers: Sequence[int], heads: range, start: int, stop: int, bin_tokens: int, nbins: int) -> np.ndarray:
