@@ -43,15 +43,15 @@ def test_stalled_reader_keeps_the_senders_memory_bounded(daemons):
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _hello_until(raw_address: str, engine: str, epoch: str, token: bytes, want: FrameType, seconds: float = 5.0) -> RawPeer:
-    """A connection whose HELLO is answered ``want``, retried while the owner
-    catches up (a closed connection's slot is released on its loop, after the close)."""
+def _hello_ok(raw_address: str, engine: str, epoch: str, token: bytes, seconds: float = 5.0) -> RawPeer:
+    """A connection whose HELLO is accepted, retried while the owner catches
+    up (a closed connection's slot is released on its loop, after the close)."""
     deadline = time.monotonic() + seconds
     while True:
         raw = RawPeer(raw_address)
         ftype, body = raw.hello(engine, epoch, token)
-        if ftype is want or time.monotonic() > deadline:
-            assert ftype is want, (ftype, body)
+        if ftype is FrameType.HELLO_OK or time.monotonic() > deadline:
+            assert ftype is FrameType.HELLO_OK, (ftype, body)
             return raw
         raw.close()
         time.sleep(0.05)
@@ -84,13 +84,13 @@ def test_connections_per_reader_are_capped(daemons):
     assert other.hello("other", "e1", other_token)[0] is FrameType.HELLO_OK
     # One of the old epoch's connections closes: its slot comes back, and only one.
     peers.pop(0).close()
-    peers.append(_hello_until(p.info["data"], "reader", "e2", token2, FrameType.HELLO_OK))
+    peers.append(_hello_ok(p.info["data"], "reader", "e2", token2))
     extra = RawPeer(p.info["data"])
     assert extra.hello("reader", "e2", token2)[0] is FrameType.ERROR
     extra.close()
     for raw in [*peers, other]:
         raw.close()
     # Every slot comes back once its connection is gone.
-    peers = [_hello_until(p.info["data"], "reader", "e2", token2, FrameType.HELLO_OK) for _ in range(16)]
+    peers = [_hello_ok(p.info["data"], "reader", "e2", token2) for _ in range(16)]
     for raw in peers:
         raw.close()

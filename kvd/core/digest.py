@@ -256,10 +256,8 @@ class RowDigests:
             keep = both(keep, row >= 0)
         if heads.start > self.head_start or heads.stop < self.head_start + self.num_heads:
             keep = both(keep, (self.heads >= heads.start) & (self.heads < heads.stop))
-        if keep is None:
-            np.add.at(out, row * nbins + self.tokens // bin_tokens, self.values)
-        else:
-            np.add.at(out, row[keep] * nbins + self.tokens[keep] // bin_tokens, self.values[keep])
+        held = slice(None) if keep is None else keep  # every row, as views: no copy
+        np.add.at(out, row[held] * nbins + self.tokens[held] // bin_tokens, self.values[held])
         return out.reshape(len(layers), nbins)
 
     def _grid_bins(self, layers: Sequence[int], heads: range, start: int, stop: int, bin_tokens: int, nbins: int) -> np.ndarray:

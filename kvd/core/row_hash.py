@@ -98,8 +98,8 @@ def row_gather(t: torch.Tensor, at: tuple[np.ndarray, ...], rows: RowView | None
     terms = sorted(zip(at, rows.steps, strict=True), key=lambda term: np.ndim(term[0]))
     row = np.asarray(terms[0][0] * terms[0][1])
     for i, step in terms[1:]:
-        if np.ndim(i) <= row.ndim and np.shape(i)[-1:] == row.shape[-1:]:
-            row += i * step
+        if np.broadcast_shapes(row.shape, np.shape(i)) == row.shape:
+            row += i * step  # fits in ``row``: no new array
         else:
             row = row + i * step
     index = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64).reshape(-1))
