@@ -65,6 +65,7 @@ def test_the_wheel_states_ranges_not_pins_for_what_an_engine_shares(wheel):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # it builds the vLLM environment when it runs first (pip alone may take 25 minutes: vllm_env.ensure)
 def test_kvd_installs_into_a_vllm_environment_without_moving_its_torch(wheel):
     py, why = vllm_env.ensure()
     if py is None:

@@ -23,7 +23,8 @@ from tests.vllm_support import (
     received_bytes,
 )
 
-pytestmark = pytest.mark.vllm
+# The first vLLM test a run reaches builds the environment and the model (minutes, in its setup, which the timeout counts).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")

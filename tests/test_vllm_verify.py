@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import scrape
 from tests.vllm_support import drive
 
-pytestmark = pytest.mark.vllm
+# The first vLLM test a run reaches builds the environment and the model (minutes, in its setup, which the timeout counts).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_a_verified_hetero_pd_matches_one_engine_and_catches_an_altered_prefill_cache(vllm_python, model_dir, baseline_f32, daemons, tmp_path):
