@@ -94,13 +94,15 @@ class BenchPair:
             pass
 
     def transfer(self, rid: str, p_ids: list[int], d_ids: list[int], num_tokens: int) -> float:
+        with self.cv:
+            self.done.pop(rid, None)  # a request id used before times this request, not when the earlier one finished
         params = self.p_client.publish(rid, [p_ids], num_tokens)
         t0 = time.perf_counter()
         self.d_client.pull(rid, params, [d_ids])
         with self.cv:
             if not self.cv.wait_for(lambda: rid in self.done, timeout=120):
                 raise SystemExit(f"bench request {rid} did not finish")
-        return self.done[rid] - t0
+            return self.done.pop(rid) - t0
 
     def prepare(self, name: str, unit: int, nbytes: int, layers: int, rng: random.Random, device: str = "cpu") -> None:
         """Caches for requests of ``nbytes`` in scattered blocks of ``unit``
