@@ -48,8 +48,10 @@ class BenchPair:
             flag += ["--transport", "nixl"]
         # Workers reach their daemon over its Unix socket, as in the sidecar
         # deployment: a gRPC call there costs about 2/3 of one over loopback TCP.
-        self.p = self.daemons.start("bench-p", [*flag, *flags, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
-        self.d = self.daemons.start("bench-d", [*flag, *flags, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
+        # Launched, not waited for: both boot at once, and so do the pairs a
+        # section makes before it prepares any (most of a start is importing torch).
+        self._p = self.daemons.launch("bench-p", [*flag, *flags, "--worker-socket", os.path.join(self.daemons.tmp, "p.sock")])
+        self._d = self.daemons.launch("bench-d", [*flag, *flags, "--worker-socket", os.path.join(self.daemons.tmp, "d.sock")])
         self.done: dict[str, float] = {}
         self._block_size = self._blocks = self._bytes = self._tries = 0
         self._name, self._rng = "", random.Random(0)
@@ -59,6 +61,16 @@ class BenchPair:
         self._keep: list[torch.Tensor] = []  # GPU caches the daemons mapped
         self._watch: Any = None
 
+    @property
+    def p(self) -> dict[str, Any]:
+        """P's ready file (its addresses), once it serves."""
+        return self.daemons.ready(self._p)
+
+    @property
+    def d(self) -> dict[str, Any]:
+        """D's ready file (its addresses), once it serves."""
+        return self.daemons.ready(self._d)
+
     def register(self, spec: KVCacheSpec, layers: int, device: str = "cpu") -> None:
         from kvd.caches import allocate_kv_caches, torch_dtype
         from kvd.client import KvdClient
@@ -67,6 +79,7 @@ class BenchPair:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         model = ModelInfo(layers, spec.num_kv_heads)
         for attr, side, eid in (("p_client", "p", "bench-p"), ("d_client", "d", "bench-d")):
+            getattr(self, side)  # serving (or the run ends with its log)
             client = getattr(self, attr) or KvdClient(f"unix:{os.path.join(self.daemons.tmp, side + '.sock')}", WorkerId(eid))
             client.wait_ready()
             if device == "cpu":

@@ -57,8 +57,9 @@ def bench_stream(*, layers: int, heads: int, head_size: int, us_per_token: float
     rows = []
     try:
         sides: dict[str, Any] = {}
-        for eid in ("prefill", "decode"):
-            info = daemons.start(eid, ["--same-host", "off", "--metrics-port", "-1"])
+        launched = {eid: daemons.launch(eid, ["--same-host", "off", "--metrics-port", "-1"]) for eid in ("prefill", "decode")}  # boot together
+        for eid, daemon in launched.items():
+            info = daemons.ready(daemon)
             parent, child = ctx.Pipe()
             engine = EngineConfig(eid, 1, 1, BLOCK, "NHD", blocks)
             proc = ctx.Process(target=worker_main, args=(info["grpc"], WorkerId(eid, 0, 1, 0, 1), engine, model, child), daemon=True)

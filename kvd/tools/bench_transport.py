@@ -154,12 +154,14 @@ def bench_transport(args: argparse.Namespace, say: Callable[[str], None]) -> dic
     for mode in modes:
         units = {"1m": UNIT_SIZES["1m"], "16k": UNIT_SIZES["16k"]} if mode == "samehost" else UNIT_SIZES
         with contextlib.ExitStack() as stack:
-            # A pair of daemons per unit size, all up at once, so their tries can alternate.
+            # A pair of daemons per unit size, all up at once, so their tries can alternate
+            # (all launched before any is prepared: they boot in parallel).
             pairs = {}
-            for label, unit in units.items():
+            for label in units:
                 pairs[label] = pair = BenchPair(mode)
                 stack.callback(pair.close)
-                pair.prepare(f"{mode}-{label}", unit, nbytes, layers, rng)
+            for label, unit in units.items():
+                pairs[label].prepare(f"{mode}-{label}", unit, nbytes, layers, rng)
             stripes = DaemonConfig("bench").stripes_per_read
             used: dict[str, Any] = {}
             if mode == "samehost":

@@ -44,8 +44,18 @@ class Daemons:
 
     def start(self, engine_id: str, extra: Sequence[str] = ()) -> dict[str, Any]:
         """Start ``kvd serve``; ``extra`` are more flags. Returns its ready file."""
+        return self.ready(self.launch(engine_id, extra))
+
+    def launch(self, engine_id: str, extra: Sequence[str] = ()) -> DaemonProc:
+        """Start ``kvd serve`` without waiting for it (``ready`` does): daemons
+        launched together boot in parallel."""
         d = start_daemon(engine_id, Path(self.tmp), *extra)
         self.started.append(d)
+        return d
+
+    @staticmethod
+    def ready(d: DaemonProc) -> dict[str, Any]:
+        """A launched daemon's ready file, waited for; one that did not start ends the run with its log."""
         try:
             return dict(d.info)
         except DaemonDidNotStart as e:

@@ -26,11 +26,14 @@ import itertools
 import os
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvd.core.iov import IOV_MAX, advance, align, chain, coalesce, cut, head, make, nbytes
-from kvd.transport.copy_threads import CopyThreads
+
+if TYPE_CHECKING:  # imported where a Copier makes its own pool: copy_threads imports torch (2 s), which a syscall does not need
+    from kvd.transport.copy_threads import CopyThreads
 
 __all__ = ["IOV_MAX", "Copier", "advance", "align", "chain", "coalesce", "cut", "head", "make", "nbytes", "recv_all", "send_all", "send_nowait"]
 
@@ -132,8 +135,12 @@ class Copier:
 
     def __init__(self, threads: int = 2, parallel_min_bytes: int = 4 << 20, pool: CopyThreads | None = None) -> None:
         # The daemon's copy threads (``pool``), shared with relayouts, or our own.
-        self._threads = pool if pool is not None else CopyThreads(threads)
         self._owned = pool is None
+        if pool is None:
+            from kvd.transport.copy_threads import CopyThreads
+
+            pool = CopyThreads(threads)
+        self._threads = pool
         self.threads = self._threads.threads
         # Each thread gets at least this much: waking a helper thread costs
         # more than it saves on a small copy, which stays on the caller.
