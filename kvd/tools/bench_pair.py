@@ -78,8 +78,8 @@ class BenchPair:
 
         names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         model = ModelInfo(layers, spec.num_kv_heads)
-        for attr, side, eid in (("p_client", "p", "bench-p"), ("d_client", "d", "bench-d")):
-            getattr(self, side)  # serving (or the run ends with its log)
+        for attr, side, eid, daemon in (("p_client", "p", "bench-p", self._p), ("d_client", "d", "bench-d", self._d)):
+            self.daemons.ready(daemon)  # serving (or the run ends with its log)
             client = getattr(self, attr) or KvdClient(f"unix:{os.path.join(self.daemons.tmp, side + '.sock')}", WorkerId(eid))
             client.wait_ready()
             if device == "cpu":
@@ -106,14 +106,15 @@ class BenchPair:
         except grpc.RpcError:
             pass
 
-    def transfer(self, rid: str, p_ids: list[int], d_ids: list[int], num_tokens: int) -> float:
-        with self.cv:
-            self.done.pop(rid, None)  # a request id used before times this request, not when the earlier one finished
+    def transfer(self, rid: str, p_ids: list[int], d_ids: list[int], num_tokens: int, timeout: float = 120, **qos: Any) -> float:
+        """Publish, pull (``qos``: the pull's priority, tenant, deadline) and wait:
+        seconds from the pull to D's finished set. The finish is taken as it is
+        read, so a request id used again times its own request."""
         params = self.p_client.publish(rid, [p_ids], num_tokens)
         t0 = time.perf_counter()
-        self.d_client.pull(rid, params, [d_ids])
+        self.d_client.pull(rid, params, [d_ids], **qos)
         with self.cv:
-            if not self.cv.wait_for(lambda: rid in self.done, timeout=120):
+            if not self.cv.wait_for(lambda: rid in self.done, timeout=timeout):
                 raise SystemExit(f"bench request {rid} did not finish")
             return self.done.pop(rid) - t0
 

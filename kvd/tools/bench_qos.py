@@ -45,13 +45,7 @@ class _Pulls:
         with self._lock:
             self._n += 1
             rid = f"qos-{self._n}"
-        params = self.pair.p_client.publish(rid, [p_ids], len(p_ids) * 256)
-        t0 = time.perf_counter()
-        self.pair.d_client.pull(rid, params, [d_ids], **qos)
-        with self.pair.cv:
-            if not self.pair.cv.wait_for(lambda: rid in self.pair.done, timeout=300):
-                raise SystemExit(f"bench request {rid} did not finish")
-            return self.pair.done.pop(rid) - t0
+        return self.pair.transfer(rid, p_ids, d_ids, len(p_ids) * 256, timeout=300, **qos)
 
 
 class _Loop(threading.Thread):
