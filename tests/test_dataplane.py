@@ -3,14 +3,20 @@ connection caps hold."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd.core import errors
 from kvd.core.wire import FrameType
 from kvd.proto import kvd_pb2 as pb
 from kvd.tools.bench_load import proc_status_bytes
+from kvd.transport.tcp_server import TcpDataServer
 from tests.conftest import make_worker
 from tests.rawpeer import RawPeer, fake_engine, handshake
 
@@ -94,3 +100,47 @@ def test_connections_per_reader_are_capped(daemons):
     peers = [_hello_ok(p.info["data"], "reader", "e2", token2) for _ in range(16)]
     for raw in peers:
         raw.close()
+
+
+def test_a_connection_that_outlives_the_event_loop_ends_quietly(caplog):
+    """A data connection's thread that reaches its HELLO after the daemon's
+    loop has closed (shutdown waits 5 s for such threads, then goes on) closes
+    the connection as a shutdown, not as a failure with a traceback. Control:
+    the same HELLO while the loop runs is answered."""
+
+    class Refuses:  # the daemon's side of a HELLO: always refused, so the control needs no handshake
+        def check_hello(self, hello):
+            raise errors.PermissionDenied(f"engine {hello.engine_id!r} is not known here")
+
+    def started(loop: asyncio.AbstractEventLoop) -> TcpDataServer:
+        srv = TcpDataServer(Refuses(), "127.0.0.1", 0)  # type: ignore[arg-type]
+        loop.run_until_complete(srv.start())
+        return srv
+
+    def hello_on(loop: asyncio.AbstractEventLoop, raw: RawPeer) -> FrameType:
+        answer: list = []
+        t = threading.Thread(target=lambda: answer.append(raw.hello("reader", "e1")), daemon=True)
+        t.start()
+        while t.is_alive():  # the server's accept and its HELLO check run on this loop
+            loop.run_until_complete(asyncio.sleep(0.01))
+        return answer[0][0]
+
+    loop = asyncio.new_event_loop()
+    srv = started(loop)
+    raw = RawPeer(f"127.0.0.1:{srv.port}")
+    assert hello_on(loop, raw) is FrameType.ERROR  # control: a live loop answers
+    raw.close()
+
+    late = RawPeer(f"127.0.0.1:{srv.port}")
+    while not srv._conns:  # accepted: its thread waits for the HELLO
+        loop.run_until_complete(asyncio.sleep(0.01))
+    loop.close()  # the daemon went on without this thread
+    with caplog.at_level(logging.WARNING, logger="kvd.tcp"):
+        with pytest.raises(ConnectionError):
+            late.hello("reader", "e1")  # closed, unanswered
+        deadline = time.monotonic() + 5
+        while srv._threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert not srv._threads, "the connection's thread is still running"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    late.close()

@@ -127,8 +127,15 @@ class TcpDataServer:
             except BaseException as e:
                 done.set_exception(e)
 
-        self._loop.call_soon_threadsafe(run)
-        return done.result()
+        try:
+            self._loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop has closed: the daemon is gone, so is this connection
+            raise ConnectionAbortedError("the daemon is shutting down") from None
+        # Bounded: a loop that stops before it runs ``run`` would leave this thread waiting for good.
+        try:
+            return done.result(timeout=self.hello_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the daemon's event loop did not answer in {self.hello_timeout_s:g}s") from None
 
     def _later(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run a daemon method on its loop without waiting: calls from one
