@@ -248,6 +248,50 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
     assert received_bytes(openai_pd.d_metrics) - before == (blocks(len(PROMPTS[2]) - 1) + blocks(len(PROMPTS[3]) - 1)) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
 
 
+# vLLM prefills a prompt longer than its step's token budget over several
+# steps (chunked prefill, on by default): the budget is 2048 tokens on a CPU
+# OpenAI server and 8192 on an H100's, so long prompts are always chunked.
+# 64 here makes each of PROMPTS (129-300 tokens) take 3-5 steps, and every
+# other chunk end inside one of vLLM's 128-token CPU blocks.
+CHUNK_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def chunked_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
+    """The README's P/D pair, both servers with ``--max-num-batched-tokens``."""
+    with openai_pd_servers(vllm_python, model_dir, tmp_path_factory.mktemp("chunked-pd"),
+                           server_args=("--max-num-batched-tokens", str(CHUNK_TOKENS))) as pd:
+        assert f"'max_num_batched_tokens': {CHUNK_TOKENS}" in pd.prefill.log.read_text(), "the budget did not reach vLLM"
+        yield pd
+
+
+def test_prompts_prefilled_in_chunks_match_one_engine(chunked_pd, model_dir, baseline, tmp_path):
+    """P computes each prompt over several steps and publishes once it
+    finished: D loads the whole prompt but its last token and gives one
+    engine's tokens."""
+    url = chunked_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
+    before = received_bytes(chunked_pd.d_metrics)
+    for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
+        assert complete_pd(chunked_pd, url, model_dir, prompt) == expected
+    assert received_bytes(chunked_pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+
+
+def test_prompts_prefilled_in_chunks_stream_their_last_chunk_and_match_one_engine(chunked_pd, model_dir, baseline, tmp_path):
+    """Streamed, P publishes in the step that computes the rest of the prompt
+    (its earlier chunks' blocks are written by then) and says each layer
+    saved as that step's forward computes it: D's daemon reads each layer as
+    it is saved, not once the prefill is over. (Before, a prompt prefilled
+    in chunks was published when it finished, as if pulled: no layer of it
+    was streamed.)"""
+    url = chunked_pd.proxy([sys.executable, "-m", "kvd", "proxy", "--prefill-kvd", chunked_pd.p_grpc], tmp_path / "stream-proxy.log")
+    before = received_bytes(chunked_pd.d_metrics)
+    saves = scrape(chunked_pd.p_metrics, "kvd_stream_layers_saved_total")
+    for prompt, expected in zip(PROMPTS[4:6], baseline[4:6], strict=True):
+        assert complete_pd(chunked_pd, url, model_dir, prompt) == expected
+    assert received_bytes(chunked_pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    assert scrape(chunked_pd.p_metrics, "kvd_stream_layers_saved_total") - saves == 2 * LAYERS
+
+
 def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path, seed: int = 0) -> dict:
     # No ready-check request: exactly the 32 prompts go through (the servers are up already).
     cmd = [str(py), str(REPO / "tests" / "vllm_launcher.py"), "bench", "serve", "--backend", "vllm", "--base-url", url, "--model", str(model),

@@ -19,7 +19,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,10 +201,10 @@ class OpenAIPD:
 
 @contextlib.contextmanager
 def openai_pd_servers(vllm_python: Path, model_dir: Path, tmp: Path, *daemon_flags: str, connector: dict | None = None, replaceable: bool = False,
-                      health_timeout: float = 300) -> Iterator[OpenAIPD]:
+                      health_timeout: float = 300, server_args: Sequence[str] = ()) -> Iterator[OpenAIPD]:
     """A prefill and a decode OpenAI server, each beside its own kvd daemon (started with ``daemon_flags``);
     ``connector`` adds to the README's connector config; ``replaceable`` gives each daemon a fixed gRPC
-    port, for ``OpenAIPD.sidecars.replace``."""
+    port, for ``OpenAIPD.sidecars.replace``; ``server_args`` go to both ``vllm serve``s."""
     ds = Daemons(tmp)
     procs: list[subprocess.Popen] = []  # the servers, then any proxy a test starts
     try:
@@ -215,7 +215,7 @@ def openai_pd_servers(vllm_python: Path, model_dir: Path, tmp: Path, *daemon_fla
         for name, daemon, role, cpus in (("prefill", p, "kv_producer", "0"), ("decode", d, "kv_consumer", "1")):
             config = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm", **(connector or {}), "kv_role": role,
                       "kv_connector_extra_config": {"kvd_address": daemon.grpc}}
-            servers[name] = serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), cpus=cpus)
+            servers[name] = serve(vllm_python, model_dir, tmp / f"{name}-server.log", "--kv-transfer-config", json.dumps(config), *server_args, cpus=cpus)
             procs.append(servers[name].proc)
         for s in servers.values():
             wait_http(f"{s.url}/health", s.proc, health_timeout, s.log)

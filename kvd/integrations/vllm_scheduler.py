@@ -178,7 +178,8 @@ class SchedulerSide:
         self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._to_release: dict[str, TransferParams] = {}
         self._to_end: dict[str, tuple[str, bool]] = {}
-        # Layer-wise streaming on P: requests allocated this step, and those
+        # Layer-wise streaming on P: requests to stream whose prompt's last
+        # step has not come yet (with vLLM's own live block lists), and those
         # published to stream (by request id, their publication's name).
         self._stream_pending: dict[str, tuple[Request, KVCacheBlocks]] = {}
         self._streamed: dict[str, tuple[str, Request]] = {}
@@ -300,7 +301,7 @@ class SchedulerSide:
             self._prefilling[request.request_id] = request  # its prompt's last step is noted (build_connector_meta)
         if params and params.get("do_remote_decode") and params.get("kvd_stream"):
             if self.can_stream:
-                self._stream_pending[request.request_id] = (request, blocks)  # published if this step computes its whole prompt
+                self._stream_pending[request.request_id] = (request, blocks)  # published in the step that computes the rest of its prompt
             return
         if not is_kvd_load(params):
             return
@@ -336,11 +337,14 @@ class SchedulerSide:
         return bool(self._streamed)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
-        # A streaming request whose whole prompt this step computes is
-        # published now, before the step: its workers say each layer saved
-        # as the forward computes it. One computed in several chunks is
-        # published when it finishes, as in pull mode (its layers are saved
-        # only by the last chunk, which the workers cannot tell apart).
+        # A streaming request is published in the step that computes the rest
+        # of its prompt, before the step: its workers say each layer saved as
+        # that forward computes it. A prompt longer than the step's token
+        # budget (vLLM's chunked prefill: any prompt over 2048 tokens on a
+        # CPU server) streams its last chunk; its earlier chunks' blocks were
+        # written by earlier steps. Not before: a layer saved by an earlier
+        # chunk is not saved for the whole prompt, and the workers cannot
+        # tell the chunks apart.
         for rid, (name, request) in list(self._streamed.items()):
             if request.status == RequestStatus.PREEMPTED:
                 # Should has_pending_block_frees not have kept it running: vLLM freed its blocks, so no read may go on.
@@ -348,13 +352,23 @@ class SchedulerSide:
                 self._to_end[rid] = (name, False)
                 if request.kv_transfer_params:
                     request.kv_transfer_params["do_remote_decode"] = False  # decode computes it (its load fails)
-        for rid, (request, blocks) in self._stream_pending.items():
-            if _computes_rest_of_prompt(request, scheduler_output):
-                pub = self._publication(request, tuple(blocks.get_block_ids()), request.num_prompt_tokens, stream=True)
+        for rid, (request, blocks) in list(self._stream_pending.items()):
+            if request.status == RequestStatus.PREEMPTED:
+                del self._stream_pending[rid]  # its blocks were freed; allocated again (update_state_after_alloc) when it resumes
+            elif _computes_rest_of_prompt(request, scheduler_output):
+                del self._stream_pending[rid]
+                block_ids = tuple(blocks.get_block_ids())  # vLLM's lists, grown by every chunk since
+                short = self._short_group(block_ids, request.num_prompt_tokens)
+                if short is not None:
+                    # Not the blocks of the whole prompt (a vLLM that hands the
+                    # connector a copy): published when it finishes, as pulled.
+                    log.warning("kvd: request %s: group %d holds %d blocks for a %d-token prompt: not streamed", rid, short,
+                                len(block_ids[short]), request.num_prompt_tokens)
+                    continue
+                pub = self._publication(request, block_ids, request.num_prompt_tokens, stream=True)
                 if pub is not None:
                     self._to_publish[rid] = pub
                     self._streamed[rid] = (pub.request_id, request)
-        self._stream_pending.clear()
         self._step += 1
         for rid, request in list(self._prefilling.items()):
             if _computes_rest_of_prompt(request, scheduler_output):
@@ -377,6 +391,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         self._prefilling.pop(request.request_id, None)
+        self._stream_pending.pop(request.request_id, None)  # ended before its prompt's last chunk
         step = self._prompt_step.pop(request.request_id, 0)
         streamed = self._streamed.pop(request.request_id, None)
         if streamed is not None:
@@ -403,6 +418,11 @@ class SchedulerSide:
                           block_size=self.block_size, published=published)
         # Keep P's blocks until its daemon reports the request in finished_sending.
         return True, out
+
+    def _short_group(self, block_ids: Sequence[Sequence[int]], num_tokens: int) -> int | None:
+        """The first attention group whose blocks do not cover ``num_tokens`` (None: all do)."""
+        return next((g for g, (ids, bs, st) in enumerate(zip(block_ids, self.block_sizes, self.state, strict=True))
+                     if not st and len(ids) * bs < num_tokens), None)
 
     def _publication(self, request: Request, block_ids: Sequence[Sequence[int]], computed: int, *, stream: bool) -> Publication | None:
         """What P's workers publish of ``request`` (None: nothing decode could load)."""
