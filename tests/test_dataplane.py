@@ -134,6 +134,9 @@ def test_a_connection_that_outlives_the_event_loop_ends_quietly(caplog):
     late = RawPeer(f"127.0.0.1:{srv.port}")
     while not srv._conns:  # accepted: its thread waits for the HELLO
         loop.run_until_complete(asyncio.sleep(0.01))
+    assert srv._accept is not None
+    srv._accept.cancel()  # as close() does first
+    loop.run_until_complete(asyncio.sleep(0.01))
     loop.close()  # the daemon went on without this thread
     with caplog.at_level(logging.WARNING, logger="kvd.tcp"):
         with pytest.raises(ConnectionError):
@@ -144,3 +147,42 @@ def test_a_connection_that_outlives_the_event_loop_ends_quietly(caplog):
     assert not srv._threads, "the connection's thread is still running"
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
     late.close()
+
+
+def test_a_hello_the_loop_is_too_busy_to_answer_is_refused_and_takes_no_slot():
+    """The HELLO's calls into the daemon's loop wait at most the HELLO
+    timeout: past it the connection is closed, and the call it gave up on
+    never runs later, so the reader's connection slot is not taken by a
+    connection that no longer exists (the daemon's watchdog logs the stall)."""
+
+    class StallsAfter:  # accepts, then keeps the loop busy past the HELLO timeout before the slot is taken
+        def __init__(self) -> None:
+            self.loop: asyncio.AbstractEventLoop | None = None
+
+        def check_hello(self, hello):
+            assert self.loop is not None
+            self.loop.call_soon(time.sleep, 1.5)
+
+    loop = asyncio.new_event_loop()
+    server = StallsAfter()
+    server.loop = loop
+    srv = TcpDataServer(server, "127.0.0.1", 0, hello_timeout_s=0.5)  # type: ignore[arg-type]
+    loop.run_until_complete(srv.start())
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        raw = RawPeer(f"127.0.0.1:{srv.port}")
+        with pytest.raises(ConnectionError):
+            raw.hello("reader", "e1")  # closed, unanswered
+        raw.close()
+        time.sleep(1.5)  # the stall ends; the abandoned call would run now
+        assert asyncio.run_coroutine_threadsafe(_readers_of(srv), loop).result(5) == set()
+    finally:
+        asyncio.run_coroutine_threadsafe(srv.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+
+
+async def _readers_of(srv: TcpDataServer) -> set[tuple[str, str]]:
+    return srv.connected_readers()

@@ -279,10 +279,10 @@ def test_prompts_prefilled_in_chunks_match_one_engine(chunked_pd, model_dir, bas
 def test_prompts_prefilled_in_chunks_stream_their_last_chunk_and_match_one_engine(chunked_pd, model_dir, baseline, tmp_path):
     """Streamed, P publishes in the step that computes the rest of the prompt
     (its earlier chunks' blocks are written by then) and says each layer
-    saved as that step's forward computes it: D's daemon reads each layer as
-    it is saved, not once the prefill is over. (Before, a prompt prefilled
-    in chunks was published when it finished, as if pulled: no layer of it
-    was streamed.)"""
+    saved as that step's forward computes it, so D's daemon may read each
+    layer once it is saved, not once the prefill is over. (Before, a prompt
+    prefilled in chunks was published when it finished, as if pulled: P
+    said no layer saved.)"""
     url = chunked_pd.proxy([sys.executable, "-m", "kvd", "proxy", "--prefill-kvd", chunked_pd.p_grpc], tmp_path / "stream-proxy.log")
     before = received_bytes(chunked_pd.d_metrics)
     saves = scrape(chunked_pd.p_metrics, "kvd_stream_layers_saved_total")

@@ -339,12 +339,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
         # A streaming request is published in the step that computes the rest
         # of its prompt, before the step: its workers say each layer saved as
-        # that forward computes it. A prompt longer than the step's token
-        # budget (vLLM's chunked prefill: any prompt over 2048 tokens on a
-        # CPU server) streams its last chunk; its earlier chunks' blocks were
-        # written by earlier steps. Not before: a layer saved by an earlier
-        # chunk is not saved for the whole prompt, and the workers cannot
-        # tell the chunks apart.
+        # that forward computes it. A prompt vLLM computes in chunks (longer
+        # than the step's token budget, or sharing it with running requests)
+        # streams its last chunk; its earlier chunks' blocks were written by
+        # earlier steps. Not before: a layer saved by an earlier chunk is not
+        # saved for the whole prompt, and the workers cannot tell the chunks
+        # apart.
         for rid, (name, request) in list(self._streamed.items()):
             if request.status == RequestStatus.PREEMPTED:
                 # Should has_pending_block_frees not have kept it running: vLLM freed its blocks, so no read may go on.
@@ -357,7 +357,10 @@ class SchedulerSide:
                 del self._stream_pending[rid]  # its blocks were freed; allocated again (update_state_after_alloc) when it resumes
             elif _computes_rest_of_prompt(request, scheduler_output):
                 del self._stream_pending[rid]
-                block_ids = tuple(blocks.get_block_ids())  # vLLM's lists, grown by every chunk since
+                # vLLM's own lists (get_blocks wraps the manager's req_to_blocks,
+                # which are only ever changed in place while the request runs),
+                # grown by every chunk since, nulled where a window left them.
+                block_ids = tuple(blocks.get_block_ids())
                 short = self._short_group(block_ids, request.num_prompt_tokens)
                 if short is not None:
                     # Not the blocks of the whole prompt (a vLLM that hands the

@@ -122,6 +122,8 @@ class TcpDataServer:
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def run() -> None:
+            if not done.set_running_or_notify_cancel():
+                return  # the thread gave up waiting: running it now would take a slot nobody releases
             try:
                 done.set_result(fn(*args, **kwargs))
             except BaseException as e:
@@ -132,10 +134,12 @@ class TcpDataServer:
         except RuntimeError:  # the loop has closed: the daemon is gone, so is this connection
             raise ConnectionAbortedError("the daemon is shutting down") from None
         # Bounded: a loop that stops before it runs ``run`` would leave this thread waiting for good.
-        try:
-            return done.result(timeout=self.hello_timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"the daemon's event loop did not answer in {self.hello_timeout_s:g}s") from None
+        concurrent.futures.wait([done], timeout=self.hello_timeout_s)
+        if not done.done() and done.cancel():  # never ran, and now never will
+            if self._loop.is_closed() or not self._loop.is_running():
+                raise ConnectionAbortedError("the daemon is shutting down")
+            raise TimeoutError(f"the daemon's event loop did not answer in {self.hello_timeout_s:g}s")
+        return done.result()  # it ran, or is running on the loop now: its outcome, whatever it is
 
     def _later(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run a daemon method on its loop without waiting: calls from one
