@@ -156,17 +156,14 @@ def test_a_hello_the_loop_is_too_busy_to_answer_is_refused_and_takes_no_slot():
     connection that no longer exists (the daemon's watchdog logs the stall)."""
 
     class StallsAfter:  # accepts, then keeps the loop busy past the HELLO timeout before the slot is taken
-        def __init__(self) -> None:
-            self.loop: asyncio.AbstractEventLoop | None = None
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop = loop
 
         def check_hello(self, hello):
-            assert self.loop is not None
             self.loop.call_soon(time.sleep, 1.5)
 
     loop = asyncio.new_event_loop()
-    server = StallsAfter()
-    server.loop = loop
-    srv = TcpDataServer(server, "127.0.0.1", 0, hello_timeout_s=0.5)  # type: ignore[arg-type]
+    srv = TcpDataServer(StallsAfter(loop), "127.0.0.1", 0, hello_timeout_s=0.5)  # type: ignore[arg-type]
     loop.run_until_complete(srv.start())
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()

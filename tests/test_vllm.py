@@ -213,27 +213,29 @@ def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
         yield pd
 
 
+def _through_kvd_proxy(pd: OpenAIPD, model_dir: Path, log: Path, prompts: list[list[int]], expected: list[list[int]], *, streamed: bool) -> None:
+    """Each prompt through ``kvd proxy`` (``--prefill-kvd``: streamed) gives
+    one engine's tokens, and D loaded every block of each but its last
+    token's through kvd; streamed, P said each layer of each prompt saved."""
+    url = pd.proxy([sys.executable, "-m", "kvd", "proxy", *(("--prefill-kvd", pd.p_grpc) if streamed else ())], log)
+    before = received_bytes(pd.d_metrics)
+    saves = scrape(pd.p_metrics, "kvd_stream_layers_saved_total")
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        assert complete_pd(pd, url, model_dir, prompt) == tokens
+    assert received_bytes(pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in prompts) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    if streamed:
+        assert scrape(pd.p_metrics, "kvd_stream_layers_saved_total") - saves == len(prompts) * LAYERS
+
+
 def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):
-    url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
-    before = received_bytes(openai_pd.d_metrics)
-    for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
-        assert complete_pd(openai_pd, url, model_dir, prompt) == expected
-    moved = received_bytes(openai_pd.d_metrics) - before
-    assert moved == sum(blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    _through_kvd_proxy(openai_pd, model_dir, tmp_path / "proxy.log", PROMPTS[:2], baseline[:2], streamed=False)
 
 
 def test_streamed_layer_by_layer_through_kvd_proxy_matches_one_engine(openai_pd, model_dir, baseline, tmp_path):
     """``kvd proxy --prefill-kvd``: P and D get each request at once. P
     publishes before its forward and says each layer saved as vLLM computes
     it (``save_kv_layer``); D's daemon reads each layer as it is saved."""
-    url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy", "--prefill-kvd", openai_pd.p_grpc], tmp_path / "stream-proxy.log")
-    before = received_bytes(openai_pd.d_metrics)
-    saves = scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total")
-    for prompt, expected in zip(PROMPTS[4:6], baseline[4:6], strict=True):
-        assert complete_pd(openai_pd, url, model_dir, prompt) == expected
-    # D loaded every prompt through kvd, and P saved each request one layer at a time, during its forward.
-    assert received_bytes(openai_pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
-    assert scrape(openai_pd.p_metrics, "kvd_stream_layers_saved_total") - saves == 2 * LAYERS
+    _through_kvd_proxy(openai_pd, model_dir, tmp_path / "stream-proxy.log", PROMPTS[4:6], baseline[4:6], streamed=True)
 
 
 def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_python, model_dir, baseline, tmp_path):
@@ -249,10 +251,10 @@ def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_py
 
 
 # vLLM prefills a prompt longer than its step's token budget over several
-# steps (chunked prefill, on by default): the budget is 2048 tokens on a CPU
+# steps (chunked prefill, on by default): the budget is 2048 tokens a rank on a CPU
 # OpenAI server and 8192 on an H100's, so long prompts are always chunked.
 # 64 here makes each of PROMPTS (129-300 tokens) take 3-5 steps, and every
-# other chunk end inside one of vLLM's 128-token CPU blocks.
+# other chunk ends inside one of vLLM's 128-token CPU blocks.
 CHUNK_TOKENS = 64
 
 
@@ -269,11 +271,7 @@ def test_prompts_prefilled_in_chunks_match_one_engine(chunked_pd, model_dir, bas
     """P computes each prompt over several steps and publishes once it
     finished: D loads the whole prompt but its last token and gives one
     engine's tokens."""
-    url = chunked_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
-    before = received_bytes(chunked_pd.d_metrics)
-    for prompt, expected in zip(PROMPTS[:2], baseline[:2], strict=True):
-        assert complete_pd(chunked_pd, url, model_dir, prompt) == expected
-    assert received_bytes(chunked_pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in PROMPTS[:2]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
+    _through_kvd_proxy(chunked_pd, model_dir, tmp_path / "proxy.log", PROMPTS[:2], baseline[:2], streamed=False)
 
 
 def test_prompts_prefilled_in_chunks_stream_their_last_chunk_and_match_one_engine(chunked_pd, model_dir, baseline, tmp_path):
@@ -283,13 +281,7 @@ def test_prompts_prefilled_in_chunks_stream_their_last_chunk_and_match_one_engin
     layer once it is saved, not once the prefill is over. (Before, a prompt
     prefilled in chunks was published when it finished, as if pulled: P
     said no layer saved.)"""
-    url = chunked_pd.proxy([sys.executable, "-m", "kvd", "proxy", "--prefill-kvd", chunked_pd.p_grpc], tmp_path / "stream-proxy.log")
-    before = received_bytes(chunked_pd.d_metrics)
-    saves = scrape(chunked_pd.p_metrics, "kvd_stream_layers_saved_total")
-    for prompt, expected in zip(PROMPTS[4:6], baseline[4:6], strict=True):
-        assert complete_pd(chunked_pd, url, model_dir, prompt) == expected
-    assert received_bytes(chunked_pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in PROMPTS[4:6]) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
-    assert scrape(chunked_pd.p_metrics, "kvd_stream_layers_saved_total") - saves == 2 * LAYERS
+    _through_kvd_proxy(chunked_pd, model_dir, tmp_path / "stream-proxy.log", PROMPTS[4:6], baseline[4:6], streamed=True)
 
 
 def _bench_serve(py: Path, url: str, model: Path, out: Path, log: Path, seed: int = 0) -> dict:
