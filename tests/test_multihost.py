@@ -53,6 +53,9 @@ def start_pair(daemons: Daemons, hosts: Hosts, sockdir: Path, p_extra: tuple[str
     p_sock, d_sock = sockdir / "p.sock", sockdir / "d.sock"
     p = daemons.start("prefill", "--host", hosts.prefill.address, "--worker-socket", str(p_sock), *p_extra, prefix=hosts.prefill.exec)
     d = daemons.start("decode", "--host", hosts.decode.address, "--worker-socket", str(d_sock), *d_extra, prefix=hosts.decode.exec)
+    # Each ready, as its ready file says (within 60 s, as for every test's daemon); a worker's own
+    # wait for the socket (30 s) was the start-up's only bound, too short on a machine busy with engines.
+    assert p.info and d.info
     return p, d, f"unix:{p_sock}", f"unix:{d_sock}"
 
 

@@ -163,6 +163,7 @@ def cpu_by_nice(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, 
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
+@pytest.mark.alone  # which threads got the CPU: another test's processes beside it would take their share
 @pytest.mark.parametrize(("priority", "increment", "reader_qos", "niced", "d_layout", "same_host"), [
     ("standard", "10", "on", True, "NHD", "off"),
     # Controls: after the bulk pull niced threads on both sides, an interactive

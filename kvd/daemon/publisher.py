@@ -193,6 +193,9 @@ class Publisher:
         check_request_id("request_id", req.request_id)
         with self.lock:
             ended = self.owner.reader_aborted(req.request_id, req.generation, req.capability, req.reason, time.monotonic())
+        if ended:
+            # As "lease expired" is logged: an operator asking why P let a request go early reads who and why.
+            log.info("reader released request_id=%s ranks=%d: %s", req.request_id, len(ended), req.reason or "aborted by the reader")
         self.metrics.reader_releases.inc(len(ended or []))
         self.report(ended or [])
         return ended is not None

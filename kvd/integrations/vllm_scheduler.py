@@ -332,26 +332,26 @@ class SchedulerSide:
 
     @property
     def has_streams(self) -> bool:
-        """A streamed request is running: vLLM must not preempt to free
-        blocks (a preemption frees them while decode may be reading)."""
+        """A streamed request runs: vLLM must not preempt to free blocks (decode may be reading them)."""
         return bool(self._streamed)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
-        # A streaming request is published in the step that computes the rest
-        # of its prompt, before the step: its workers say each layer saved as
-        # that forward computes it. A prompt vLLM computes in chunks (longer
-        # than the step's token budget, or sharing it with running requests)
-        # streams its last chunk; its earlier chunks' blocks were written by
-        # earlier steps. Not before: a layer saved by an earlier chunk is not
-        # saved for the whole prompt, and the workers cannot tell the chunks
-        # apart.
+        # A streaming request is published in the step that computes the rest of its prompt, before the step:
+        # its workers say each layer saved as that forward computes it. A prompt vLLM computes in chunks (longer
+        # than the step's token budget, or sharing it with running requests) streams its last chunk; earlier
+        # steps wrote its earlier chunks' blocks. Not before: a layer saved by an earlier chunk is not saved for
+        # the whole prompt, and the workers cannot tell the chunks apart.
+        # Preempted since the last step, in schedule() or by reset_prefix_cache(reset_running_requests=True) (as
+        # pause_generation clears the cache), so perhaps resumed (RUNNING) already: vLLM freed its blocks, so no read
+        # may go on, nor is it streamed again (decode may have seen the end); decode computes it (its load fails).
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         for rid, (name, request) in list(self._streamed.items()):
-            if request.status == RequestStatus.PREEMPTED:
-                # Should has_pending_block_frees not have kept it running: vLLM freed its blocks, so no read may go on.
+            if rid in preempted or request.status == RequestStatus.PREEMPTED:
                 del self._streamed[rid]
+                self._stream_pending.pop(rid, None)
                 self._to_end[rid] = (name, False)
                 if request.kv_transfer_params:
-                    request.kv_transfer_params["do_remote_decode"] = False  # decode computes it (its load fails)
+                    request.kv_transfer_params["do_remote_decode"] = False
         for rid, (request, blocks) in list(self._stream_pending.items()):
             if request.status == RequestStatus.PREEMPTED:
                 del self._stream_pending[rid]  # its blocks were freed; allocated again (update_state_after_alloc) when it resumes
