@@ -25,28 +25,31 @@ demo: $(STAMP)
 # nice 10, taking only what the engines leave (their output is printed when both are done, and is
 # in $(VENV)/own-tests.log meanwhile). The vLLM environments build at the start; an engine test
 # that needs one still building waits for it. Last, alone, the tests marked alone (they depend on
-# the whole machine). All three always run; the first failure's exit status is make's. Each pass's
+# the whole machine). All three always run; make fails if one did (its Error line names the first
+# failure's exit status), and Ctrl-C stops the background ones too. Each pass's
 # output is also in $(VENV)/<pass>-tests.log, and the last lines recap each pass's result and failures.
 # pyproject.toml's addopts deselect these too; each pass's own -m replaces that one.
 NOT_IN_MAKE_TEST := not latency and not zoo_hetero
 test: $(STAMP)
 	@$(PY) -m compileall -q kvd tests benchmarks
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@$(PY) -m tests.vllm_env > $(VENV)/vllm-envs.log 2>&1 & envs=$$!; \
+	@rm -f $(VENV)/*-tests.rc; \
+	$(PY) -m tests.vllm_env > $(VENV)/vllm-envs.log 2>&1 & envs=$$!; \
 	nice -n 10 $(PY) -m pytest -m "not vllm and not alone and $(NOT_IN_MAKE_TEST)" > $(VENV)/own-tests.log 2>&1 & own=$$!; \
+	trap 'kill $$own $$envs 2>/dev/null; exit 130' INT TERM; \
 	echo "== the real-engine tests, one at a time (kvd's own tests run beside them: $(VENV)/own-tests.log)"; \
 	{ $(PY) -m pytest -m "vllm and $(NOT_IN_MAKE_TEST)"; echo $$? > $(VENV)/engine-tests.rc; } 2>&1 | tee $(VENV)/engine-tests.log; \
-	engines=$$(cat $(VENV)/engine-tests.rc); \
+	engines=$$(cat $(VENV)/engine-tests.rc 2>/dev/null); \
 	wait $$own; own_rc=$$?; echo "== kvd's own tests, run beside them"; cat $(VENV)/own-tests.log; \
 	wait $$envs; grep '^\[vllm env\] .*: ' $(VENV)/vllm-envs.log; \
 	echo "== the tests marked alone"; \
 	{ $(PY) -m pytest -m "alone and $(NOT_IN_MAKE_TEST)"; echo $$? > $(VENV)/alone-tests.rc; } 2>&1 | tee $(VENV)/alone-tests.log; \
-	alone=$$(cat $(VENV)/alone-tests.rc); \
+	alone=$$(cat $(VENV)/alone-tests.rc 2>/dev/null); \
 	echo "== make test: each pass's result and failures (the whole output is above)"; \
 	for pass in engine own alone; do \
 	  echo "$$pass: $$(grep -E '^=+ .* in [0-9.]+s' $(VENV)/$$pass-tests.log | tail -1)"; grep -E '^(FAILED|ERROR) ' $(VENV)/$$pass-tests.log; \
 	done; \
-	for rc in $$engines $$own_rc $$alone; do if [ $$rc -ne 0 ]; then exit $$rc; fi; done
+	for rc in $${engines:-1} $$own_rc $${alone:-1}; do if [ $$rc -ne 0 ]; then exit $$rc; fi; done
 else
 	$(PY) -m pytest $(PYTEST_ARGS)
 endif
