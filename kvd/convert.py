@@ -331,7 +331,8 @@ def resolution_to_pb(r: Resolution) -> pb.ResolveResponse:
 
 
 def peer_abort_from_pb(r: pb.PeerAbortRequest) -> PeerAbort:
-    return PeerAbort(r.engine_id, r.request_id, r.generation, r.capability, r.reason)
+    # The peer's reason goes into P's log and the request's outcome: one line, so it cannot forge a log line.
+    return PeerAbort(r.engine_id, r.request_id, r.generation, r.capability, " ".join(r.reason.splitlines()))
 
 
 def peer_abort_to_pb(a: PeerAbort) -> pb.PeerAbortRequest:

@@ -1,12 +1,13 @@
-"""The gRPC edge's conversions: a peer's introduction, as the handshake carries it."""
+"""The gRPC edge's conversions: a peer's introduction, as the handshake carries it, and its abort."""
 
 from __future__ import annotations
 
 import random
 
-from kvd.convert import engine_to_pb, introduction_from_pb
+from kvd.convert import engine_to_pb, introduction_from_pb, peer_abort_from_pb
 from kvd.core.requests import Introduction, RankMemory, Region, ShmSource
 from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
+from kvd.proto import kvd_pb2 as pb
 from kvd.testing.sim import make_engine
 
 
@@ -35,3 +36,11 @@ def test_memory_this_daemon_refuses_leaves_the_engine_met_and_says_why():
     back = introduction_from_pb(msg, intro.data_token)
     assert back.memory == () and "shape" in back.memory_refused
     assert back.meta == introduction_from_pb(engine_to_pb(intro)).meta
+
+
+def test_a_peers_abort_reason_arrives_as_one_line():
+    """P logs it (``reader released ... : <reason>``): a line break in it would forge a log line."""
+    msg = pb.PeerAbortRequest(engine_id="P", request_id="r", reason="failed to load it\nts=x level=error msg=forged\r\nend")
+    assert peer_abort_from_pb(msg).reason == "failed to load it ts=x level=error msg=forged end"
+    plain = pb.PeerAbortRequest(engine_id="P", request_id="r", reason="reader decode failed to load it: x=1 (y)")
+    assert peer_abort_from_pb(plain).reason == plain.reason  # control: a one-line reason is kept as sent
