@@ -255,6 +255,31 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
     assert dw.mismatch(3, [600, 601], 32) is None
 
 
+def test_a_pull_that_reaches_decode_late_in_its_lease_still_keeps_it(daemons):
+    """P's lease runs from its publish; the params reach D's daemon only after
+    P's engine, the scheduler and D's engine have passed them on. D renews at
+    its next heartbeat: one scheduled a third of a lease after D accepted the
+    pull (as kvd did) comes 0.3 s past this lease's end and loses it."""
+    lease, transit = 3.0, 2.2
+    p, proxy = prefill_behind_proxy(daemons)
+    d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
+    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
+    proxy.stall_after = 1 << 20
+    first = pw.client.publish("first", [list(range(1, 200))], 199 * 16, lease_seconds=30)
+    pw.fill(3, [500, 501])
+    dw.client.pull("first", first, [list(range(1, 200))])
+    assert proxy.stalled.wait(10)
+    late = pw.client.publish("late", [[500, 501]], 32, lease_seconds=lease)
+    time.sleep(transit)
+    dw.client.pull("late", late, [[600, 601]])  # queued behind the stalled pull
+    time.sleep(2 * lease)
+    proxy.release()
+    f = dw.client.wait_finished(recving={"first", "late"}, timeout=60)
+    proxy.close()
+    assert f.details[("recving", "late")].outcome == "done", f.details[("recving", "late")].reason
+    assert dw.mismatch(3, [600, 601], 32) is None
+
+
 @pytest.mark.parametrize("same_host", ["off", "auto"])
 def test_read_of_an_expired_request_is_refused_and_returns_no_bytes(daemons, same_host):
     p, d = daemons.start("prefill", same_host=same_host), daemons.start("decode", same_host=same_host)

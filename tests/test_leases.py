@@ -240,32 +240,42 @@ def test_owner_checks_every_block_of_a_reads_batched_segments():
         owner.authorize(_batched_read(pub, [(3,), (64,)]), reader, tensors, 1.0)
 
 
-def test_a_publication_is_released_once_no_reader_here_is_open_after_the_grace_and_one_gave_up():
-    from kvd.core.reader_release import ReaderRelease, publication
+def test_a_publication_is_released_once_no_reader_here_is_open_and_one_gave_up():
+    """At once when every rank registered here has pulled it or will not;
+    after the grace while one has not been seen (its Pull may be on its way)."""
+    from kvd.core.reader_release import RELEASE_GRACE_SECONDS, ReaderRelease, publication
     from kvd.core.requests import TransferParams
 
     def params(rid: str, generation: int = 0) -> TransferParams:
         return TransferParams(remote_engine_id="prefill", remote_address="h:1", request_id=rid, capability=rid.encode(),
                               block_ids=(), num_tokens=16, generation=generation)
 
+    r0, r1, r2 = (0, 0), (1, 0), (2, 0)
+    tp2, tp3 = {r0, r1}, {r0, r1, r2}
     a, b = params("r1"), params("r2")
     readers = ReaderRelease()
-    for p in (a, a, b):
-        readers.started(p)
-    assert not readers.ended(a, "rank 0 failed")  # its sibling still reads
+    readers.started(a, r0)
+    readers.started(a, r1)
+    readers.started(b, r0)
+    assert readers.ended(a, r0, tp3, "rank 0 failed") is None  # its sibling still reads
     assert readers.open_pulls(publication(a)) == 1 and readers.due(publication(a)) is None
-    assert readers.ended(params("r1", generation=3))  # the sibling (resolved) landed: a release is due after the grace
-    readers.started(a)  # a late sibling's Pull within the grace keeps the publication
+    # The sibling (resolved) landed; rank 2 has not been seen: a release is due after the grace.
+    assert readers.ended(params("r1", generation=3), r1, tp3) == RELEASE_GRACE_SECONDS
+    readers.started(a, r2)  # the late sibling's Pull within the grace keeps the publication
     assert readers.due(publication(a)) is None
-    assert readers.ended(a)
-    release = readers.due(publication(a))  # now P hears the first reason, with the resolved params
+    assert readers.ended(a, r2, tp3) == 0.0  # every rank here seen: none can come, due now
+    release = readers.due(publication(a))  # P hears the first reason, with the resolved params
     assert release is not None and release.reason == "rank 0 failed" and release.params.generation == 3
     assert readers.due(publication(a)) is None  # once
-    assert not readers.ended(b) and readers.due(publication(b)) is None  # every reader landed: P ends it on their ACKs
+    assert readers.ended(b, r0, tp2) is None and readers.due(publication(b)) is None  # every reader landed: P ends it on their ACKs
     c = params("r3")
-    assert readers.give_up(c, "not needed")  # a rank that will not pull, none open: due after the grace
+    assert readers.give_up(c, r0, tp2, "not needed") == RELEASE_GRACE_SECONDS  # rank 1 may still pull it
+    assert readers.give_up(c, r1, tp2, "not needed") == 0.0  # it will not either
     release = readers.due(publication(c))
     assert release is not None and release.reason == "not needed"
-    readers.started(a)
-    assert not readers.give_up(a, "refused")  # a sibling still reads: its end releases
-    assert readers.ended(a) and readers.due(publication(a)).reason == "refused"
+    readers.started(a, r0)
+    assert readers.give_up(a, r1, tp2, "refused") is None  # a sibling still reads: its end releases
+    assert readers.ended(a, r0, tp2) == 0.0 and readers.due(publication(a)).reason == "refused"
+    d = params("r4")  # a TP1 engine's only rank failed: nothing to wait for
+    readers.started(d, r0)
+    assert readers.ended(d, r0, {r0}, "failed to load it") == 0.0

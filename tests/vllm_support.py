@@ -125,10 +125,10 @@ def assert_released_by_reader(p: DaemonProc, failed: dict) -> None:
 
     Cause, not speed: P's log names the release and its reason. The bound only
     separates that from the lease (as this suite's other release waits do);
-    how fast the path is belongs to a benchmark. On this 2-core machine with
-    two nice-10 busy loops beside it, D's failure to P's release took 0.22 and
-    0.39 s (0.2 s of it the grace for sibling ranks, kvd.daemon.puller); CI,
-    with kvd's own tests beside the engine, once took the driver 1.02 s to see it."""
+    how fast the path is belongs to a benchmark. D's daemon tells P as the
+    last of its ranks' pulls ends (``kvd.core.reader_release``): the driver
+    saw the release 0.00 s after D's engine returned, TP1 and TP2 D alike (it
+    waited 0.2 s for sibling ranks before, and CI once took 1.02 s)."""
     rid = failed["request_id"]
     log = p.log()
     released = [line for line in log.splitlines() if f"reader released request_id={rid} " in line]

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -52,9 +53,6 @@ from kvd.transport.tcp_client import TcpDataClient
 log = logging.getLogger("kvd.daemon")
 
 PLAN_IN_THREAD_BLOCKS = 2048  # about 1 ms of planning
-# A publication one rank gave up is released this long after no rank here
-# reads it: its siblings' Pulls of the same step may still be on their way.
-RELEASE_GRACE_SECONDS = 0.2
 
 
 class Puller:
@@ -115,10 +113,13 @@ class Puller:
             raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
         now = time.monotonic()
         qos = QosTag.of(req.priority, req.tenant, req.deadline_ms, now, self.config.shares)
-        active = ActivePull(worker, req, p, now, next_renew=now + _renew_interval(p), accepted=time.perf_counter(), qos=qos)
+        # Renewed at the next heartbeat, not a third of a lease from now: P's lease started when it
+        # published, and D cannot know how much of it the params' way here (P's engine, the
+        # scheduler, D's engine) has used.
+        active = ActivePull(worker, req, p, now, next_renew=now, accepted=time.perf_counter(), qos=qos)
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
-        self.readers.started(p)
+        self.readers.started(p, key[0])
         active.task.add_done_callback(lambda _t: self._ended(key, active))
 
     def abort(self, worker: WorkerId, request_id: str, release: TransferParams | None, rank: RankKey) -> bool:
@@ -131,8 +132,8 @@ class Puller:
             active.cancel(f"aborted by {worker}", "aborted")
             found = True
         if release is not None and release.remote_address:
-            if self.readers.give_up(release, f"reader {self.config.engine_id} does not need it"):
-                self._release_later(publication(release))
+            self._release_after(publication(release), self.readers.give_up(release, rank, self.registry.by_rank.keys(),
+                                                                            f"reader {self.config.engine_id} does not need it"))
             found = True
         return found
 
@@ -183,7 +184,6 @@ class Puller:
             outcome = "failed"
             if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
                 outcome, message = active.cancel_outcome, active.cancel_reason
-                reason = "aborted" if outcome == "aborted" else "lease_lost"
             if reason == "timeout":
                 message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={self.config.pull_timeout_seconds:g})"
             # Which peer, where it stopped and what landed: the one line an operator needs.
@@ -199,7 +199,7 @@ class Puller:
             self.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
             self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
             self.finished.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
-            if outcome == "failed" and reason != "lease_lost":
+            if outcome == "failed":
                 # The engine recomputes what it could not load: P need not hold
                 # the blocks to its lease (told once this daemon's last reader of them ends).
                 active.gave_up = active.gave_up or f"reader {self.config.engine_id} failed to load it: {message}"
@@ -390,15 +390,18 @@ class Puller:
         """A pull's task is done, however (even cancelled before its first step)."""
         self.pulls.pop(key, None)
         gave_up = active.gave_up or ("" if active.ran else f"reader {self.config.engine_id} cancelled it before it started")
-        if self.readers.ended(active.params, gave_up):
-            self._release_later(publication(active.params))
+        self._release_after(publication(active.params), self.readers.ended(active.params, key[0], self.registry.by_rank.keys(), gave_up))
 
-    def _release_later(self, key: PublicationKey) -> None:
+    def _release_after(self, key: PublicationKey, delay: float | None) -> None:
+        """Tell P that no rank here reads ``key`` any more, ``delay`` seconds from now (None: nothing to tell)."""
         def due() -> None:
             release = self.readers.due(key)
             if release is not None:
                 self.tasks.spawn(self._abort_remote(release.params, release.reason))
-        asyncio.get_running_loop().call_later(RELEASE_GRACE_SECONDS, due)
+        if delay == 0.0:
+            due()
+        elif delay is not None:
+            asyncio.get_running_loop().call_later(delay, due)
 
     # ------------------------------------------------------------ talking to P
 
@@ -434,8 +437,11 @@ class Puller:
             return  # the pull itself will find out
         for p, ok in zip(pulls, alive, strict=False):
             if not ok:
-                # Don't wait for a read that can only be refused.
-                p.cancel(f"publication of request_id={p.params.request_id!r} expired or ended on the prefill side")
+                # Gone on P: expired, aborted, or read by the sibling rank this one copies from.
+                # Not renewed again, and not cancelled: only its read knows whether this pull still
+                # needs P (P refuses it, with exactly what did not land invalid), and a cancel racing
+                # a read's end would fail a pull whose every block landed.
+                p.next_renew = math.inf
 
 
 def _renew_interval(params: TransferParams) -> float:
