@@ -234,7 +234,8 @@ def test_a_retry_reads_only_the_ranks_that_did_not_land(daemons):
     assert_no_leaks(p.grpc, d.grpc)
 
 
-def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
+def _stalled_first_pull(daemons):
+    """D, allowed one pull at a time, holds its slot with a pull whose read P's proxy stalls."""
     p, proxy = prefill_behind_proxy(daemons)
     d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
@@ -243,11 +244,22 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
     pw.fill(3, [500, 501])
     dw.client.pull("first", first, [list(range(1, 200))])
     assert proxy.stalled.wait(10)
-    # Published now, not before the first pull's setup: its 1 s lease must
+    return proxy, pw, dw, d
+
+
+@pytest.mark.parametrize(("lease", "transit"), [(1.0, 0.0), (3.0, 2.2)], ids=["pulled-at-once", "reaches-decode-late"])
+def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons, lease, transit):
+    """P's lease runs from its publish; the params reach D's daemon only after
+    P's engine, the scheduler and D's engine have passed them on (``transit``).
+    D renews at its next heartbeat: one a third of a lease after D accepted
+    the pull (as kvd did) comes 0.2-0.3 s past the late case's lease and loses it."""
+    proxy, pw, dw, _ = _stalled_first_pull(daemons)
+    # Published now, not before the first pull's setup: its lease must
     # outlive its queueing by D's heartbeat, not by how fast that setup was.
-    second = pw.client.publish("second", [[500, 501]], 32, lease_seconds=1.0)
+    second = pw.client.publish("second", [[500, 501]], 32, lease_seconds=lease)
+    time.sleep(transit)
     dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
-    time.sleep(3.0)  # three lease lengths
+    time.sleep(3 * lease)  # three lease lengths
     proxy.release()
     f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
     proxy.close()
@@ -255,29 +267,23 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons):
     assert dw.mismatch(3, [600, 601], 32) is None
 
 
-def test_a_pull_that_reaches_decode_late_in_its_lease_still_keeps_it(daemons):
-    """P's lease runs from its publish; the params reach D's daemon only after
-    P's engine, the scheduler and D's engine have passed them on. D renews at
-    its next heartbeat: one scheduled a third of a lease after D accepted the
-    pull (as kvd did) comes 0.3 s past this lease's end and loses it."""
-    lease, transit = 3.0, 2.2
-    p, proxy = prefill_behind_proxy(daemons)
-    d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
-    pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
-    proxy.stall_after = 1 << 20
-    first = pw.client.publish("first", [list(range(1, 200))], 199 * 16, lease_seconds=30)
-    pw.fill(3, [500, 501])
-    dw.client.pull("first", first, [list(range(1, 200))])
-    assert proxy.stalled.wait(10)
-    late = pw.client.publish("late", [[500, 501]], 32, lease_seconds=lease)
-    time.sleep(transit)
-    dw.client.pull("late", late, [[600, 601]])  # queued behind the stalled pull
-    time.sleep(2 * lease)
+def test_a_queued_pull_whose_publication_ended_fails_without_waiting_for_a_slot(daemons):
+    """The heartbeat hears P's 'gone' and fails a queued pull that would read P
+    (nothing has landed: every block invalid), while the slot is still held;
+    the control: the pull holding the slot is not touched, and lands."""
+    proxy, pw, dw, d = _stalled_first_pull(daemons)
+    second = pw.client.publish("second", [[500, 501]], 32)
+    dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
+    assert pw.client.abort("second")
+    f = dw.client.wait_finished(recving={"second"}, timeout=10)
+    detail = f.details[("recving", "second")]
+    assert detail.outcome == "failed" and "expired or ended on the prefill side" in detail.reason and "in phase queued" in detail.reason, detail.reason
+    assert f.invalid_block_ids == {600, 601}
+    assert [x.phase for x in status(d.grpc).pulls if x.request_id == "first"] == ["data"]  # it did not wait for the slot
     proxy.release()
-    f = dw.client.wait_finished(recving={"first", "late"}, timeout=60)
+    f = dw.client.wait_finished(recving={"first"}, timeout=60)
     proxy.close()
-    assert f.details[("recving", "late")].outcome == "done", f.details[("recving", "late")].reason
-    assert dw.mismatch(3, [600, 601], 32) is None
+    assert f.details[("recving", "first")].outcome == "done", f.details[("recving", "first")].reason
 
 
 @pytest.mark.parametrize("same_host", ["off", "auto"])

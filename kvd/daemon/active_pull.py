@@ -26,6 +26,7 @@ class ActivePull:
     started: float
     task: asyncio.Task[None] | None = None
     next_renew: float = 0.0
+    lease_gone: bool = False  # a renewal found P's publication ended: not renewed again, and nothing to tell P
     cancel_reason: str = ""  # why we cancelled it ourselves
     cancel_outcome: str = "failed"  # "aborted" when the local worker asked
     accepted: float = 0.0  # perf_counter at Pull: the queued phase starts here

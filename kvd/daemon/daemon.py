@@ -111,7 +111,7 @@ class Daemon:
         remove_orphans()
         reaper = Reaper(self.registry.shm_by_rank, self.registry.retire,
                         lambda now: self.registry.end_retired(now, self.publications.holds, GONE_GRACE_SECONDS))
-        self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat()),
+        self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat.run()),
                             asyncio.create_task(self.finished.reports.run()), asyncio.create_task(reaper.run()),
                             asyncio.create_task(self._forget_idle_peers())]
         self._watchdog = LoopWatchdog(asyncio.get_running_loop(), self.metrics.event_loop_lag)

@@ -4,7 +4,7 @@
 with ``kvd.core.transfer.plan_pull``, keeps the pull's state in the pure
 ``PullProgress`` (what landed across attempts, exactly which blocks did not)
 and asks ``RetryPolicy`` whether to try again; the transport moves the bytes.
-It also keeps P's leases alive by heartbeat while pulls wait or run.
+``Heartbeat`` keeps P's leases alive while they wait or run.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import Sequence
 
@@ -33,14 +32,15 @@ from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
 from kvd.core.qos import QosTag, ms_left
 from kvd.core.reader_release import PublicationKey, ReaderRelease, publication
-from kvd.core.requests import LeaseRef, PeerAbort, PullOrder, TransferParams
-from kvd.core.spec import LAYER_STREAM, WorkerId, check_engine_id, check_request_id
+from kvd.core.requests import PeerAbort, PullOrder, TransferParams
+from kvd.core.spec import LAYER_STREAM, EngineMeta, WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.daemon import landing_fault
 from kvd.daemon.active_pull import ActivePull, Failure, failure_reason
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.finished_sets import FinishedSets
+from kvd.daemon.heartbeat import Heartbeat
 from kvd.daemon.metrics import ActiveClock, Metrics
 from kvd.daemon.outbound import PeerChannels, Tasks
 from kvd.daemon.peers import Handshakes
@@ -80,6 +80,8 @@ class Puller:
         # Kept for 2 x pull_timeout after each pull, so compact: numpy ids (a Python list of
         # 1024 ids is ~37 KB; at a few hundred pulls a second the lists alone held hundreds of MB).
         self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[np.ndarray]]] = {}
+        self.heartbeat = Heartbeat(config.engine_id, self.pulls, channels, tasks,
+                                   lambda p: self._replica_source((p.worker.tp_rank, p.worker.pp_rank)) is None)
 
     # ------------------------------------------------------------ gRPC
 
@@ -113,9 +115,7 @@ class Puller:
             raise FailedPrecondition(f"request_id={req.request_id!r} is already being pulled by {worker}")
         now = time.monotonic()
         qos = QosTag.of(req.priority, req.tenant, req.deadline_ms, now, self.config.shares)
-        # Renewed at the next heartbeat, not a third of a lease from now: P's lease started when it
-        # published, and D cannot know how much of it the params' way here (P's engine, the
-        # scheduler, D's engine) has used.
+        # Renewed at the next heartbeat (kvd.daemon.heartbeat): P's lease has run since it published.
         active = ActivePull(worker, req, p, now, next_renew=now, accepted=time.perf_counter(), qos=qos)
         active.task = asyncio.create_task(self._run(reg, active))
         self.pulls[key] = active
@@ -132,7 +132,7 @@ class Puller:
             active.cancel(f"aborted by {worker}", "aborted")
             found = True
         if release is not None and release.remote_address:
-            self._release_after(publication(release), self.readers.give_up(release, rank, self.registry.by_rank.keys(),
+            self._release_after(publication(release), self.readers.give_up(release, rank, self.registry.live_ranks(),
                                                                             f"reader {self.config.engine_id} does not need it"))
             found = True
         return found
@@ -184,6 +184,8 @@ class Puller:
             outcome = "failed"
             if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
                 outcome, message = active.cancel_outcome, active.cancel_reason
+            if outcome == "failed" and active.lease_gone:
+                reason = "lease_lost"  # P said it ended the publication: nothing to tell it
             if reason == "timeout":
                 message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={self.config.pull_timeout_seconds:g})"
             # Which peer, where it stopped and what landed: the one line an operator needs.
@@ -199,7 +201,7 @@ class Puller:
             self.metrics.transfer_seconds.labels("failed").observe(time.perf_counter() - t0)
             self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
             self.finished.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
-            if outcome == "failed":
+            if outcome == "failed" and not active.lease_gone:
                 # The engine recomputes what it could not load: P need not hold
                 # the blocks to its lease (told once this daemon's last reader of them ends).
                 active.gave_up = active.gave_up or f"reader {self.config.engine_id} failed to load it: {message}"
@@ -238,8 +240,7 @@ class Puller:
                        progress: PullProgress) -> int:
         req = active.request
         local_meta = self.registry.engine_meta()
-        present = frozenset((r.tp_rank, r.pp_rank) for r in local_meta.ranks)
-        source = fanout_source(engine_shape(local_meta), rank[0], rank[1], present)
+        source = self._replica_source(rank, local_meta)
         if source is not None:
             progress.phase = "copy"
             return await self._copy_from_replica(reg, active, (source, rank[1]), local_ids)
@@ -366,6 +367,11 @@ class Puller:
             asyncio.get_running_loop().call_later(self.config.pull_timeout_seconds * 2, self._replica_done.pop, key, None)
         return fut
 
+    def _replica_source(self, rank: RankKey, meta: EngineMeta | None = None) -> int | None:
+        """The local TP rank ``rank`` copies its KV from (a replica of the same heads), or None: it reads P."""
+        meta = meta or self.registry.engine_meta()
+        return fanout_source(engine_shape(meta), rank[0], rank[1], frozenset((r.tp_rank, r.pp_rank) for r in meta.ranks))
+
     async def _copy_from_replica(self, reg: Registration, active: ActivePull, source: RankKey, local_ids: list[list[int]]) -> int:
         """Copy a request's blocks from the replica that read them, instead of
         reading the same remote bytes again."""
@@ -390,7 +396,7 @@ class Puller:
         """A pull's task is done, however (even cancelled before its first step)."""
         self.pulls.pop(key, None)
         gave_up = active.gave_up or ("" if active.ran else f"reader {self.config.engine_id} cancelled it before it started")
-        self._release_after(publication(active.params), self.readers.ended(active.params, key[0], self.registry.by_rank.keys(), gave_up))
+        self._release_after(publication(active.params), self.readers.ended(active.params, key[0], self.registry.live_ranks(), gave_up))
 
     def _release_after(self, key: PublicationKey, delay: float | None) -> None:
         """Tell P that no rank here reads ``key`` any more, ``delay`` seconds from now (None: nothing to tell)."""
@@ -412,39 +418,3 @@ class Puller:
                                                                        params.capability, reason), timeout=5)
         except grpc.aio.AioRpcError as e:
             log.info("peer abort of request_id=%s not delivered: %s", params.request_id, e.code().name)
-
-    async def heartbeat(self) -> None:
-        """Renew P's leases for every pull queued or in flight, batched per peer."""
-        while True:
-            await asyncio.sleep(0.1)
-            now = time.monotonic()
-            due: dict[tuple[str, str], list[ActivePull]] = {}
-            for p in self.pulls.values():
-                # Unresolved params have no lease yet (P is still to publish).
-                if now >= p.next_renew and p.params.generation:
-                    p.next_renew = now + _renew_interval(p.params)
-                    # One call per owner engine: a daemon refuses leases it is not the engine of.
-                    due.setdefault((p.params.remote_address, p.params.remote_engine_id), []).append(p)
-            for (address, _engine), pulls in due.items():
-                self.tasks.spawn(self._renew(address, pulls))
-
-    async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
-        leases = [LeaseRef(p.params.request_id, p.params.generation, p.params.capability) for p in pulls]
-        try:
-            alive = await self.channels.renew(address, pulls[0].params.remote_engine_id, self.config.engine_id, leases, timeout=5)
-        except grpc.aio.AioRpcError as e:
-            log.info("lease heartbeat to %s failed: %s", address, e.code().name)
-            return  # the pull itself will find out
-        for p, ok in zip(pulls, alive, strict=False):
-            if not ok:
-                # Gone on P: expired, aborted, or read by the sibling rank this one copies from.
-                # Not renewed again, and not cancelled: only its read knows whether this pull still
-                # needs P (P refuses it, with exactly what did not land invalid), and a cancel racing
-                # a read's end would fail a pull whose every block landed.
-                p.next_renew = math.inf
-
-
-def _renew_interval(params: TransferParams) -> float:
-    """Heartbeat three times per lease, so one lost beat does not lose the lease."""
-    lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
-    return max(0.05, lease / 3)

@@ -215,6 +215,10 @@ class Registry:
 
         close_later(unmap)
 
+    def live_ranks(self) -> set[RankKey]:
+        """The ranks whose worker is still there (a retired one lingers until its reads end)."""
+        return {k for k, reg in self.by_rank.items() if not reg.gone}
+
     def shm_by_rank(self) -> dict[RankKey, list[str]]:
         """Each live rank's shared-memory names: the reaper watches for their creators."""
         return {k: shm_names(reg) for k, reg in self.by_rank.items() if not reg.gone}
