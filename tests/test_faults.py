@@ -244,7 +244,7 @@ def _stalled_first_pull(daemons):
     pw.fill(3, [500, 501])
     dw.client.pull("first", first, [list(range(1, 200))])
     assert proxy.stalled.wait(10)
-    return proxy, pw, dw, d
+    return p, d, proxy, pw, dw
 
 
 @pytest.mark.parametrize(("lease", "transit"), [(1.0, 0.0), (3.0, 2.2)], ids=["pulled-at-once", "reaches-decode-late"])
@@ -253,7 +253,7 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons, lease, transit)
     P's engine, the scheduler and D's engine have passed them on (``transit``).
     D renews at its next heartbeat: one a third of a lease after D accepted
     the pull (as kvd did) comes 0.2-0.3 s past the late case's lease and loses it."""
-    proxy, pw, dw, _ = _stalled_first_pull(daemons)
+    _, _, proxy, pw, dw = _stalled_first_pull(daemons)
     # Published now, not before the first pull's setup: its lease must
     # outlive its queueing by D's heartbeat, not by how fast that setup was.
     second = pw.client.publish("second", [[500, 501]], 32, lease_seconds=lease)
@@ -271,15 +271,16 @@ def test_a_queued_pull_whose_publication_ended_fails_without_waiting_for_a_slot(
     """The heartbeat hears P's 'gone' and fails a queued pull that would read P
     (nothing has landed: every block invalid), while the slot is still held;
     the control: the pull holding the slot is not touched, and lands."""
-    proxy, pw, dw, d = _stalled_first_pull(daemons)
+    _, d, proxy, pw, dw = _stalled_first_pull(daemons)
     second = pw.client.publish("second", [[500, 501]], 32)
+    assert pw.client.abort("second")  # while its params are on their way to D: D's first renewal hears it
     dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
-    assert pw.client.abort("second")
     f = dw.client.wait_finished(recving={"second"}, timeout=10)
     detail = f.details[("recving", "second")]
     assert detail.outcome == "failed" and "expired or ended on the prefill side" in detail.reason and "in phase queued" in detail.reason, detail.reason
     assert f.invalid_block_ids == {600, 601}
     assert [x.phase for x in status(d.grpc).pulls if x.request_id == "first"] == ["data"]  # it did not wait for the slot
+    assert scrape(d.metrics_url, "kvd_pull_failures_total", reason="lease_lost") == 1
     proxy.release()
     f = dw.client.wait_finished(recving={"first"}, timeout=60)
     proxy.close()

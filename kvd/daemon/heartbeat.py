@@ -1,15 +1,16 @@
 """D keeps P's leases alive while its pulls are queued or run.
 
-Every pull is renewed at the heartbeat after D accepts it (P's lease has run
-since P published, and the params took their time through P's engine, the
-scheduler and D's engine), then three times a lease, batched per owner
-engine. A renewal P answers "gone" (expired, aborted, or read by the sibling
-rank a replica copies from) ends that pull's renewals. It fails the pull
-only while it is queued and reads P itself: nothing has landed then, and
-waiting for a slot to be refused would only be slower. A pull that copies
-from a replica, or is already reading, is left to its read, as only the
-read knows whether it still needs P, and a cancel racing a read's end would
-fail a pull whose every block landed.
+Every pull whose params are resolved is renewed at the heartbeat after D
+accepts it (or resolves them): P's lease has run since P published, and the
+params took their time through P's engine, the scheduler and D's engine.
+Then three times a lease, batched per owner engine. A renewal P answers
+"gone" (expired, aborted, or read by the sibling rank a replica copies
+from) ends that pull's renewals. It fails the pull only while it is queued
+and reads P itself: nothing has landed then, and waiting for a slot to be
+refused would only be slower. A pull that copies from a replica, or is
+already reading, is left to its read, as only the read knows whether it
+still needs P, and a cancel racing a read's end would fail a pull whose
+every block landed.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Heartbeat:
             now = time.monotonic()
             due: dict[tuple[str, str], list[ActivePull]] = {}
             for p in self.pulls.values():
-                # Unresolved params have no lease yet (P is still to publish).
+                # Unresolved params name no generation to renew: the pull resolves them once it has
+                # its slot, and is renewed from then on (P keeps what it published meanwhile to its lease).
                 if now >= p.next_renew and p.params.generation and not p.lease_gone:
                     p.next_renew = now + renew_interval(p.params)
                     # One call per owner engine: a daemon refuses leases it is not the engine of.

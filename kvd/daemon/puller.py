@@ -184,8 +184,7 @@ class Puller:
             outcome = "failed"
             if isinstance(e, asyncio.CancelledError) and active.cancel_reason:
                 outcome, message = active.cancel_outcome, active.cancel_reason
-            if outcome == "failed" and active.lease_gone:
-                reason = "lease_lost"  # P said it ended the publication: nothing to tell it
+                reason = "aborted" if outcome == "aborted" else "lease_lost"  # the heartbeat's cancel
             if reason == "timeout":
                 message = f"pull timed out after {time.perf_counter() - active.accepted:.1f}s (pull_timeout_seconds={self.config.pull_timeout_seconds:g})"
             # Which peer, where it stopped and what landed: the one line an operator needs.
@@ -202,8 +201,8 @@ class Puller:
             self.recent_failures.append(Failure(req.request_id, reason, message, time.monotonic()))
             self.finished.emit(rank, Outcome(req.request_id, "recving", outcome, message), invalid)
             if outcome == "failed" and not active.lease_gone:
-                # The engine recomputes what it could not load: P need not hold
-                # the blocks to its lease (told once this daemon's last reader of them ends).
+                # The engine recomputes what it could not load: P need not hold the blocks to its
+                # lease (told once this daemon's last reader of them ends), unless P said it ended them.
                 active.gave_up = active.gave_up or f"reader {self.config.engine_id} failed to load it: {message}"
             log.warning("pull failed request_id=%s worker=%s reason=%s invalid_blocks=%d: %s", req.request_id, reg.worker, reason, len(invalid), message)
             if isinstance(e, asyncio.CancelledError):
