@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from kvd.core.leases import PublicationTable, check_unique
+from kvd.core.leases import LayersAdvanced, PublicationTable, check_unique
 
 
 def table():
@@ -279,3 +279,17 @@ def test_a_publication_is_released_once_no_reader_here_is_open_and_one_gave_up()
     d = params("r4")  # a TP1 engine's only rank failed: nothing to wait for (the registry's keys, as the shell may pass)
     readers.started(d, r0)
     assert readers.ended(d, r0, {r0: "registration"}.keys(), "failed to load it") == 0.0
+
+
+def test_layers_saved_out_of_order_moves_each_layer_once():
+    """A worker's saves are sent without waiting and may arrive in any order:
+    the watermark only rises, and each layer is counted once."""
+    t = table()
+    pub = t.publish((0, 0), "s", [[1, 2]], [8], 32, now=0, stream=True)
+    t.publish((0, 0), "whole", [[3]], [8], 16, now=0)
+    assert t.layers_saved((0, 0), ["s"], 5) == LayersAdvanced(publications=1, layers=5)
+    assert t.layers_saved((0, 0), ["s"], 2) == LayersAdvanced(publications=0, layers=0)  # late
+    assert t.saved_below("s", pub.generation, (0, 0), now=1) == 5
+    # Not published here, published whole, already there: nothing moves.
+    assert t.layers_saved((0, 0), ["gone", "whole", "s"], 5) == LayersAdvanced(publications=0, layers=0)
+    assert t.layers_saved((0, 0), ["s"], 8) == LayersAdvanced(publications=1, layers=3)

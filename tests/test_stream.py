@@ -61,6 +61,7 @@ def test_each_layer_crosses_once_saved_and_not_before(daemons):
     assert dw.mismatch(7, IDS, NTOK) is None
     assert pw.client.wait_finished(sending={"r"}, timeout=10).details[("sending", "r")].outcome == "done"
     assert scrape(p.metrics_url, "kvd_stream_layers_saved_total") == 8
+    assert scrape(p.metrics_url, "kvd_stream_layer_save_reports_total") == 8
 
 
 def test_a_layer_reported_saved_but_not_written_is_caught(daemons):
@@ -76,6 +77,27 @@ def test_a_layer_reported_saved_but_not_written_is_caught(daemons):
     assert layer_mismatch(dw, 6, 7, IDS, NTOK) is None
     bad = dw.mismatch(7, IDS, NTOK)
     assert bad is not None and bad.startswith("layer 7")
+
+
+def test_saves_arriving_out_of_order_count_each_layer_once(daemons):
+    """A worker's LayersSaved calls are sent without waiting, so a later one
+    may reach the daemon first (a real-engine run counted 3 of 4 layers
+    when the count was of calls that moved a watermark). Each layer a
+    request's rank saved is counted once, before any read it wakes lands."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    dw.client.pull("r", params, [IDS])
+    pattern.fill(pw.tensors, 7, IDS, pw.coords)
+    pw.client.layers_saved(["r"], 5, wait=True)
+    pw.client.layers_saved(["r"], 2, wait=True)  # late: layers 0 and 1 were said saved already
+    assert scrape(p.metrics_url, "kvd_stream_layers_saved_total") == 5
+    pw.client.layers_saved(["r"], 8, wait=True)
+    pw.client.layers_saved(["other", "r"], 8, wait=True)  # not published here, and r's repeated: nothing counted
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(7, IDS, NTOK) is None
+    assert scrape(p.metrics_url, "kvd_stream_layers_saved_total") == 8
+    assert scrape(p.metrics_url, "kvd_stream_layer_save_reports_total") == 5  # r in each of the four calls, and other
 
 
 @pytest.mark.faults

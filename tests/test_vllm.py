@@ -232,15 +232,23 @@ def openai_pd(vllm_python, model_dir, tmp_path_factory) -> Iterator[OpenAIPD]:
 def _through_kvd_proxy(pd: OpenAIPD, model_dir: Path, log: Path, prompts: list[list[int]], expected: list[list[int]], *, streamed: bool) -> None:
     """Each prompt through ``kvd proxy`` (``--prefill-kvd``: streamed) gives
     one engine's tokens, and D loaded every block of each but its last
-    token's through kvd; streamed, P said each layer of each prompt saved."""
+    token's through kvd; streamed, P said each layer of each prompt saved,
+    each in its own report as the forward computed it, and the step's end."""
     url = pd.proxy([sys.executable, "-m", "kvd", "proxy", *(("--prefill-kvd", pd.p_grpc) if streamed else ())], log)
     before = received_bytes(pd.d_metrics)
     saves = scrape(pd.p_metrics, "kvd_stream_layers_saved_total")
+    reports = scrape(pd.p_metrics, "kvd_stream_layer_save_reports_total")
     for prompt, tokens in zip(prompts, expected, strict=True):
         assert complete_pd(pd, url, model_dir, prompt) == tokens
     assert received_bytes(pd.d_metrics) - before == sum(blocks(len(pr) - 1) for pr in prompts) * LAYERS * BYTES_PER_BLOCK_PER_LAYER
     if streamed:
         assert scrape(pd.p_metrics, "kvd_stream_layers_saved_total") - saves == len(prompts) * LAYERS
+        # The reports are one-way: the step's end (which D's read does not
+        # wait for) may still be on its way when D's tokens are back.
+        deadline, expected_reports = time.monotonic() + 10, len(prompts) * (LAYERS + 1)
+        while (got := scrape(pd.p_metrics, "kvd_stream_layer_save_reports_total") - reports) < expected_reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got == expected_reports, f"{got} LayersSaved reports for {len(prompts)} prompts of {LAYERS} layers"
 
 
 def test_openai_servers_behind_kvd_proxy_match_one_engine(openai_pd, model_dir, baseline, tmp_path):

@@ -36,8 +36,21 @@ MAX_TOMBSTONES = 4096
 RankKey = tuple[int, int]  # (tp_rank, pp_rank)
 PinKey = tuple[str, int, RankKey]  # (request_id, generation, rank)
 ReaderKey = tuple[str, int, int]  # a reading rank: (engine id, tp_rank, pp_rank)
+# What a publish holds its blocks for, with no renewal, unless the daemon's
+# --lease-seconds or the publish says otherwise.
+DEFAULT_LEASE_SECONDS = 120.0
 # A rank's layer watermark when it published whole (not streaming): every layer is saved.
 ALL_LAYERS = 1 << 31
+
+
+@dataclass(frozen=True)
+class LayersAdvanced:
+    """What one ``layers_saved`` call moved: how many publications, and how
+    many of their layers became saved (the same total in whatever order a
+    rank's calls arrive)."""
+
+    publications: int
+    layers: int
 
 
 @dataclass
@@ -164,18 +177,23 @@ class PublicationTable:
         pub.saved[rank] = 0 if stream else ALL_LAYERS
         return pub
 
-    def layers_saved(self, rank: RankKey, request_ids: Sequence[str], upto: int) -> int:
+    def layers_saved(self, rank: RankKey, request_ids: Sequence[str], upto: int) -> LayersAdvanced:
         """``rank`` wrote every layer below ``upto`` of these streaming
-        requests. How many publications moved forward (a request not
-        published here, or already further, is skipped: the worker may
-        report after an abort)."""
-        advanced = 0
+        requests. A request not published here, or already further, is
+        skipped: the worker may report after an abort or after the read
+        ended (its step's end), and two of its calls may arrive out of
+        order (the later one has then said it all)."""
+        publications = layers = 0
         for rid in request_ids:
             pub = self.by_request.get(rid)
-            if pub is not None and pub.saved.get(rank, ALL_LAYERS) < upto:
+            if pub is None:
+                continue
+            was = pub.saved.get(rank, ALL_LAYERS)
+            if was < upto:
                 pub.saved[rank] = upto
-                advanced += 1
-        return advanced
+                publications += 1
+                layers += upto - was
+        return LayersAdvanced(publications, layers)
 
     def saved_below(self, request_id: str, generation: int, rank: RankKey, now: float) -> int:
         """The layer watermark of a read's rank; raises like ``check_alive``

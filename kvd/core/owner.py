@@ -27,7 +27,15 @@ from kvd.core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvd.core.leases import Ended, PinKey, Publication, PublicationTable, RankKey, check_disjoint
+from kvd.core.leases import (
+    Ended,
+    LayersAdvanced,
+    PinKey,
+    Publication,
+    PublicationTable,
+    RankKey,
+    check_disjoint,
+)
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import validate_segment
 from kvd.core.reads import MAX_STRIPES, DataRead
@@ -180,7 +188,7 @@ class Owner:
         """The read rank's layer watermark; raises if the publication ended."""
         return self.publications.saved_below(read.request_id, read.generation, read.rank, now)
 
-    def layers_saved(self, rank: RankKey, request_ids: Sequence[str], upto: int) -> int:
+    def layers_saved(self, rank: RankKey, request_ids: Sequence[str], upto: int) -> LayersAdvanced:
         """A streaming worker wrote every layer below ``upto`` of these requests."""
         return self.publications.layers_saved(rank, request_ids, upto)
 

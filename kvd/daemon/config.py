@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.leases import DEFAULT_LEASE_SECONDS
 from kvd.core.qos import parse_shares
 from kvd.core.spec import WorkerId
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES, IN_PLACE_SEGMENT_BYTES, STRIPE_MIN_BYTES
@@ -29,7 +30,7 @@ class DaemonConfig:
     metrics_port: int = 0  # 0 = pick a free port; -1 = no metrics endpoint
     advertise_host: str = ""  # what peers dial; defaults to host
     data_advertise_address: str = ""  # host:port peers dial for the data plane (behind NAT or a proxy)
-    lease_seconds: float = 120.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     in_place_segment_bytes: int = IN_PLACE_SEGMENT_BYTES  # over TCP where both sides hold the wire layout (nothing to pipeline)
     connections_per_peer: int = 4

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
-from kvd.core.leases import RankKey
+from kvd.core.leases import DEFAULT_LEASE_SECONDS, RankKey
 from kvd.core.requests import LeaseRef, TransferParams
 from kvd.daemon.active_pull import ActivePull
 from kvd.daemon.outbound import PeerChannels, Tasks
@@ -73,5 +73,5 @@ class Heartbeat:
 
 def renew_interval(params: TransferParams) -> float:
     """Three times per lease, so one lost beat does not lose the lease."""
-    lease = params.lease_seconds if params.lease_seconds > 0 else 120.0
+    lease = params.lease_seconds if params.lease_seconds > 0 else DEFAULT_LEASE_SECONDS
     return max(0.05, lease / 3)

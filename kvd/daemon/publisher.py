@@ -142,9 +142,12 @@ class Publisher:
             check_request_id(f"request_ids[{i}]", rid)
         with self.lock:
             advanced = self.owner.layers_saved((reg.worker.tp_rank, reg.worker.pp_rank), list(request_ids), layers_saved)
+            # Counted before any read it wakes can land: a reader that has
+            # every layer finds them all counted.
+            self.metrics.layers_saved.inc(advanced.layers)
+            self.metrics.layer_save_reports.inc(len(request_ids))  # a request's last report may come after its read ended
             self.saved.notify_all()
-        self.metrics.layers_saved.inc(advanced)
-        return advanced
+        return advanced.publications
 
     async def resolve(self, engine_id: str, request_id: str, capability: bytes, wait_seconds: float) -> Resolution:
         """The generation of ``request_id`` published under ``capability``,

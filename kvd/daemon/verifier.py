@@ -42,6 +42,7 @@ from kvd.core.digest import (
     compare,
 )
 from kvd.core.errors import InvalidArgument, NotFound
+from kvd.core.leases import DEFAULT_LEASE_SECONDS
 from kvd.core.requests import PublishOrder, PullOrder, TransferParams
 from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 from kvd.core.topology import HeadSlice, heads_of_rank
@@ -173,7 +174,7 @@ class Verifier:
         key = (params.request_id, params.generation)
         taken = self._taken.get(key)
         if taken is None:
-            until = now + (params.lease_seconds or 120.0) + self.keep_seconds
+            until = now + (params.lease_seconds or DEFAULT_LEASE_SECONDS) + self.keep_seconds
             taken = self._taken[key] = _Taken(digested.sample, params.capability, params.num_tokens, until)
         for reg, groups in zip(regs, digests, strict=True):
             rank = (reg.worker.tp_rank, reg.worker.pp_rank)
