@@ -322,12 +322,12 @@ def publish_to_pb(order: PublishOrder) -> pb.PublishRequest:
 
 
 def resolution_from_pb(r: pb.ResolveResponse) -> Resolution:
-    return Resolution(r.generation, r.epoch, r.ranks_published, blocks_from_pb(r.block_ids), r.num_tokens, r.stream)
+    return Resolution(r.generation, r.epoch, r.ranks_published, blocks_from_pb(r.block_ids), r.num_tokens, r.stream, r.lease_seconds)
 
 
 def resolution_to_pb(r: Resolution) -> pb.ResolveResponse:
     return pb.ResolveResponse(generation=r.generation, epoch=r.epoch, ranks_published=r.ranks_published,
-                              block_ids=blocks_to_pb(r.block_ids), num_tokens=r.num_tokens, stream=r.stream)
+                              block_ids=blocks_to_pb(r.block_ids), num_tokens=r.num_tokens, stream=r.stream, lease_seconds=r.lease_seconds)
 
 
 def peer_abort_from_pb(r: pb.PeerAbortRequest) -> PeerAbort:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.transport.nixl import available as nixl_available
-from tests.conftest import REPO, make_worker, scrape, wait_for
+from tests.conftest import REPO, make_worker, scheduler_params, scrape, wait_for
 from tests.faultproxy import prefill_behind_proxy
 
 pytestmark = pytest.mark.faults
@@ -303,6 +304,27 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons, lease, transit,
     dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
     # Past the lease's first end: three lease lengths, or one after a late arrival.
     least = _least_lease_left(p.grpc, "second", queued)
+    proxy.release()
+    f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
+    proxy.close()
+    got = f.details[("recving", "second")]
+    left = "none, P had dropped it" if least is None else f"{least:.2f} s"
+    assert got.outcome == "done", f"{got.reason} (the least lease P had left while it was queued: {left}; {_loop_stalls(p, d)})"
+    assert dw.mismatch(3, [600, 601], 32) is None
+
+
+def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemons):
+    """Params as vLLM's scheduler makes them (no generation, no lease: the
+    daemon's own) name nothing to renew. A queued pull resolves them while it
+    waits, which also tells D the lease P holds (3 s here, not the 120 s
+    default), and the heartbeat keeps that lease past three of its lengths."""
+    p, d, proxy, pw, dw = _stalled_first_pull(daemons)
+    cap = secrets.token_bytes(32)
+    params = scheduler_params(p.grpc, "prefill", "second", cap, [500, 501], 32)
+    params.remote_tp_size = 1
+    dw.client.pull("second", params, [[600, 601]])  # queued behind the stalled pull
+    pw.client.publish("second", [[500, 501]], 32, capability=cap, lease_seconds=3.0)
+    least = _least_lease_left(p.grpc, "second", 9.0)
     proxy.release()
     f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
     proxy.close()

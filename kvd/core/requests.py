@@ -35,6 +35,7 @@ class Resolution:
     block_ids: tuple[Blocks, ...]
     num_tokens: int
     stream: bool
+    lease_seconds: float = 0.0  # P's lease of it (0: unknown, an older owner)
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,14 @@ class TransferParams:
     def resolved(self, r: Resolution) -> TransferParams:
         """These params with what the owner resolved: the generation, the epoch
         where unknown, and the blocks where none were known (params made before
-        P allocated); a streaming publication is read as a stream."""
+        P allocated); a streaming publication is read as a stream, and
+        renewed by the lease P holds it to."""
         blocks, tokens = self.block_ids, self.num_tokens
         if not any(b.ids for b in blocks):
             blocks, tokens = r.block_ids, min(tokens, r.num_tokens)  # all decode wants, if prefill holds it
         return dataclasses.replace(self, generation=r.generation, remote_epoch=self.remote_epoch or r.epoch,
-                                   block_ids=blocks, num_tokens=tokens, stream=self.stream or r.stream)
+                                   block_ids=blocks, num_tokens=tokens, stream=self.stream or r.stream,
+                                   lease_seconds=r.lease_seconds or self.lease_seconds)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class ActivePull:
     qos: QosTag = field(default_factory=QosTag)  # its place on a contended wire
     gave_up: str = ""  # why it won't read the rest: P is told once no sibling rank still reads
     ran: bool = False  # its task took its first step (one cancelled before never reports)
+    resolving: asyncio.Task[None] | None = None  # params made before P published, resolved while it queues
 
     def cancel(self, reason: str, outcome: str = "failed") -> None:
         if self.task is not None and not self.task.done():

@@ -1,7 +1,8 @@
 """D keeps P's leases alive while its pulls are queued or run.
 
 Every pull whose params are resolved is renewed at the heartbeat after D
-accepts it (or resolves them): P's lease has run since P published, and the
+accepts it (or resolves them, which a queued pull does while it waits, and
+which tells D the lease P holds): P's lease has run since P published, and the
 params took their time through P's engine, the scheduler and D's engine.
 Then three times a lease, batched per owner engine. A renewal P answers
 "gone" (expired, aborted, or read by the sibling rank a replica copies
@@ -48,8 +49,8 @@ class Heartbeat:
             now = time.monotonic()
             due: dict[tuple[str, str], list[ActivePull]] = {}
             for p in self.pulls.values():
-                # Unresolved params name no generation to renew: the pull resolves them once it has
-                # its slot, and is renewed from then on (P keeps what it published meanwhile to its lease).
+                # Unresolved params name no generation to renew: a queued pull resolves them while it
+                # waits (the puller's _resolve_queued), and is renewed from then on, by P's own lease.
                 if now >= p.next_renew and p.params.generation and not p.lease_gone:
                     p.next_renew = now + renew_interval(p.params)
                     # One call per owner engine: a daemon refuses leases it is not the engine of.

@@ -189,7 +189,7 @@ class Publisher:
             ids = pub.block_ids[min(pub.block_ids)] if pub.block_ids else []
             firsts = pub.first_tokens or (0,) * len(ids)
             blocks = tuple(Blocks(tuple(g.tolist()), f) for g, f in zip(ids, firsts, strict=True))
-        return Resolution(pub.generation, self.registry.epoch, len(pub.masks), blocks, pub.num_tokens, pub.stream)
+        return Resolution(pub.generation, self.registry.epoch, len(pub.masks), blocks, pub.num_tokens, pub.stream, pub.lease_s)
 
     def peer_abort(self, req: PeerAbort) -> bool:
         self.registry.check_peer_engine(req.engine_id)

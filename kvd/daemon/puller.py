@@ -155,6 +155,8 @@ class Puller:
         self.metrics.pulls_in_flight.inc()
         phase = self.metrics.pull_phase_seconds
         try:
+            if self._slots.locked() and not active.params.generation and self._replica_source(rank) is None:
+                active.resolving = asyncio.create_task(self._resolve_queued(active))
             async with self._slots:
                 t0 = time.perf_counter()
                 phase.labels("queued").observe(t0 - active.accepted)
@@ -208,6 +210,8 @@ class Puller:
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
+            if active.resolving is not None:
+                active.resolving.cancel()
             self.metrics.pulls_in_flight.dec()
 
     async def _with_retries(self, reg: Registration, active: ActivePull, rank: RankKey, local_ids: list[list[int]],
@@ -247,8 +251,11 @@ class Puller:
         if not active.params.generation:
             progress.phase = "resolve"
             t = time.perf_counter()
-            # Before the handshake: it fills in the epoch the handshake is cached by.
-            active.params = await self._resolve(active.params)
+            if active.resolving is not None:
+                await asyncio.wait([active.resolving])  # begun while it queued: resolved again below if that failed
+            if not active.params.generation:
+                # Before the handshake: it fills in the epoch the handshake is cached by.
+                active.params = await self._resolve(active.params)
             phase.labels("resolve").observe(time.perf_counter() - t)
         params = active.params
         progress.phase = "handshake"
@@ -337,6 +344,20 @@ class Puller:
                 seen = np.zeros(int(every.max()) + 1, dtype=bool)
                 seen[every] = True
                 m.blocks_received.labels(transport).inc(int(np.count_nonzero(seen)))
+
+    async def _resolve_queued(self, active: ActivePull) -> None:
+        """Resolve a queued pull's params while it waits for a slot: P's lease
+        has run since it published, and the heartbeat can renew a known
+        generation only. A failure is left to the pull's own resolve, which
+        tells it, with a wait of its own, once the pull has its slot."""
+        try:
+            resolved = await self._resolve(active.params)
+        except (KvdError, OSError) as e:
+            log.debug("resolving queued pull request_id=%s failed (the pull resolves again): %s", active.request.request_id, e)
+            return
+        if not active.params.generation:
+            active.params = resolved
+            active.next_renew = time.monotonic()  # renewed at the next heartbeat
 
     async def _resolve(self, params: TransferParams) -> TransferParams:
         """``params`` made before P published, with what P resolved: the

@@ -495,20 +495,22 @@ class ResolveRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., capability: _Optional[bytes] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ResolveResponse(_message.Message):
-    __slots__ = ("generation", "epoch", "ranks_published", "block_ids", "num_tokens", "stream")
+    __slots__ = ("generation", "epoch", "ranks_published", "block_ids", "num_tokens", "stream", "lease_seconds")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANKS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     epoch: str
     ranks_published: int
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_tokens: int
     stream: bool
-    def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[str] = ..., ranks_published: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., epoch: _Optional[str] = ..., ranks_published: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class DigestRows(_message.Message):
     __slots__ = ("group_id", "layers", "head_start", "head_stop", "token_start", "token_stop", "bin_tokens")
