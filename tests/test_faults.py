@@ -235,10 +235,10 @@ def test_a_retry_reads_only_the_ranks_that_did_not_land(daemons):
     assert_no_leaks(p.grpc, d.grpc)
 
 
-def _stalled_first_pull(daemons):
+def _stalled_first_pull(daemons, *d_args: str):
     """D, allowed one pull at a time, holds its slot with a pull whose read P's proxy stalls."""
     p, proxy = prefill_behind_proxy(daemons)
-    d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30")
+    d = daemons.start("decode", "--max-concurrent-pulls", "1", "--stall-timeout-seconds", "30", *d_args)
     pw, dw = make_worker(p.grpc, "prefill", **BIG), make_worker(d.grpc, "decode", **BIG)
     proxy.stall_after = 1 << 20
     first = pw.client.publish("first", [list(range(1, 200))], 199 * 16, lease_seconds=30)
@@ -278,7 +278,7 @@ def _loop_stalls(*daemons) -> str:
         try:
             total = scrape(d.metrics_url, "kvd_event_loop_lag_seconds_count")
             slow = total - scrape(d.metrics_url, "kvd_event_loop_lag_seconds_bucket", le="0.25")
-        except Exception as e:
+        except Exception as e:  # it only explains a failure: it must not replace its message
             out.append(f"{d.engine_id}: loop pings not scraped ({e!r})")
             continue
         out.append(f"{d.engine_id}: {slow:g} of {total:g} loop pings waited over 0.25 s")
@@ -313,16 +313,20 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons, lease, transit,
     assert dw.mismatch(3, [600, 601], 32) is None
 
 
-def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemons):
+@pytest.mark.parametrize("published_after", [0.0, 2.5], ids=["published-at-once", "published-past-a-resolves-wait"])
+def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemons, published_after):
     """Params as vLLM's scheduler makes them (no generation, no lease: the
     daemon's own) name nothing to renew. A queued pull resolves them while it
     waits, which also tells D the lease P holds (3 s here, not the 120 s
-    default), and the heartbeat keeps that lease past three of its lengths."""
-    p, d, proxy, pw, dw = _stalled_first_pull(daemons)
+    default), and the heartbeat keeps that lease past three of its lengths.
+    P may publish later than one resolve waits for (1 s here): the queued
+    pull tries again."""
+    p, d, proxy, pw, dw = _stalled_first_pull(daemons, "--publish-wait-seconds", "1")
     cap = secrets.token_bytes(32)
     params = scheduler_params(p.grpc, "prefill", "second", cap, [500, 501], 32)
     params.remote_tp_size = 1
     dw.client.pull("second", params, [[600, 601]])  # queued behind the stalled pull
+    time.sleep(published_after)
     pw.client.publish("second", [[500, 501]], 32, capability=cap, lease_seconds=3.0)
     least = _least_lease_left(p.grpc, "second", 9.0)
     proxy.release()

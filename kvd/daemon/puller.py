@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from kvd.core import errors
 from kvd.core.aggregate import Outcome
 from kvd.core.digest import VerifyMismatch
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
@@ -46,6 +45,7 @@ from kvd.daemon.outbound import PeerChannels, Tasks
 from kvd.daemon.peers import Handshakes
 from kvd.daemon.registration import Registration
 from kvd.daemon.registry import Registry
+from kvd.daemon.resolver import Resolver
 from kvd.daemon.segment_size import segment_bytes
 from kvd.daemon.verifier import Verifier
 from kvd.transport.tcp_client import TcpDataClient
@@ -77,6 +77,7 @@ class Puller:
         self.striping = (Striping(config.stripes_per_read, config.stripe_min_bytes, config.qos_read_bytes if config.qos_on else 0)
                          if config.transport == "tcp" else Striping())
         self._slots = asyncio.Semaphore(config.max_concurrent_pulls)
+        self.resolver = Resolver(channels, config.publish_wait_seconds, config.max_concurrent_pulls)
         # Kept for 2 x pull_timeout after each pull, so compact: numpy ids (a Python list of
         # 1024 ids is ~37 KB; at a few hundred pulls a second the lists alone held hundreds of MB).
         self._replica_done: dict[tuple[str, bytes, RankKey], asyncio.Future[list[np.ndarray]]] = {}
@@ -156,7 +157,7 @@ class Puller:
         phase = self.metrics.pull_phase_seconds
         try:
             if self._slots.locked() and not active.params.generation and self._replica_source(rank) is None:
-                active.resolving = asyncio.create_task(self._resolve_queued(active))
+                active.resolving = asyncio.create_task(self.resolver.while_queued(active))
             async with self._slots:
                 t0 = time.perf_counter()
                 phase.labels("queued").observe(t0 - active.accepted)
@@ -248,14 +249,15 @@ class Puller:
             progress.phase = "copy"
             return await self._copy_from_replica(reg, active, (source, rank[1]), local_ids)
         phase = self.metrics.pull_phase_seconds
-        if not active.params.generation:
-            progress.phase = "resolve"
+        if active.resolving is not None or not active.params.generation:
+            progress.phase = "resolve"  # which also ends the queued pull's own tries
             t = time.perf_counter()
             if active.resolving is not None:
-                await asyncio.wait([active.resolving])  # begun while it queued: resolved again below if that failed
+                active.resolving.cancel()  # still trying: its next answer would be this one's
+                active.resolving = None
             if not active.params.generation:
                 # Before the handshake: it fills in the epoch the handshake is cached by.
-                active.params = await self._resolve(active.params)
+                active.params = await self.resolver.resolve(active.params)
             phase.labels("resolve").observe(time.perf_counter() - t)
         params = active.params
         progress.phase = "handshake"
@@ -344,33 +346,6 @@ class Puller:
                 seen = np.zeros(int(every.max()) + 1, dtype=bool)
                 seen[every] = True
                 m.blocks_received.labels(transport).inc(int(np.count_nonzero(seen)))
-
-    async def _resolve_queued(self, active: ActivePull) -> None:
-        """Resolve a queued pull's params while it waits for a slot: P's lease
-        has run since it published, and the heartbeat can renew a known
-        generation only. A failure is left to the pull's own resolve, which
-        tells it, with a wait of its own, once the pull has its slot."""
-        try:
-            resolved = await self._resolve(active.params)
-        except (KvdError, OSError) as e:
-            log.debug("resolving queued pull request_id=%s failed (the pull resolves again): %s", active.request.request_id, e)
-            return
-        if not active.params.generation:
-            active.params = resolved
-            active.next_renew = time.monotonic()  # renewed at the next heartbeat
-
-    async def _resolve(self, params: TransferParams) -> TransferParams:
-        """``params`` made before P published, with what P resolved: the
-        generation (and epoch; the blocks, if none were known; ``stream``)."""
-        wait = self.config.publish_wait_seconds
-        t0 = time.monotonic()
-        try:
-            resolution = await self.channels.resolve(params.remote_address, params.remote_engine_id, params.request_id,
-                                                     params.capability, wait, timeout=wait + 10)
-        except grpc.aio.AioRpcError as e:
-            raise errors.from_code(e.code().name, f"resolving request_id={params.request_id!r} on {params.remote_address} "
-                                   f"(after {time.monotonic() - t0:.1f}s): {e.details()}") from None
-        return params.resolved(resolution)
 
     # ------------------------------------------------------------ replicas
 
