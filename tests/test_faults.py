@@ -313,15 +313,16 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons, lease, transit,
     assert dw.mismatch(3, [600, 601], 32) is None
 
 
-@pytest.mark.parametrize("published_after", [0.0, 2.5], ids=["published-at-once", "published-past-a-resolves-wait"])
-def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemons, published_after):
+@pytest.mark.parametrize(("published_after", "resolve_wait"), [(0.0, "1"), (2.5, "1"), (2.5, "0")],
+                         ids=["published-at-once", "published-past-a-resolves-wait", "resolves-that-do-not-wait"])
+def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemons, published_after, resolve_wait):
     """Params as vLLM's scheduler makes them (no generation, no lease: the
     daemon's own) name nothing to renew. A queued pull resolves them while it
     waits, which also tells D the lease P holds (3 s here, not the 120 s
     default), and the heartbeat keeps that lease past three of its lengths.
-    P may publish later than one resolve waits for (1 s here): the queued
-    pull tries again."""
-    p, d, proxy, pw, dw = _stalled_first_pull(daemons, "--publish-wait-seconds", "1")
+    P may publish later than one resolve waits for (1 s here, or none): the
+    queued pull tries again, at most once a second."""
+    p, d, proxy, pw, dw = _stalled_first_pull(daemons, "--publish-wait-seconds", resolve_wait)
     cap = secrets.token_bytes(32)
     params = scheduler_params(p.grpc, "prefill", "second", cap, [500, 501], 32)
     params.remote_tp_size = 1
@@ -336,6 +337,8 @@ def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemo
     left = "none, P had dropped it" if least is None else f"{least:.2f} s"
     assert got.outcome == "done", f"{got.reason} (the least lease P had left while it was queued: {left}; {_loop_stalls(p, d)})"
     assert dw.mismatch(3, [600, 601], 32) is None
+    refused = p.log().count("resolve refused request_id=second")
+    assert refused <= published_after + 2, f"{refused} resolves refused in the {published_after} s before P published"
 
 
 def test_a_queued_pull_whose_publication_ended_fails_without_waiting_for_a_slot(daemons):

@@ -50,7 +50,7 @@ class Heartbeat:
             due: dict[tuple[str, str], list[ActivePull]] = {}
             for p in self.pulls.values():
                 # Unresolved params name no generation to renew: a queued pull resolves them while it
-                # waits (the puller's _resolve_queued), and is renewed from then on, by P's own lease.
+                # waits (Resolver.while_queued), and is renewed from then on, by P's own lease.
                 if now >= p.next_renew and p.params.generation and not p.lease_gone:
                     p.next_renew = now + renew_interval(p.params)
                     # One call per owner engine: a daemon refuses leases it is not the engine of.

@@ -18,7 +18,7 @@ from kvd.daemon.outbound import PeerChannels
 
 log = logging.getLogger("kvd.daemon")
 
-RETRY_SECONDS = 1.0  # a queued pull's next try after P was busy or away
+RETRY_SECONDS = 1.0  # a queued pull tries at most this often
 
 
 class Resolver:
@@ -47,13 +47,19 @@ class Resolver:
         that will not change (the publication ended, bad params) is left to
         the pull's own resolve, which reports it once the pull has its slot.
         At most ``queued_at_once`` at once (``max_concurrent_pulls``), so
-        queued pulls hold no more of P's pending resolves than running ones."""
+        queued pulls hold no more of P's pending resolves than running ones
+        (past that, P refuses resolves, and a pull with its slot would fail);
+        so a queue of pulls P has not published yet can hold the others'
+        tries back by a resolve's wait a round (10 s by default, against a
+        lease of 120 s)."""
         rid = active.request.request_id
         while active.progress.phase == "queued":
+            t0 = time.monotonic()
             try:
                 async with self._queued:
                     resolved = await self.resolve(active.params)
-            except PermissionDenied:  # not published within the wait
+            except PermissionDenied:  # not published within the wait (none, where a side's publish_wait_seconds is 0)
+                await asyncio.sleep(max(0.0, RETRY_SECONDS - (time.monotonic() - t0)))
                 continue
             except (Unavailable, ResourceExhausted, DeadlineExceeded, OSError) as e:
                 log.debug("resolving queued pull request_id=%s: %s; again in %g s", rid, e, RETRY_SECONDS)
