@@ -285,6 +285,19 @@ def _loop_stalls(*daemons) -> str:
     return "; ".join(out)
 
 
+def _second_lands_after_queueing(p, d, proxy, dw, seconds: float) -> None:
+    """Keep 'second' queued behind the stalled first pull for ``seconds``, then
+    let the first go: 'second' must land exactly, its lease kept meanwhile."""
+    least = _least_lease_left(p.grpc, "second", seconds)
+    proxy.release()
+    f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
+    proxy.close()
+    got = f.details[("recving", "second")]
+    left = "none, P had dropped it" if least is None else f"{least:.2f} s"
+    assert got.outcome == "done", f"{got.reason} (the least lease P had left while it was queued: {left}; {_loop_stalls(p, d)})"
+    assert dw.mismatch(3, [600, 601], 32) is None
+
+
 # (lease, transit, queued for). Each renewal has at most two thirds of a lease to reach P, less
 # the wait for the heartbeat's next 0.1 s tick: the 1 s lease this case had left 0.57-0.67 s,
 # which CI's own-test pass (nice 10, beside the engines and the environment builds) overran
@@ -303,14 +316,7 @@ def test_queued_pull_keeps_its_lease_alive_by_heartbeat(daemons, lease, transit,
     time.sleep(transit)
     dw.client.pull("second", second, [[600, 601]])  # queued behind the stalled pull
     # Past the lease's first end: three lease lengths, or one after a late arrival.
-    least = _least_lease_left(p.grpc, "second", queued)
-    proxy.release()
-    f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
-    proxy.close()
-    got = f.details[("recving", "second")]
-    left = "none, P had dropped it" if least is None else f"{least:.2f} s"
-    assert got.outcome == "done", f"{got.reason} (the least lease P had left while it was queued: {left}; {_loop_stalls(p, d)})"
-    assert dw.mismatch(3, [600, 601], 32) is None
+    _second_lands_after_queueing(p, d, proxy, dw, queued)
 
 
 @pytest.mark.parametrize(("published_after", "resolve_wait"), [(0.0, "1"), (2.5, "1"), (2.5, "0")],
@@ -329,14 +335,7 @@ def test_a_queued_pull_with_params_made_before_the_publish_keeps_its_lease(daemo
     dw.client.pull("second", params, [[600, 601]])  # queued behind the stalled pull
     time.sleep(published_after)
     pw.client.publish("second", [[500, 501]], 32, capability=cap, lease_seconds=3.0)
-    least = _least_lease_left(p.grpc, "second", 9.0)
-    proxy.release()
-    f = dw.client.wait_finished(recving={"first", "second"}, timeout=60)
-    proxy.close()
-    got = f.details[("recving", "second")]
-    left = "none, P had dropped it" if least is None else f"{least:.2f} s"
-    assert got.outcome == "done", f"{got.reason} (the least lease P had left while it was queued: {left}; {_loop_stalls(p, d)})"
-    assert dw.mismatch(3, [600, 601], 32) is None
+    _second_lands_after_queueing(p, d, proxy, dw, 9.0)
     refused = p.log().count("resolve refused request_id=second")
     assert refused <= published_after + 2, f"{refused} resolves refused in the {published_after} s before P published"
 

@@ -27,7 +27,7 @@ import pytest
 from kvd.daemon.metrics import PULL_PHASES
 from kvd.regions import shm
 from tests import vllm_env
-from tests.conftest import REPO, Daemons, scrape
+from tests.conftest import REPO, Daemons, scrape, wait_for
 from tests.vllm_support import (
     BYTES_PER_BLOCK_PER_LAYER,
     HEAD_DIM,
@@ -245,9 +245,11 @@ def _through_kvd_proxy(pd: OpenAIPD, model_dir: Path, log: Path, prompts: list[l
         assert scrape(pd.p_metrics, "kvd_stream_layers_saved_total") - saves == len(prompts) * LAYERS
         # The reports are one-way: the step's end (which D's read does not
         # wait for) may still be on its way when D's tokens are back.
-        deadline, expected_reports = time.monotonic() + 10, len(prompts) * (LAYERS + 1)
-        while (got := scrape(pd.p_metrics, "kvd_stream_layer_save_reports_total") - reports) < expected_reports and time.monotonic() < deadline:
-            time.sleep(0.05)
+        expected_reports = len(prompts) * (LAYERS + 1)
+        def reports_since() -> float:
+            return scrape(pd.p_metrics, "kvd_stream_layer_save_reports_total") - reports
+        wait_for(lambda: reports_since() >= expected_reports, 10, f"fewer than {expected_reports} LayersSaved reports within 10 s")
+        got = reports_since()
         assert got == expected_reports, f"{got} LayersSaved reports for {len(prompts)} prompts of {LAYERS} layers"
 
 
