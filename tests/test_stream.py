@@ -163,6 +163,23 @@ def test_refused_layers_saved_names_the_request(daemons):
         pw.client.flush_saves()
 
 
+def test_layers_saved_past_the_model_is_refused_by_name(daemons):
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
+    dw.fill(5, IDS)
+    params = pw.client.publish("r", [IDS], NTOK, stream=True)
+    dw.client.pull("r", params, [IDS])
+    with pytest.raises(KvdError) as e:
+        pw.client.layers_saved(["r"], SHAPE["layers"] + 1, wait=True)
+    assert e.value.status.name == "INVALID_ARGUMENT" and "layers_saved=9" in e.value.message and "num_layers=8" in e.value.message
+    time.sleep(0.3)
+    assert dw.mismatch(5, IDS, NTOK) is None  # refused: nothing was said saved, nothing crossed
+    compute(pw, 7, range(SHAPE["layers"]))  # every layer, the last saying all 8: accepted
+    f = dw.client.wait_finished(recving={"r"}, timeout=30)
+    assert f.details[("recving", "r")].outcome == "done" and not f.invalid_block_ids
+    assert dw.mismatch(7, IDS, NTOK) is None
+
+
 def test_pull_dispatched_before_prefill_published_resolves_its_blocks(daemons):
     """As ``kvd proxy --prefill-kvd`` dispatches: D's pull names only P's
     daemon, the request and a capability the proxy picked; P publishes

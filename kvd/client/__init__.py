@@ -195,7 +195,8 @@ class KvdClient:
         """Layer-wise streaming: every model layer below ``layers_saved`` of
         these streaming publications is written on this rank. Sent without
         waiting (prefill must never wait on the network); a call the daemon
-        refused raises from a later one, or from ``flush_saves``."""
+        refused raises from a later one, or from ``flush_saves``. A count past
+        the model's layers is refused (``InvalidArgument``)."""
         req = pb.LayersSavedRequest(worker=self._wid, request_ids=list(request_ids), layers_saved=layers_saved)
         earlier = len(self._saves)
         if wait:
