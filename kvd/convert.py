@@ -11,6 +11,7 @@ import numpy as np
 
 from kvd.core.aggregate import Outcome, WorkerFinished
 from kvd.core.digest import DigestAnswer, DigestQuery, DigestRows, RowSample
+from kvd.core.engine_meta import EngineLayout, EngineMeta
 from kvd.core.errors import InvalidArgument
 from kvd.core.groups import FULL, GroupKind
 from kvd.core.reads import DataRead, DataSegment
@@ -33,8 +34,6 @@ from kvd.core.requests import (
 )
 from kvd.core.session import Descriptors
 from kvd.core.spec import (
-    EngineLayout,
-    EngineMeta,
     GroupSpec,
     KVCacheSpec,
     LayerSpec,

@@ -1,5 +1,6 @@
-"""KV cache specs and engine shapes, for workers: ``kvd.core.spec`` and ``kvd.core.groups`` are their home."""
+"""KV cache specs and engine shapes, for workers: ``kvd.core.spec``, ``kvd.core.groups`` and ``kvd.core.engine_meta`` are their home."""
 
+from kvd.core.engine_meta import EngineLayout, EngineMeta, compat_fields, fingerprint
 from kvd.core.groups import (
     CHUNKED_LOCAL,
     FULL,
@@ -15,16 +16,12 @@ from kvd.core.spec import (
     DTYPE_SIZES,
     KNOWN_DIMS,
     NAMED_LAYOUTS,
-    EngineLayout,
-    EngineMeta,
     GroupSpec,
     KVCacheSpec,
     LayerSpec,
     ModelInfo,
     TensorRef,
     WorkerId,
-    compat_fields,
-    fingerprint,
     infer_spec,
     layout_name,
     parse_layout,

@@ -126,8 +126,8 @@ def test_reads_of_an_owner_that_counts_acks_the_old_way_are_not_cut_by_the_cap()
     0.2.0) counted their ACKs against the stripes of whichever read ACKed
     last and could end the rank a stripe early. Its reads get whole stripes,
     as before the cap; a current owner's are cut."""
+    from kvd.core.engine_meta import LAYER_STREAM, PER_READER_ACKS
     from kvd.core.pull import Striping
-    from kvd.core.spec import LAYER_STREAM, PER_READER_ACKS
 
     rr = _one_rank_read()
     n = rr.nbytes

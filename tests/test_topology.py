@@ -107,7 +107,8 @@ def _group(layout="NHD", block_size=16, heads=4, group_id=0):
 
 
 def _meta(*groups):
-    from kvd.core.spec import EngineLayout, EngineMeta, ModelInfo
+    from kvd.core.engine_meta import EngineLayout, EngineMeta
+    from kvd.core.spec import ModelInfo
 
     return EngineMeta("p", "epoch", "host", "127.0.0.1:1", 1, 1, ModelInfo(4, 4), (EngineLayout(0, 0, tuple(groups)),))
 

@@ -16,7 +16,7 @@ import pytest
 
 import kvd
 from kvd.client import daemon_status
-from kvd.core.spec import WIRE_VERSION
+from kvd.core.engine_meta import WIRE_VERSION
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from tests.conftest import REPO, make_worker
@@ -107,15 +107,9 @@ def test_an_owner_lists_per_reader_acks_in_its_handshake(daemons):
     import random
 
     from kvd.convert import engine_to_pb
+    from kvd.core.engine_meta import LAYER_STREAM, PER_READER_ACKS, fingerprint
     from kvd.core.requests import Introduction
-    from kvd.core.spec import (
-        LAYER_STREAM,
-        NAMED_LAYOUTS,
-        PER_READER_ACKS,
-        KVCacheSpec,
-        ModelInfo,
-        fingerprint,
-    )
+    from kvd.core.spec import NAMED_LAYOUTS, KVCacheSpec, ModelInfo
     from kvd.testing.sim import make_engine
 
     p = daemons.start("prefill")

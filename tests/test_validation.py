@@ -150,3 +150,33 @@ def test_peer_calls_naming_another_engine_are_refused_and_change_nothing(daemons
     dw.client.pull("r2", params, [[5, 6]])
     f = dw.client.wait_finished(recving={"r2"}, timeout=20)
     assert f.details[("recving", "r2")].outcome == "done" and dw.mismatch(3, [5, 6], 32) is None
+
+
+@pytest.mark.parametrize("size", [{"tp_size": 1 << 31}, {"pp_size": 1 << 31}], ids=["tp", "pp"])
+def test_an_engine_too_wide_is_refused_by_name_and_both_daemons_keep_serving(daemons, size):
+    """TP 2^31 is a valid split of a one-head model: before the bound, a worker
+    registering it, or a peer handshaking with it, held a daemon's event loop
+    walking its ranks (P stopped answering, even SIGTERM)."""
+    from tests.rawpeer import fake_engine, handshake
+
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw = make_worker(p.grpc, "prefill", heads=1)  # registered: a handshake reaches the pairing
+    field, value = next(iter(size.items()))
+    engine = fake_engine(heads=1)
+    setattr(engine, field, value)
+    with pytest.raises(grpc.RpcError) as refused:
+        handshake(p.grpc, engine)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"engine.{field}={value}" in refused.value.details()
+    wide = make_worker(d.grpc, "decode", heads=1, register=False)
+    wide.client._wid = pb.WorkerId(engine_id="decode", **{"tp_size": 1, "pp_size": 1, **size})
+    with pytest.raises(InvalidArgument) as e:
+        wide.register()
+    assert f"worker.{field}={value} must be in [1, " in e.value.message
+
+    dw = make_worker(d.grpc, "decode", heads=1)
+    ids = [1, 2, 3]
+    pw.fill(7, ids)
+    dw.client.pull("r", pw.client.publish("r", [ids], 48), [ids])
+    f = dw.client.wait_finished(recving={"r"}, timeout=15)
+    assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(7, ids, 48) is None

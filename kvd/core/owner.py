@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvd.core.engine_meta import EngineMeta
 from kvd.core.errors import (
     InvalidArgument,
     NotFound,
@@ -40,7 +41,6 @@ from kvd.core.pairing import engine_shape
 from kvd.core.pieces import validate_segment
 from kvd.core.reads import MAX_STRIPES, DataRead
 from kvd.core.relayout import GroupTensors
-from kvd.core.spec import EngineMeta
 from kvd.core.topology import EngineShape, read_targets
 
 
@@ -229,12 +229,10 @@ class Owner:
                 return 1
             merged = dataclasses.replace(daemons[0], ranks=tuple(r for m in daemons for r in m.ranks))
             theirs = engine_shape(merged)
-            count = 0
-            for pp in range(theirs.pp_size):
+            # A stage we know nothing of: assume each of its ranks reads.
+            count = theirs.tp_size * sum(pp not in theirs.layers_by_pp_rank for pp in range(theirs.pp_size))
+            for pp in theirs.layers_by_pp_rank:
                 for tp in range(theirs.tp_size):
-                    if pp not in theirs.layers_by_pp_rank:
-                        count += 1  # a stage we know nothing of: assume it reads
-                        continue
                     home = next((m for m in daemons if m.rank(tp, pp) is not None), None)
                     present = frozenset((r.tp_rank, r.pp_rank) for r in home.ranks) if home else frozenset()
                     targets = read_targets(theirs, mine, tp, pp, present)

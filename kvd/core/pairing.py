@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvd.core.engine_meta import EngineMeta, compat_fields
 from kvd.core.errors import Incompatible
-from kvd.core.spec import EngineMeta, GroupSpec, compat_fields
+from kvd.core.spec import GroupSpec
 from kvd.core.topology import EngineShape, StateSplit, block_ratio, check_pairing, layers_by_stage
 
 # Shapes of the metas seen last, by identity: a meta is immutable, and a

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvd.core.engine_meta import PER_READER_ACKS
 from kvd.core.reads import MAX_STRIPES
-from kvd.core.spec import PER_READER_ACKS
 from kvd.core.transfer import RankRead, stripe
 
 ReadKey = tuple[int, int, int, int, int]

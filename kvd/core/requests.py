@@ -13,8 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvd.core.aggregate import WorkerFinished
+from kvd.core.engine_meta import EngineMeta
 from kvd.core.reads import Offer
-from kvd.core.spec import EngineMeta, GroupSpec, ModelInfo, WorkerId
+from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,8 @@ a special case.
 from __future__ import annotations
 
 import functools
-import hashlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvd.core.errors import InvalidArgument
 from kvd.core.groups import FULL_ATTENTION, GroupKind
@@ -273,6 +272,20 @@ class ModelInfo:
 
 MAX_REQUEST_ID = 256  # vLLM's ids are tens of characters; this bounds what a daemon holds per request
 MAX_ENGINE_ID = 128
+# The widest engines served span tens of GPUs a stage (an NVL72 domain: 72)
+# and a few stages. Pairing and the owner's count of expected readers walk an
+# engine's ranks: unbounded, one worker's or peer's tp_size of 2^31 (valid
+# for a one-head model) held a daemon's event loop for good.
+MAX_TP_SIZE = 1024
+MAX_PP_SIZE = 256
+
+
+def check_parallel_sizes(field: str, tp_size: int, pp_size: int) -> None:
+    """The one rule for an engine's TP and PP sizes, for its workers and for a peer's handshake."""
+    if not 1 <= tp_size <= MAX_TP_SIZE:
+        raise InvalidArgument(f"{field}tp_size", tp_size, f"must be in [1, {MAX_TP_SIZE}]")
+    if not 1 <= pp_size <= MAX_PP_SIZE:
+        raise InvalidArgument(f"{field}pp_size", pp_size, f"must be in [1, {MAX_PP_SIZE}]")
 
 
 def check_request_id(field: str, value: str) -> str:
@@ -299,9 +312,10 @@ class WorkerId:
 
     def __post_init__(self) -> None:
         check_engine_id("worker.engine_id", self.engine_id)
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+        check_parallel_sizes("worker.", self.tp_size, self.pp_size)
+        if not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument("worker.tp_rank", self.tp_rank, f"must be in [0, tp_size={self.tp_size})")
-        if self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+        if not 0 <= self.pp_rank < self.pp_size:
             raise InvalidArgument("worker.pp_rank", self.pp_rank, f"must be in [0, pp_size={self.pp_size})")
 
     @property
@@ -363,86 +377,3 @@ def infer_spec(
         use_mla=use_mla,
         span_size=int(sizes["span"]) if opaque else 0,
     )
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Everything a peer needs to know about one rank's caches."""
-
-    tp_rank: int
-    pp_rank: int
-    groups: tuple[GroupSpec, ...]
-
-
-# A daemon that serves streaming publications: reads wait for each layer's save.
-LAYER_STREAM = "layer-stream"
-# An owner that ends a striped rank once each reader ACKed all of its own
-# stripes (kvd 0.2.0 counted all ACKs against readers x the last read's).
-PER_READER_ACKS = "per-reader-acks"
-
-# The wire protocol (gRPC API and data plane) this daemon speaks. It goes up
-# by one when a change would break a peer of the previous version; a daemon
-# talks to peers one version either side of its own (rolling upgrades, one
-# node at a time) and refuses the rest at the handshake, naming both.
-# 1: kvd 0.1.0, which did not send it; 2: kvd 0.2.0.
-WIRE_VERSION = 2
-
-
-@dataclass(frozen=True)
-class EngineMeta:
-    """One engine as a peer sees it after the handshake."""
-
-    engine_id: str
-    epoch: str
-    host_id: str
-    data_address: str
-    tp_size: int
-    pp_size: int
-    model: ModelInfo
-    ranks: tuple[EngineLayout, ...] = field(default_factory=tuple)
-    # What the engine's daemon can serve beyond plain pulls (LAYER_STREAM).
-    features: tuple[str, ...] = ()
-    kvd_version: str = ""  # "" from kvd 0.1.0
-    wire_version: int = 1  # kvd 0.1.0 did not say: 1
-
-    def rank(self, tp_rank: int, pp_rank: int) -> EngineLayout | None:
-        for r in self.ranks:
-            if r.tp_rank == tp_rank and r.pp_rank == pp_rank:
-                return r
-        return None
-
-
-def fingerprint(model: ModelInfo, groups: Sequence[GroupSpec]) -> str:
-    """Compatibility fingerprint: layers, heads, head size, dtype, MLA.
-
-    Two engines whose fingerprints differ cannot exchange KV at all; the
-    handshake compares the parts one by one to say which value differs.
-    """
-    h = hashlib.sha256()
-    h.update(f"layers={model.num_layers};heads={model.total_num_kv_heads}".encode())
-    for g in sorted(groups, key=lambda g: g.group_id):
-        s = g.spec
-        h.update(f";g{g.group_id}:hs={s.head_size},dt={s.dtype},mla={s.use_mla},op={s.opaque},sf={s.span_format},k={g.kind}".encode())
-    return h.hexdigest()[:16]
-
-
-def compat_fields(model: ModelInfo, groups: Sequence[GroupSpec]) -> Mapping[str, object]:
-    """The fingerprint's inputs, by name, for error messages."""
-    fields: dict[str, object] = {
-        "num_layers": model.num_layers,
-        "total_num_kv_heads": model.total_num_kv_heads,
-        "num_groups": len(groups),
-    }
-    for g in sorted(groups, key=lambda g: g.group_id):
-        s = g.spec
-        fields[f"group[{g.group_id}].head_size"] = s.head_size
-        fields[f"group[{g.group_id}].dtype"] = s.dtype
-        fields[f"group[{g.group_id}].use_mla"] = s.use_mla
-        fields[f"group[{g.group_id}].opaque"] = s.opaque
-        # Groups that attend differently need different tokens: never paired.
-        fields[f"group[{g.group_id}].kind"] = g.kind.name
-        fields[f"group[{g.group_id}].window_tokens"] = g.kind.window
-        if s.opaque:
-            fields[f"group[{g.group_id}].span_size"] = s.span_size
-            fields[f"group[{g.group_id}].span_format"] = s.span_format
-    return fields

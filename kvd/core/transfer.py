@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvd.core.engine_meta import EngineMeta
 from kvd.core.errors import Incompatible, InvalidArgument
 from kvd.core.groups import FULL
 from kvd.core.pairing import check_group_pairing, engine_shape
@@ -30,7 +31,7 @@ from kvd.core.relayout import (
     wire_shape,
 )
 from kvd.core.sinks import SegmentSink
-from kvd.core.spec import EngineMeta, GroupSpec
+from kvd.core.spec import GroupSpec
 from kvd.core.topology import ReadTarget, read_targets
 
 # A segment is the unit of pipelining: big enough that per-frame cost vanishes

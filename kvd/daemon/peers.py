@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvd.core import errors
+from kvd.core.engine_meta import EngineMeta, fingerprint
 from kvd.core.errors import FailedPrecondition, InvalidArgument, KvdError, Unavailable
 from kvd.core.leases import RankKey
 from kvd.core.pairing import check_compatible
 from kvd.core.relayout import GroupTensors
 from kvd.core.requests import Introduction, RankMemory, TransferParams
-from kvd.core.spec import EngineMeta, fingerprint
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.outbound import PeerChannels

@@ -23,6 +23,7 @@ import numpy as np
 
 from kvd.core.aggregate import Outcome
 from kvd.core.digest import VerifyMismatch
+from kvd.core.engine_meta import LAYER_STREAM, EngineMeta
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
 from kvd.core.leases import RankKey, check_block_ids, check_disjoint
@@ -32,7 +33,7 @@ from kvd.core.pull import PullProgress, RetryPolicy, Striping
 from kvd.core.qos import QosTag, ms_left
 from kvd.core.reader_release import PublicationKey, ReaderRelease, publication
 from kvd.core.requests import PeerAbort, PullOrder, TransferParams
-from kvd.core.spec import LAYER_STREAM, EngineMeta, WorkerId, check_engine_id, check_request_id
+from kvd.core.spec import WorkerId, check_engine_id, check_request_id
 from kvd.core.topology import fanout_source
 from kvd.core.transfer import plan_pull, skipped_bytes
 from kvd.daemon import landing_fault

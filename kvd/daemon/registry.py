@@ -19,6 +19,13 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 
 from kvd import __version__
+from kvd.core.engine_meta import (
+    LAYER_STREAM,
+    PER_READER_ACKS,
+    WIRE_VERSION,
+    EngineLayout,
+    EngineMeta,
+)
 from kvd.core.errors import (
     FailedPrecondition,
     Incompatible,
@@ -30,16 +37,7 @@ from kvd.core.errors import (
 from kvd.core.leases import RankKey
 from kvd.core.relayout import GroupTensors, sharing_groups
 from kvd.core.requests import Region, Registered, Registering
-from kvd.core.spec import (
-    LAYER_STREAM,
-    PER_READER_ACKS,
-    WIRE_VERSION,
-    EngineLayout,
-    EngineMeta,
-    GroupSpec,
-    ModelInfo,
-    WorkerId,
-)
+from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.registration import Registration, check_token, shm_names, token_for

@@ -15,19 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from kvd.core import iov
+from kvd.core.engine_meta import EngineLayout, EngineMeta
 from kvd.core.groups import FULL_ATTENTION, STATE_PART, GroupKind
 from kvd.core.pieces import owner_iov, serve_segment
 from kvd.core.reads import Offer
 from kvd.core.relayout import GroupTensors
-from kvd.core.spec import (
-    EngineLayout,
-    EngineMeta,
-    GroupSpec,
-    KVCacheSpec,
-    LayerSpec,
-    ModelInfo,
-    TensorRef,
-)
+from kvd.core.spec import GroupSpec, KVCacheSpec, LayerSpec, ModelInfo, TensorRef
 from kvd.core.topology import heads_of_rank
 from kvd.core.transfer import plan_pull
 from kvd.state_parts import StateShape
