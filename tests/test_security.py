@@ -217,6 +217,42 @@ def test_reads_need_the_capability_for_exactly_those_blocks_and_that_reader(daem
     refused(short, "replayed after expiry")
 
 
+def _read_all(raw: RawPeer) -> tuple[FrameType, int, bytes]:
+    """A read's frames up to its END or ERROR: (the last type, payload bytes before it, its body)."""
+    total = 0
+    while True:
+        ftype, _, body = raw.recv_frame()
+        if ftype in (FrameType.END, FrameType.ERROR):
+            return ftype, total, body
+        total += len(body)
+
+
+def test_a_read_repeating_a_layer_is_refused_not_served_again_and_again(daemons):
+    """A READ frame holds up to 500k layer positions: before, each was served
+    in full, so one read of a 64 KiB publication listing its 4 layers 10,000
+    times had the owner send 655 MB (measured)."""
+    p = daemons.start("prefill")
+    pw = make_worker(p.grpc, "prefill", layers=4, heads=4)
+    data_token = handshake(p.grpc, fake_engine("reader", layers=4, heads=4)).data_token
+    pw.fill(1, [1, 2, 3, 4])
+    served = {}
+    for name, layers in (("distinct", [0, 1, 2, 3]), ("repeated", [0, 1, 2, 3] * 10_000)):
+        params = pw.client.publish(name, [[1, 2, 3, 4]], 64)
+        read = pb.DataRead(owner_engine_id="prefill", request_id=name, generation=params.generation, capability=params.capability, head_count=4)
+        read.segments.add(group_id=0, layers=layers, block_count=4, token_count=16, kv_count=2, head_count=4, block_ids=[1, 2, 3, 4])
+        raw = RawPeer(p.info["data"])
+        try:
+            assert raw.hello("reader", "e1", data_token)[0] is FrameType.HELLO_OK
+            raw.send(FrameType.READ, read.SerializeToString())
+            served[name] = _read_all(raw)
+        finally:
+            raw.close()
+    assert served["distinct"][:2] == (FrameType.END, 4 * 4 * 16 * 4 * 16 * 2 * 2)  # layers x blocks x tokens x heads x dim x K,V x bf16
+    ftype, nbytes, body = served["repeated"]
+    assert (ftype, nbytes) == (FrameType.ERROR, 0)
+    assert b"INVALID_ARGUMENT" in body and b"segment.layers" in body and b"40000 positions, 4 distinct" in body
+
+
 # ---------------------------------------------------------------- fuzzing
 
 

@@ -251,6 +251,9 @@ def validate_segment(group: GroupTensors, seg: DataSegment, head_start: int, hea
     n_layers = len(group.layer_indices)
     if not seg.layers or max(seg.layers) >= n_layers:
         raise InvalidArgument("segment.layers", list(seg.layers)[:8], f"must be non-empty positions in [0, {n_layers})")
+    if len(set(seg.layers)) != len(seg.layers):
+        # Each is served in full: a list repeating them (a READ frame holds 500k) multiplied one read's bytes without bound.
+        raise InvalidArgument("segment.layers", f"<{len(seg.layers)} positions, {len(set(seg.layers))} distinct>", "must not repeat a layer")
     tokens = 1 if spec.opaque else spec.block_size
     if seg.token_count <= 0 or seg.token_start + seg.token_count > tokens:
         raise InvalidArgument("segment.token_start", seg.token_start, f"with count {seg.token_count} is outside [0, {tokens})")
