@@ -180,3 +180,27 @@ def test_an_engine_too_wide_is_refused_by_name_and_both_daemons_keep_serving(dae
     dw.client.pull("r", pw.client.publish("r", [ids], 48), [ids])
     f = dw.client.wait_finished(recving={"r"}, timeout=15)
     assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(7, ids, 48) is None
+
+
+def test_a_lease_that_is_not_a_duration_is_refused_by_name(daemons):
+    """Before, a publish's NaN or negative lease quietly became the default
+    and inf held the blocks for good (``kvd status``: "expires in infs");
+    a pull's params with an infinite lease made its renewals never come."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    for bad in (float("nan"), -1.0, float("inf"), 86400.5):
+        with pytest.raises(InvalidArgument) as e:
+            pw.client.publish(f"bad-{bad}", [[1]], 16, lease_seconds=bad)
+        assert f"lease_seconds={bad!r}" in e.value.message and "must be in [0, 86400]" in e.value.message
+    assert pw.client.publish("default", [[1]], 16).lease_seconds == 120.0  # 0: the daemon's default
+    assert pw.client.publish("a-day", [[2]], 16, lease_seconds=86400.0).lease_seconds == 86400.0
+    pw.fill(5, [3])
+    params = pw.client.publish("r", [[3]], 16)
+    forever = pb.TransferParams()
+    forever.CopyFrom(params)
+    forever.lease_seconds = float("inf")
+    with pytest.raises(InvalidArgument, match=r"params.lease_seconds=inf must be in \[0, 86400\]"):
+        dw.client.pull("r", forever, [[4]])
+    dw.client.pull("r", params, [[4]])  # the same pull with P's own lease
+    f = dw.client.wait_finished(recving={"r"}, timeout=15)
+    assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(5, [4], 16) is None

@@ -39,6 +39,17 @@ ReaderKey = tuple[str, int, int]  # a reading rank: (engine id, tp_rank, pp_rank
 # What a publish holds its blocks for, with no renewal, unless the daemon's
 # --lease-seconds or the publish says otherwise.
 DEFAULT_LEASE_SECONDS = 120.0
+# A lease is how long P holds blocks for a reader that does not come. Past a
+# day that is a leak, not a wait; before this bound a publish's NaN or
+# negative lease quietly became the default, and inf held its blocks forever.
+MAX_LEASE_SECONDS = 86400.0
+
+
+def check_lease_seconds(field_name: str, value: float) -> float:
+    """A publish's lease: 0 (the daemon's default) or up to ``MAX_LEASE_SECONDS``."""
+    if not 0 <= value <= MAX_LEASE_SECONDS:  # NaN fails too
+        raise InvalidArgument(field_name, value, f"must be in [0, {MAX_LEASE_SECONDS:g}] seconds (0: the daemon's default)")
+    return value
 # A rank's layer watermark when it published whole (not streaming): every layer is saved.
 ALL_LAYERS = 1 << 31
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.core.errors import InvalidArgument
-from kvd.core.leases import DEFAULT_LEASE_SECONDS
+from kvd.core.leases import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS
 from kvd.core.qos import parse_shares
 from kvd.core.spec import WorkerId
 from kvd.core.transfer import DEFAULT_SEGMENT_BYTES, IN_PLACE_SEGMENT_BYTES, STRIPE_MIN_BYTES
@@ -127,7 +127,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "grpc_port": (lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
     "data_port": (lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
     "metrics_port": (lambda v: -1 <= v <= 65535, "a port in [0, 65535], or -1 for none"),
-    "lease_seconds": (lambda v: v > 0, "> 0"),
+    "lease_seconds": (lambda v: 0 < v <= MAX_LEASE_SECONDS, f"in (0, {MAX_LEASE_SECONDS:g}]"),
     "segment_bytes": (lambda v: 4096 <= v <= 1 << 30, "in [4096, 1 GiB]"),
     "in_place_segment_bytes": (lambda v: 4096 <= v <= 1 << 30, "in [4096, 1 GiB]"),
     "connections_per_peer": (lambda v: 1 <= v <= 64, "in [1, 64]"),

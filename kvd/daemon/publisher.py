@@ -28,7 +28,7 @@ from kvd.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvd.core.leases import Ended, PublicationTable
+from kvd.core.leases import Ended, PublicationTable, check_lease_seconds
 from kvd.core.owner import Grant, Owner
 from kvd.core.pieces import (
     GatherStaging,
@@ -79,7 +79,7 @@ class Publisher:
     def publish(self, req: PublishOrder, token: bytes | None = None) -> TransferParams:
         assert req.worker is not None  # a worker's publish (convert.publish_from_pb)
         reg = self.registry.registered(req.worker, token)
-        self._check_open(req.num_tokens)
+        self._check_open(req)
         return self._publish_ranks([reg], req, stream=req.stream)
 
     def publish_engine(self, req: PublishOrder, token: bytes) -> TransferParams:
@@ -88,7 +88,7 @@ class Publisher:
         refused unless every rank of the engine is registered here with the
         same groups, and then no rank can refuse what the first accepted."""
         self.registry.check_engine_token(req.engine_id, token)
-        self._check_open(req.num_tokens)
+        self._check_open(req)
         regs = [self.registry.by_rank[k] for k in sorted(self.registry.by_rank)]
         world = self.registry.world  # check_engine_token found a registration
         if len(regs) != world:
@@ -101,11 +101,12 @@ class Publisher:
             raise FailedPrecondition(f"the ranks of engine {req.engine_id!r} registered different KV cache groups; its workers publish for themselves")
         return self._publish_ranks(regs, req, stream=False)
 
-    def _check_open(self, num_tokens: int) -> None:
+    def _check_open(self, req: PublishOrder) -> None:
         if self.draining:
             raise Unavailable("daemon is draining")
-        if num_tokens <= 0:
-            raise InvalidArgument("num_tokens", num_tokens, "must be positive")
+        if req.num_tokens <= 0:
+            raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
+        check_lease_seconds("lease_seconds", req.lease_seconds)
 
     def _publish_ranks(self, regs: list[Registration], req: PublishOrder, *, stream: bool) -> TransferParams:
         """``req`` published on the ranks of ``regs`` (one lock hold), what

@@ -26,7 +26,7 @@ from kvd.core.digest import VerifyMismatch
 from kvd.core.engine_meta import LAYER_STREAM, EngineMeta
 from kvd.core.errors import FailedPrecondition, Incompatible, InvalidArgument, KvdError, Unavailable
 from kvd.core.groups import WINDOWED
-from kvd.core.leases import RankKey, check_block_ids, check_disjoint
+from kvd.core.leases import RankKey, check_block_ids, check_disjoint, check_lease_seconds
 from kvd.core.pairing import engine_shape
 from kvd.core.pieces import copy_blocks
 from kvd.core.pull import PullProgress, RetryPolicy, Striping
@@ -96,6 +96,7 @@ class Puller:
         check_request_id("request_id", req.request_id)
         check_request_id("params.request_id", p.request_id)
         check_engine_id("params.remote_engine_id", p.remote_engine_id)
+        check_lease_seconds("params.lease_seconds", p.lease_seconds)  # paces the renewals: inf would make none
         if p.remote_engine_id == self.config.engine_id:
             raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "is this daemon's own engine")
         if not p.remote_address or ":" not in p.remote_address:
