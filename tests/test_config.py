@@ -24,6 +24,8 @@ def test_precedence_file_then_env_then_flags(tmp_path):
     [
         ("engine_id: p\nlease_seconds: -1\n", {}, {}, "lease_seconds=-1.0 (from {f}) must be in (0, 86400]"),
         ("engine_id: p\n", {"KVD_LEASE_SECONDS": "inf"}, {}, "lease_seconds=inf (from KVD_LEASE_SECONDS) must be in (0, 86400]"),
+        ("engine_id: p\n", {}, {"stall_timeout_seconds": "inf"}, "stall_timeout_seconds=inf (from --stall-timeout-seconds) must be at most 86400 (a day)"),
+        ("engine_id: p\ndrain_report_seconds: 1e12\n", {}, {}, "drain_report_seconds=1000000000000.0 (from {f}) must be at most 86400 (a day)"),
         ("engine_id: p\n", {"KVD_GRPC_PORT": "http"}, {}, "grpc_port='http' (from KVD_GRPC_PORT) is not a valid int"),
         ("engine_id: p\n", {}, {"same_host": "maybe"}, "same_host='maybe' (from --same-host) must be auto or off"),
         ("engine_id: p\nbogus: 1\n", {}, {}, "bogus (from {f}) is not a config key"),

@@ -122,6 +122,12 @@ class DaemonConfig:
 
 ENV_PREFIX = "KVD_"
 
+# Every *_seconds setting is a wait or a socket timeout. Past a day it is a
+# mistake, and past about 1e11 a socket timeout raises (OverflowError): with
+# stall_timeout_seconds=inf every read failed; drain_report_seconds=inf kept
+# a stopping daemon from exiting.
+MAX_SETTING_SECONDS = 86400.0
+
 # key -> (check, what it must be)
 _RULES: dict[str, tuple[Any, str]] = {
     "grpc_port": (lambda v: 0 <= v <= 65535, "a port in [0, 65535]"),
@@ -152,7 +158,7 @@ _RULES: dict[str, tuple[Any, str]] = {
     "layer_wait_seconds": (lambda v: v > 0, "> 0"),
     "max_pending_resolves": (lambda v: v >= 1, ">= 1"),
     "transport": (lambda v: v in ("tcp", "nixl"), "tcp or nixl"),
-    "nixl_staging_bytes": (lambda v: v >= 1 << 20, ">= 1 MiB"),
+    "nixl_staging_bytes": (lambda v: 1 << 20 <= v <= 1 << 36, "in [1 MiB, 64 GiB]"),
     "nixl_progress_delay_us": (lambda v: 0 <= v <= 1_000_000, "in [0, 1000000]"),
     "verify": (lambda v: v in ("off", "sampled", "full"), "off, sampled or full"),
     "verify_keep_seconds": (lambda v: v > 0, "> 0"),
@@ -247,6 +253,8 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: M
         rule = _RULES.get(key)
         if rule is not None and not rule[0](value):
             raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be {rule[1]}")
+        if key.endswith("_seconds") and not value <= MAX_SETTING_SECONDS:
+            raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be at most {MAX_SETTING_SECONDS:g} (a day)")
     config = DaemonConfig(**values)
     if config.transport == "nixl" and config.auth == "mtls":
         raise ConfigError(f"transport=nixl (from {sources.get('transport', 'default')}) cannot be used with auth=mtls "
