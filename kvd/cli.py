@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         proxy_arguments(px)
 
     st = sub.add_parser("status", help="show a daemon's workers, peers and work")
-    st.add_argument("address")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("address", help="the daemon's gRPC address, host:port (or unix:PATH)")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--auth", default="none", choices=["none", "token", "mtls"], help="as the daemon's")
-    st.add_argument("--token-file", default="")
-    st.add_argument("--tls-cert-file", default="")
-    st.add_argument("--tls-key-file", default="")
-    st.add_argument("--tls-ca-file", default="")
+    st.add_argument("--token-file", default="", help="with --auth token: the file holding the shared token")
+    st.add_argument("--tls-cert-file", default="", help="with --auth mtls: this client's certificate")
+    st.add_argument("--tls-key-file", default="", help="with --auth mtls: its private key")
+    st.add_argument("--tls-ca-file", default="", help="with --auth mtls: the CA that signed the daemon's certificate")
 
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -82,3 +82,40 @@ def test_json_logs_are_one_object_a_line(daemons):
     serving = next(x for x in lines if x["msg"] == "kvd serving")
     assert serving["engine_id"] == "decode" and serving["level"] == "info"
     assert any(x["msg"] == "registered" and x["worker"].startswith("decode") for x in lines)
+
+
+def test_every_cli_option_says_what_it_is(monkeypatch, capsys):
+    import argparse
+
+    from kvd import cli
+
+    seen: list[argparse.Action] = []
+    add = argparse._ActionsContainer.add_argument
+
+    def record(self, *args, **kwargs):
+        action = add(self, *args, **kwargs)
+        seen.append(action)
+        return action
+
+    monkeypatch.setattr(argparse._ActionsContainer, "add_argument", record)
+    for command in ("serve", "demo", "bench", "proxy", "status"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+    assert len(seen) > 80
+    assert [a.option_strings or a.dest for a in seen if not a.help] == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["demo", "--requests", "0"], "kvd demo: error: argument --requests: must be at least 1, got 0"),
+    (["demo", "--block-size", "0"], "kvd demo: error: argument --block-size: must be at least 1, got 0"),
+    (["demo", "--min-tokens", "100", "--max-tokens", "10"], "kvd demo: --min-tokens=100 must be at most --max-tokens=10"),
+    (["bench", "--load-seconds", "inf"], "kvd bench: error: argument --load-seconds: must be a finite number above 0, got inf"),
+    (["proxy", "--prefill", "http://a:1", "--decode", "http://b:2", "--port", "70000"],
+     "kvd proxy: error: argument --port: must be in [0, 65535], got 70000"),
+])
+def test_a_bad_tool_option_is_one_line_naming_it(argv, message):
+    """Before, these were tracebacks (ZeroDivisionError, bind's OverflowError,
+    randrange's ValueError) or a demo of 0 requests that reported success."""
+    r = subprocess.run([sys.executable, "-m", "kvd", *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 if "error: argument" in message else r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == message and "Traceback" not in r.stderr

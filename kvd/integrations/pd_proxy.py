@@ -223,8 +223,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", required=True, help="decode server base URL (repeatable)")
     p.add_argument("--prefill-kvd", action="append", default=[],
                    help="each --prefill server's kvd daemon (host:port, in order): stream layer by layer, sending to prefill and decode at once")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="the port to listen on (0: any free one)")
+
+
+def _port(text: str) -> int:
+    """A TCP port, checked as it is parsed: bind's own error was a traceback."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kvd.tools.arguments import POSITIVE, seconds
 from kvd.tools.bench_control import bench_control
 from kvd.tools.bench_gpu import bench_gpu
 from kvd.tools.bench_load import bench_load
@@ -56,11 +57,7 @@ TRIES_PER_ROUND = 3  # the CPU per GB is the median of a round's tries: at least
 def run_bench(args: argparse.Namespace) -> int:
     """``--repeat`` rounds, each measuring every figure beside its baseline;
     the verdict is each figure's worst round."""
-    torch.set_num_threads(1)
-    if args.repeat < 1:
-        raise SystemExit(f"kvd bench: --repeat={args.repeat} must be at least 1 (rounds)")
-    if "load" in args.sections and not args.load_seconds > 0:
-        raise SystemExit(f"kvd bench: --load-seconds={args.load_seconds:g} must be positive")
+    torch.set_num_threads(1)  # every option was checked as it was parsed (kvd/tools/arguments.py)
 
     def say(line: str) -> None:
         # With --json the figures are stdout's; the progress of a 20-minute run goes to stderr.
@@ -140,22 +137,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", nargs="+", default=["relayout", "transport", "control", "stream", "verify", "qos", "load", "gpu"],
                    choices=["relayout", "transport", "control", "stream", "verify", "qos", "load", "gpu"],
                    help="gpu is measured only where CUDA is available; load runs once, after the rounds")
-    p.add_argument("--transfer-mib", type=int, default=256, help="bytes of one transport request")
-    p.add_argument("--latency-requests", type=int, default=200)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--stream-layers", type=int, default=32, help="stream section: model layers (a real model's count: streaming's gain is per layer)")
-    p.add_argument("--stream-kv-heads", type=int, default=2)
-    p.add_argument("--stream-us-per-token", type=float, default=3.0,
+    p.add_argument("--transfer-mib", type=POSITIVE, default=256, help="bytes of one transport request")
+    p.add_argument("--latency-requests", type=POSITIVE, default=200, help="transport section: small requests timed for p50 and p99")
+    p.add_argument("--layers", type=POSITIVE, default=8, help="relayout and control sections (and the state row): model layers")
+    p.add_argument("--kv-heads", type=POSITIVE, default=8, help="relayout and control sections (and the state row): KV heads")
+    p.add_argument("--head-size", type=POSITIVE, default=128, help="relayout, control and stream sections: head size")
+    p.add_argument("--tokens", type=POSITIVE, default=4096, help="relayout section: tokens of one request")
+    p.add_argument("--stream-layers", type=POSITIVE, default=32, help="stream section: model layers (a real model's count: streaming's gain is per layer)")
+    p.add_argument("--stream-kv-heads", type=POSITIVE, default=2, help="stream section: KV heads")
+    p.add_argument("--stream-us-per-token", type=seconds(positive=False), default=3.0,
                    help="stream section: prefill compute per token per layer (3: an 8B model on one H100)")
-    p.add_argument("--stream-tokens", type=int, nargs="+", default=list(TOKENS), help="stream section: prompt lengths")
-    p.add_argument("--load-seconds", type=float, default=300.0, help="load section: how long the daemons move requests")
-    p.add_argument("--verify-layers", type=int, default=32,
+    p.add_argument("--stream-tokens", type=POSITIVE, nargs="+", default=list(TOKENS), help="stream section: prompt lengths")
+    p.add_argument("--load-seconds", type=seconds(positive=True), default=300.0, help="load section: how long the daemons move requests")
+    p.add_argument("--verify-layers", type=POSITIVE, default=32,
                    help="verify section: model layers (a real model's count: a sample's cost is per token, and a 4-layer model has 8x fewer bytes a token)")
-    p.add_argument("--qos-bulk-mib", type=int, default=1024, help="qos section: bytes of one bulk pull")
-    p.add_argument("--qos-small-mib", type=int, default=4, help="qos section: bytes of one small pull")
-    p.add_argument("--qos-small-pulls", type=int, default=40, help="qos section: small pulls timed idle, and twice as many under bulk")
-    p.add_argument("--qos-share-seconds", type=float, default=3.0, help="qos section: the window tenants' bytes are counted over")
-    p.add_argument("--repeat", type=int, default=3, help="rounds; each figure is reported as its worst round")
+    p.add_argument("--qos-bulk-mib", type=POSITIVE, default=1024, help="qos section: bytes of one bulk pull")
+    p.add_argument("--qos-small-mib", type=POSITIVE, default=4, help="qos section: bytes of one small pull")
+    p.add_argument("--qos-small-pulls", type=POSITIVE, default=40, help="qos section: small pulls timed idle, and twice as many under bulk")
+    p.add_argument("--qos-share-seconds", type=seconds(positive=True), default=3.0, help="qos section: the window tenants' bytes are counted over")
+    p.add_argument("--repeat", type=POSITIVE, default=3, help="rounds; each figure is reported as its worst round")

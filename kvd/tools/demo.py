@@ -26,6 +26,7 @@ from kvd.core.qos import parse_shares
 from kvd.core.spec import WorkerId
 from kvd.testing.daemons import DaemonDidNotStart, DaemonProc, start_daemon
 from kvd.testing.metrics import scrape
+from kvd.tools.arguments import COUNT, POSITIVE, seconds
 from kvd.tools.demo_worker import EngineConfig, ModelConfig, Prefill, worker_main
 
 # ---------------------------------------------------------------- driver
@@ -103,6 +104,8 @@ def call_workers(conns: Sequence[Connection], cmd: str, args: Sequence[Any]) -> 
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.min_tokens > args.max_tokens:
+        raise SystemExit(f"kvd demo: --min-tokens={args.min_tokens} must be at most --max-tokens={args.max_tokens}")
     model = ModelConfig(args.layers, args.kv_heads, args.head_size, args.dtype, args.mla, args.sliding_window, args.full_every, args.mamba_every)
     if args.mamba_every and args.mla:
         raise SystemExit("--mamba-every and --mla do not combine")
@@ -311,35 +314,35 @@ def _progress(done: int, total: int, nbytes: int, seconds: float) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight per batch")
-    p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--mla", action="store_true")
-    p.add_argument("--sliding-window", type=int, default=0, help="a hybrid model: layers on a window of this many tokens (0: none)")
-    p.add_argument("--full-every", type=int, default=2, help="with --sliding-window: every Nth layer is full attention")
-    p.add_argument("--mamba-every", type=int, default=0, help="a Mamba2 hybrid: every Nth layer from layer 0 is a Mamba2 layer (1: pure Mamba2; 0: none)")
+    p.add_argument("--requests", type=POSITIVE, default=300, help="requests moved prefill to decode")
+    p.add_argument("--concurrency", type=POSITIVE, default=16, help="requests in flight per batch")
+    p.add_argument("--min-tokens", type=POSITIVE, default=16, help="each request's prompt: at least this many tokens")
+    p.add_argument("--max-tokens", type=POSITIVE, default=1024, help="and at most this many")
+    p.add_argument("--layers", type=POSITIVE, default=8, help="model layers")
+    p.add_argument("--kv-heads", type=POSITIVE, default=8, help="the model's KV heads (Mamba2: its heads)")
+    p.add_argument("--head-size", type=POSITIVE, default=128, help="head size (MLA: the latent width)")
+    p.add_argument("--dtype", default="bfloat16", help="the caches' dtype (torch's name)")
+    p.add_argument("--mla", action="store_true", help="an MLA model: one latent a token, replicated over TP ranks")
+    p.add_argument("--sliding-window", type=COUNT, default=0, help="a hybrid model: layers on a window of this many tokens (0: none)")
+    p.add_argument("--full-every", type=POSITIVE, default=2, help="with --sliding-window: every Nth layer is full attention")
+    p.add_argument("--mamba-every", type=COUNT, default=0, help="a Mamba2 hybrid: every Nth layer from layer 0 is a Mamba2 layer (1: pure Mamba2; 0: none)")
     p.add_argument("--conv-layouts", default="SD,SD", help="the Mamba2 conv state's layout on prefill,decode: SD or DS each")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=2048, help="prefill blocks per rank")
-    p.add_argument("--prefill-tp", type=int, default=2)
-    p.add_argument("--decode-tp", type=int, default=2)
-    p.add_argument("--prefill-pp", type=int, default=1)
-    p.add_argument("--decode-pp", type=int, default=1)
-    p.add_argument("--prefill-block-size", type=int, default=0)
-    p.add_argument("--decode-block-size", type=int, default=0)
-    p.add_argument("--prefill-layout", default="")
-    p.add_argument("--decode-layout", default="")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=POSITIVE, default=16, help="tokens a block, both sides (see --prefill-block-size, --decode-block-size)")
+    p.add_argument("--num-blocks", type=POSITIVE, default=2048, help="prefill blocks per rank")
+    p.add_argument("--prefill-tp", type=POSITIVE, default=2, help="prefill's TP size: one worker a rank")
+    p.add_argument("--decode-tp", type=POSITIVE, default=2, help="decode's TP size")
+    p.add_argument("--prefill-pp", type=POSITIVE, default=1, help="prefill's PP size")
+    p.add_argument("--decode-pp", type=POSITIVE, default=1, help="decode's PP size")
+    p.add_argument("--prefill-block-size", type=COUNT, default=0, help="prefill's own block size (0: --block-size)")
+    p.add_argument("--decode-block-size", type=COUNT, default=0, help="decode's own block size (0: --block-size)")
+    p.add_argument("--prefill-layout", default="", help="prefill's cache layout: a name (NHD, HND, ...) or dims (kv,block,token,head,dim); default NHD")
+    p.add_argument("--decode-layout", default="", help="decode's cache layout, as --prefill-layout")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompt lengths and the cache contents")
     p.add_argument("--prefill-address", default="", help="use this running prefill daemon (engine id 'prefill') instead of starting one")
     p.add_argument("--decode-address", default="", help="use this running decode daemon (engine id 'decode') instead of starting one")
     p.add_argument("--stream", action="store_true",
                    help="layer-wise streaming: prefill publishes first and each layer crosses once saved, while the next computes")
-    p.add_argument("--layer-ms", type=float, default=0.0,
+    p.add_argument("--layer-ms", type=seconds(positive=False), default=0.0,
                    help="simulate prefill compute: this many ms a layer (with --stream, or alone for pull mode after it)")
     p.add_argument("--tenants", default="", help="name=share,... : both daemons order the wire by these tenants' shares, "
                    "and requests take them in turn (docs/qos.md)")
