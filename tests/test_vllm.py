@@ -264,6 +264,20 @@ def test_streamed_layer_by_layer_through_kvd_proxy_matches_one_engine(openai_pd,
     _through_kvd_proxy(openai_pd, model_dir, tmp_path / "stream-proxy.log", PROMPTS[4:6], baseline[4:6], streamed=True)
 
 
+def test_malformed_kvd_params_sent_to_prefill_leave_its_engine_serving(openai_pd, model_dir, baseline, tmp_path):
+    """vLLM's OpenAI server takes ``kv_transfer_params`` from the request
+    body: a client's own must not take the prefill engine down. P answers
+    it, offers decode nothing, and serves the next P/D request exactly."""
+    for bad in ({"kvd_lease_seconds": "soon"}, {"kvd_lease_seconds": float("nan")}, {"kvd_publish_as": "x", "kvd_capability": "not-hex"}):
+        tokens = complete(openai_pd.prefill.url, model_dir, list(range(500, 540)), kv_transfer_params={"do_remote_decode": True, **bad})
+        assert len(tokens) == 8, bad
+    # And decode, sent a load it cannot make: it computes the prompt itself.
+    junk = {"do_remote_prefill": True, "kvd_capability": "zz", "remote_block_ids": "junk", "remote_port": "http"}
+    assert len(complete(openai_pd.decode.url, model_dir, list(range(600, 640)), kv_transfer_params=junk)) == 8
+    url = openai_pd.proxy([sys.executable, "-m", "kvd", "proxy"], tmp_path / "proxy.log")
+    assert complete_pd(openai_pd, url, model_dir, PROMPTS[1]) == baseline[1]
+
+
 def test_a_proxy_that_knows_nothing_of_kvd_works_streamed_too(openai_pd, vllm_python, model_dir, baseline, tmp_path):
     """vLLM's P/D convention alone (tests/generic_pd_proxy.py) drives kvd: the
     prefill's kv_transfer_params go to decode unread, streamed or not."""

@@ -151,6 +151,25 @@ def test_check_params_refuses_what_load_request_would():
             check_params(bad)
 
 
+def test_what_a_request_asks_of_its_publication_is_read_or_refused_by_name():
+    """A client's own kv_transfer_params reach P's scheduler (vLLM's OpenAI
+    server takes them from the body): each is refused by name, never raised
+    raw into the engine (tests/test_vllm.py shows the engine survives)."""
+    from kvd.integrations.kv_params import PublishAsked, publish_asked
+
+    cap = bytes(range(32))
+    assert publish_asked({}, 120.0) == PublishAsked(120.0, "", b"", "")
+    assert publish_asked({"kvd_lease_seconds": "30", "kvd_verify": "full", "kvd_publish_as": "kvd-7", "kvd_capability": cap.hex()},
+                         120.0) == PublishAsked(30.0, "kvd-7", cap, "full")
+    for bad, field in (({"kvd_lease_seconds": "soon"}, "kvd_lease_seconds"), ({"kvd_lease_seconds": float("nan")}, "kvd_lease_seconds"),
+                       ({"kvd_lease_seconds": [1]}, "kvd_lease_seconds"), ({"kvd_lease_seconds": -5}, "kvd_lease_seconds"),
+                       ({"kvd_publish_as": "x", "kvd_capability": "not-hex"}, "kvd_capability"), ({"kvd_publish_as": "x"}, "kvd_capability"),
+                       ({"kvd_publish_as": "x" * 300, "kvd_capability": cap.hex()}, "kvd_publish_as"), ({"kvd_verify": "always"}, "kvd_verify")):
+        with pytest.raises(InvalidArgument) as e:
+            publish_asked(bad, 120.0)
+        assert e.value.field == field, bad
+
+
 def test_release_params_name_the_publication():
     from kvd.integrations.kv_params import release_params
 

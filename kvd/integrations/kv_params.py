@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.leases import check_lease_seconds
 from kvd.core.requests import Blocks, TransferParams
+from kvd.core.spec import check_request_id
 
 U32 = 2**32  # block ids, token counts and TP/PP sizes travel as uint32
 
@@ -53,6 +55,45 @@ class Publication:
     published: bool = False  # the scheduler published it for every rank: the workers only track it
     verify: str = ""  # the request's own verification (kv_transfer_params.kvd_verify), else the daemon's
     computed_at_ns: int = 0  # when the forward that computed the prompt ended (vllm_clock), for kvd_publish_delay_seconds
+
+
+@dataclass(frozen=True)
+class PublishAsked:
+    """What a request's own params ask of its publication on P."""
+
+    lease_seconds: float
+    name: str  # "": vLLM's request id
+    capability: bytes  # b"": a fresh one
+    verify: str
+
+
+VERIFY_MODES = ("", "off", "sampled", "full")  # "": the daemon's
+
+
+def publish_asked(params: Mapping[str, Any], default_lease: float) -> PublishAsked:
+    """Read ``kvd_lease_seconds``, ``kvd_publish_as`` with its ``kvd_capability``
+    (a proxy that dispatched P and D at once named the publication), and
+    ``kvd_verify``. vLLM's OpenAI server takes ``kv_transfer_params`` from the
+    client's request body, so each is checked here and refused by name: read
+    raw in the engine's scheduler, one client's ``"kvd_lease_seconds": "soon"``
+    raised out of ``request_finished`` and killed the prefill engine."""
+    raw = params.get("kvd_lease_seconds")
+    try:
+        lease = float(raw or default_lease)
+    except (TypeError, ValueError):
+        raise InvalidArgument("kvd_lease_seconds", raw, "must be a number of seconds") from None
+    check_lease_seconds("kvd_lease_seconds", lease)
+    name, capability = "", b""
+    if params.get("kvd_publish_as"):
+        name = check_request_id("kvd_publish_as", str(params["kvd_publish_as"]))
+        try:
+            capability = bytes.fromhex(str(params["kvd_capability"]))
+        except (KeyError, ValueError):
+            raise InvalidArgument("kvd_capability", params.get("kvd_capability"), "must be the hex capability picked for kvd_publish_as") from None
+    verify = str(params.get("kvd_verify") or "")
+    if verify not in VERIFY_MODES:
+        raise InvalidArgument("kvd_verify", verify, "must be off, sampled or full")
+    return PublishAsked(lease, name, capability, verify)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from kvd.integrations.kv_params import (
     is_kvd_load,
     load_request,
     make_params,
+    publish_asked,
     release_params,
 )
 from kvd.integrations.vllm_caches import group_parts
@@ -357,9 +358,8 @@ class SchedulerSide:
                 del self._stream_pending[rid]  # its blocks were freed; allocated again (update_state_after_alloc) when it resumes
             elif _computes_rest_of_prompt(request, scheduler_output):
                 del self._stream_pending[rid]
-                # vLLM's own lists (get_blocks wraps the manager's req_to_blocks,
-                # which are only ever changed in place while the request runs),
-                # grown by every chunk since, nulled where a window left them.
+                # vLLM's own lists (get_blocks wraps the manager's req_to_blocks, which are only ever
+                # changed in place while the request runs), grown by every chunk since, nulled where a window left them.
                 block_ids = tuple(blocks.get_block_ids())
                 short = self._short_group(block_ids, request.num_prompt_tokens)
                 if short is not None:
@@ -440,11 +440,11 @@ class SchedulerSide:
             log.info("kvd: request %s keeps no block of KV cache group %d: not offered to decode", request.request_id,
                      next(i for i, g in enumerate(groups) if not g.ids))
             return None
-        # A request may ask for its own lease (kv_transfer_params.kvd_lease_seconds).
-        lease = float(params.get("kvd_lease_seconds") or self.settings.lease_seconds)
-        groups_out = self.expand(groups)
-        # Dispatched to P and D at once, the proxy named the publication and picked its capability.
-        name = str(params.get("kvd_publish_as") or request.request_id)
-        capability = bytes.fromhex(str(params["kvd_capability"])) if params.get("kvd_publish_as") else secrets.token_bytes(32)
-        return Publication(name, tuple(g.ids for g in groups_out), num_tokens, capability, lease, tuple(g.first_token for g in groups_out), stream,
-                           verify=str(params.get("kvd_verify") or ""))  # a request may ask to be checked whole
+        try:  # the client's own: a malformed one is this request's problem, never the engine's
+            asked = publish_asked(params, self.settings.lease_seconds)
+        except KvdError as e:
+            log.error("kvd: request %s: unusable kv_transfer_params, not offered to decode: %s", request.request_id, e.message)
+            return None
+        out = self.expand(groups)
+        return Publication(asked.name or request.request_id, tuple(g.ids for g in out), num_tokens, asked.capability or secrets.token_bytes(32),
+                           asked.lease_seconds, tuple(g.first_token for g in out), stream, verify=asked.verify)
