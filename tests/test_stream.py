@@ -34,14 +34,24 @@ def compute(pw, seed: int, positions) -> None:
         pw.client.layers_saved(["r"], p + 1)
 
 
-def test_each_layer_crosses_once_saved_and_not_before(daemons):
+def streaming_pull(daemons, *, p_seed: int | None = None, d_seed: int | None = None):
+    """A prefill and a decode daemon with a worker each, and decode's pull of
+    ``r``, published streaming with no layer saved yet; each side's blocks
+    filled first where a seed is given. Returns P's daemon and both workers."""
     p, d = daemons.start("prefill"), daemons.start("decode")
     pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
-    pw.fill(99, IDS)  # what the blocks held before this prompt: never to be read
-    dw.fill(5, IDS)
+    if p_seed is not None:
+        pw.fill(p_seed, IDS)
+    if d_seed is not None:
+        dw.fill(d_seed, IDS)
     params = pw.client.publish("r", [IDS], NTOK, stream=True)
     assert params.stream
     dw.client.pull("r", params, [IDS])
+    return p, pw, dw
+
+
+def test_each_layer_crosses_once_saved_and_not_before(daemons):
+    p, pw, dw = streaming_pull(daemons, p_seed=99, d_seed=5)  # P's: what the blocks held before this prompt, never to be read
     time.sleep(0.5)
     assert dw.client.get_finished().finished_recving == set()
     assert dw.mismatch(5, IDS, NTOK) is None  # nothing landed: no layer is saved
@@ -66,11 +76,7 @@ def test_each_layer_crosses_once_saved_and_not_before(daemons):
 
 def test_a_layer_reported_saved_but_not_written_is_caught(daemons):
     """The negative control: the check above would see prefill's old bytes."""
-    p, d = daemons.start("prefill"), daemons.start("decode")
-    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
-    pw.fill(99, IDS)
-    params = pw.client.publish("r", [IDS], NTOK, stream=True)
-    dw.client.pull("r", params, [IDS])
+    _, pw, dw = streaming_pull(daemons, p_seed=99)
     compute(pw, 7, range(7))
     pw.client.layers_saved(["r"], 8)  # layer 7 never written
     assert dw.client.wait_finished(recving={"r"}, timeout=30).details[("recving", "r")].outcome == "done"
@@ -84,10 +90,7 @@ def test_saves_arriving_out_of_order_count_each_layer_once(daemons):
     may reach the daemon first (a real-engine run counted 3 of 4 layers
     when the count was of calls that moved a watermark). Each layer a
     request's rank saved is counted once, before any read it wakes lands."""
-    p, d = daemons.start("prefill"), daemons.start("decode")
-    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
-    params = pw.client.publish("r", [IDS], NTOK, stream=True)
-    dw.client.pull("r", params, [IDS])
+    p, pw, dw = streaming_pull(daemons)
     pattern.fill(pw.tensors, 7, IDS, pw.coords)
     pw.client.layers_saved(["r"], 5, wait=True)
     pw.client.layers_saved(["r"], 2, wait=True)  # late: layers 0 and 1 were said saved already
@@ -138,10 +141,7 @@ def test_prefill_daemon_killed_mid_stream_gives_exact_invalid_blocks(daemons):
 
 
 def test_abort_on_prefill_mid_stream_ends_the_read_at_once(daemons):
-    p, d = daemons.start("prefill"), daemons.start("decode")
-    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
-    params = pw.client.publish("r", [IDS], NTOK, stream=True)
-    dw.client.pull("r", params, [IDS])
+    _, pw, dw = streaming_pull(daemons)
     compute(pw, 7, range(2))
     time.sleep(0.2)
     t0 = time.monotonic()
@@ -164,11 +164,7 @@ def test_refused_layers_saved_names_the_request(daemons):
 
 
 def test_layers_saved_past_the_model_is_refused_by_name(daemons):
-    p, d = daemons.start("prefill"), daemons.start("decode")
-    pw, dw = make_worker(p.grpc, "prefill", **SHAPE), make_worker(d.grpc, "decode", **SHAPE)
-    dw.fill(5, IDS)
-    params = pw.client.publish("r", [IDS], NTOK, stream=True)
-    dw.client.pull("r", params, [IDS])
+    _, pw, dw = streaming_pull(daemons, d_seed=5)
     with pytest.raises(KvdError) as e:
         pw.client.layers_saved(["r"], SHAPE["layers"] + 1, wait=True)
     assert e.value.status.name == "INVALID_ARGUMENT" and "layers_saved=9" in e.value.message and "num_layers=8" in e.value.message
