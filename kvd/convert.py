@@ -11,7 +11,7 @@ import numpy as np
 
 from kvd.core.aggregate import Outcome, WorkerFinished
 from kvd.core.digest import DigestAnswer, DigestQuery, DigestRows, RowSample
-from kvd.core.engine_meta import EngineLayout, EngineMeta
+from kvd.core.engine_meta import EngineLayout, EngineMeta, check_engine
 from kvd.core.errors import InvalidArgument
 from kvd.core.groups import FULL, GroupKind
 from kvd.core.reads import DataRead, DataSegment
@@ -178,11 +178,11 @@ def engine_from_pb(e: pb.EngineInfo) -> EngineMeta:
             layers = tuple(LayerSpec(layer.name, layer.layer_index, ()) for layer in g.layers)
             groups.append(GroupSpec(g.group_id, spec, layers, kind))
         ranks.append(EngineLayout(r.tp_rank, r.pp_rank, tuple(groups)))
-    return EngineMeta(
+    return check_engine(EngineMeta(
         engine_id=e.engine_id, epoch=e.epoch, host_id=e.host_id, data_address=e.data_address,
         tp_size=e.tp_size, pp_size=e.pp_size, model=ModelInfo(e.model.num_layers, e.model.total_num_kv_heads),
         ranks=tuple(ranks), features=tuple(e.features), kvd_version=e.kvd_version, wire_version=e.wire_version or 1,
-    )
+    ))
 
 
 

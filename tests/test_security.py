@@ -227,19 +227,27 @@ def _read_all(raw: RawPeer) -> tuple[FrameType, int, bytes]:
         total += len(body)
 
 
-def test_a_read_repeating_a_layer_is_refused_not_served_again_and_again(daemons):
-    """A READ frame holds up to 500k layer positions: before, each was served
-    in full, so one read of a 64 KiB publication listing its 4 layers 10,000
-    times had the owner send 655 MB (measured)."""
+@pytest.mark.parametrize(("case", "why"), [
+    ("layers", b"segment.layers"), ("blocks", b"read.segments"), ("segments", b"read.segments"), ("halves", b"read.segments")])
+def test_a_read_asking_for_bytes_twice_is_refused_not_served_again_and_again(daemons, case, why):
+    """A READ frame holds up to 500k layer positions, or some 40k segments:
+    before, each was served in full, so one read of a 64 KiB publication
+    listing its 4 layers 10,000 times had the owner send 655 MB (measured);
+    block ids or whole segments repeated did the same."""
     p = daemons.start("prefill")
     pw = make_worker(p.grpc, "prefill", layers=4, heads=4)
     data_token = handshake(p.grpc, fake_engine("reader", layers=4, heads=4)).data_token
     pw.fill(1, [1, 2, 3, 4])
+    whole = dict(group_id=0, layers=[0, 1, 2, 3], block_count=4, token_count=16, kv_count=2, head_count=4, block_ids=[1, 2, 3, 4])
+    asks = {"layers": [{**whole, "layers": [0, 1, 2, 3] * 10_000}], "blocks": [{**whole, "block_ids": [1, 2, 3, 4] * 4}],
+            "segments": [whole] * 3, "halves": [{**whole, "token_count": 9}, {**whole, "token_start": 7, "token_count": 9}]}
     served = {}
-    for name, layers in (("distinct", [0, 1, 2, 3]), ("repeated", [0, 1, 2, 3] * 10_000)):
+    for name, segments in (("whole", [whole]), ("halves-apart", [{**whole, "token_count": 8}, {**whole, "token_start": 8, "token_count": 8}]),
+                           (case, asks[case])):
         params = pw.client.publish(name, [[1, 2, 3, 4]], 64)
         read = pb.DataRead(owner_engine_id="prefill", request_id=name, generation=params.generation, capability=params.capability, head_count=4)
-        read.segments.add(group_id=0, layers=layers, block_count=4, token_count=16, kv_count=2, head_count=4, block_ids=[1, 2, 3, 4])
+        for seg in segments:
+            read.segments.add(**seg)
         raw = RawPeer(p.info["data"])
         try:
             assert raw.hello("reader", "e1", data_token)[0] is FrameType.HELLO_OK
@@ -247,10 +255,10 @@ def test_a_read_repeating_a_layer_is_refused_not_served_again_and_again(daemons)
             served[name] = _read_all(raw)
         finally:
             raw.close()
-    assert served["distinct"][:2] == (FrameType.END, 4 * 4 * 16 * 4 * 16 * 2 * 2)  # layers x blocks x tokens x heads x dim x K,V x bf16
-    ftype, nbytes, body = served["repeated"]
-    assert (ftype, nbytes) == (FrameType.ERROR, 0)
-    assert b"INVALID_ARGUMENT" in body and b"segment.layers" in body and b"40000 positions, 4 distinct" in body
+    nbytes = 4 * 4 * 16 * 4 * 16 * 2 * 2  # layers x blocks x tokens x heads x dim x K,V x bf16: the publication, once
+    assert served["whole"][:2] == served["halves-apart"][:2] == (FrameType.END, nbytes)
+    ftype, sent, body = served[case]
+    assert (ftype, sent) == (FrameType.ERROR, 0) and b"INVALID_ARGUMENT" in body and why in body, body
 
 
 # ---------------------------------------------------------------- fuzzing

@@ -168,6 +168,11 @@ def test_an_engine_too_wide_is_refused_by_name_and_both_daemons_keep_serving(dae
         handshake(p.grpc, engine)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"engine.{field}={value}" in refused.value.details()
+    twice = fake_engine(heads=1)
+    twice.ranks.add().CopyFrom(twice.ranks[0])  # each (tp, pp) is looked up once: a list repeating them is no engine
+    with pytest.raises(grpc.RpcError) as refused:
+        handshake(p.grpc, twice)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "listed twice" in refused.value.details()
     wide = make_worker(d.grpc, "decode", heads=1, register=False)
     wide.client._wid = pb.WorkerId(engine_id="decode", **{"tp_size": 1, "pp_size": 1, **size})
     with pytest.raises(InvalidArgument) as e:

@@ -164,7 +164,8 @@ def test_what_a_request_asks_of_its_publication_is_read_or_refused_by_name():
     for bad, field in (({"kvd_lease_seconds": "soon"}, "kvd_lease_seconds"), ({"kvd_lease_seconds": float("nan")}, "kvd_lease_seconds"),
                        ({"kvd_lease_seconds": [1]}, "kvd_lease_seconds"), ({"kvd_lease_seconds": -5}, "kvd_lease_seconds"),
                        ({"kvd_publish_as": "x", "kvd_capability": "not-hex"}, "kvd_capability"), ({"kvd_publish_as": "x"}, "kvd_capability"),
-                       ({"kvd_publish_as": "x" * 300, "kvd_capability": cap.hex()}, "kvd_publish_as"), ({"kvd_verify": "always"}, "kvd_verify")):
+                       ({"kvd_publish_as": "x" * 300, "kvd_capability": cap.hex()}, "kvd_publish_as"), ({"kvd_verify": "always"}, "kvd_verify"),
+                       ({"kvd_lease_seconds": 10**400}, "kvd_lease_seconds")):  # JSON's ints have no bound: float() overflows
         with pytest.raises(InvalidArgument) as e:
             publish_asked(bad, 120.0)
         assert e.value.field == field, bad
@@ -190,3 +191,28 @@ def test_streamed_params_leave_p_blocks_to_the_publication_and_load_all_but_the_
     assert [list(b.ids) for b in t.block_ids] == [[], []] and load.local_block_ids == ((5, 6, 7), (9,))
     with pytest.raises(InvalidArgument, match="remote_num_tokens"):
         load_request("d-req", d, [GroupBlocks(0, (5,))], [16], prompt_tokens=1)  # nothing to load but the last token
+
+
+def test_json_numbers_past_a_float_are_refused_as_params_not_raised():
+    """JSON parses 1e999 as inf and keeps a 400-digit int whole: int() or
+    float() of them raised OverflowError, which escaped the connector's
+    checks (they caught ValueError) into vLLM's scheduler."""
+    for key, value in (("remote_num_tokens", float("inf")), ("remote_num_tokens", 10**400), ("kvd_deadline_ms", 10**400),
+                       ("remote_port", float("inf"))):
+        with pytest.raises(InvalidArgument) as e:
+            check_params({**_params(), key: value})
+        assert e.value.field in ("kv_transfer_params", key), (key, e.value)
+
+
+def test_connector_settings_refuse_a_lease_that_is_not_a_duration():
+    from types import SimpleNamespace
+
+    from kvd.integrations.vllm_settings import Settings
+
+    def settings(**extra):
+        return Settings.from_vllm(SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra)))
+
+    assert settings(kvd_lease_seconds=30).lease_seconds == 30.0
+    for bad in (float("nan"), 1e6, -1):
+        with pytest.raises(InvalidArgument, match=r"kv_connector_extra_config\.kvd_lease_seconds"):
+            settings(kvd_lease_seconds=bad)

@@ -9,6 +9,7 @@ is, since pairing walks its ranks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,18 +58,31 @@ class EngineMeta:
     kvd_version: str = ""  # "" from kvd 0.1.0
     wire_version: int = 1  # kvd 0.1.0 did not say: 1
 
-    def __post_init__(self) -> None:
-        # A peer's handshake is checked as a worker's registration is: both are walked rank by rank.
-        check_parallel_sizes("engine.", self.tp_size, self.pp_size)
-        for r in self.ranks:
-            if not (0 <= r.tp_rank < self.tp_size and 0 <= r.pp_rank < self.pp_size):
-                raise InvalidArgument("engine.ranks", (r.tp_rank, r.pp_rank), f"is not a rank of tp_size={self.tp_size} x pp_size={self.pp_size}")
+    @functools.cached_property
+    def _by_rank(self) -> dict[tuple[int, int], EngineLayout]:  # the owner asks per (tp, pp) of a reader engine's shape
+        return {(r.tp_rank, r.pp_rank): r for r in self.ranks}
 
     def rank(self, tp_rank: int, pp_rank: int) -> EngineLayout | None:
-        for r in self.ranks:
-            if r.tp_rank == tp_rank and r.pp_rank == pp_rank:
-                return r
-        return None
+        return self._by_rank.get((tp_rank, pp_rank))
+
+
+# A daemon serves the ranks of one host: a peer's handshake listing more is not one.
+MAX_RANKS_PER_DAEMON = 1024
+
+
+def check_engine(meta: EngineMeta) -> EngineMeta:
+    """A peer's engine, checked at the edge as a worker's registration is:
+    pairing and the owner's count of expected readers walk its ranks."""
+    check_parallel_sizes("engine.", meta.tp_size, meta.pp_size)
+    if len(meta.ranks) > MAX_RANKS_PER_DAEMON:
+        raise InvalidArgument("engine.ranks", f"<{len(meta.ranks)} ranks>", f"exceeds the {MAX_RANKS_PER_DAEMON} one daemon serves")
+    seen: set[tuple[int, int]] = set()
+    for r in meta.ranks:
+        key = (r.tp_rank, r.pp_rank)
+        if not (0 <= r.tp_rank < meta.tp_size and 0 <= r.pp_rank < meta.pp_size) or key in seen:
+            raise InvalidArgument("engine.ranks", key, f"is not a rank of tp_size={meta.tp_size} x pp_size={meta.pp_size}, or is listed twice")
+        seen.add(key)
+    return meta
 
 
 def fingerprint(model: ModelInfo, groups: Sequence[GroupSpec]) -> str:

@@ -38,7 +38,7 @@ from kvd.core.leases import (
     check_disjoint,
 )
 from kvd.core.pairing import engine_shape
-from kvd.core.pieces import validate_segment
+from kvd.core.pieces import asked_nbytes, held_nbytes, validate_segment
 from kvd.core.reads import MAX_STRIPES, DataRead
 from kvd.core.relayout import GroupTensors
 from kvd.core.topology import EngineShape, read_targets
@@ -169,6 +169,13 @@ class Owner:
         # half of its authorisation.
         for group, lists in listed.items():
             self.publications.check_block_list(pub, rank, group, np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64))
+        # A reader reads each published byte at most once a READ (a stripe, a head slice, a block size's
+        # pieces are parts of it): segments, block ids or layers repeated made one READ send a
+        # publication thousands of times over.
+        asked, held = asked_nbytes(tensors, read), held_nbytes(tensors, pub.block_ids.get(rank, []))
+        if asked > held:
+            raise InvalidArgument("read.segments", f"<{len(read.segments)} segments, {asked} bytes>",
+                                  f"ask for more than the {held} bytes published on rank tp{rank[0]}/pp{rank[1]}")
         pin = self.publications.pin(pub, rank) if local or reader_copies else None
         return Grant(read, reader.meta.engine_id, pub, pin)
 

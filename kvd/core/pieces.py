@@ -21,7 +21,7 @@ import torch
 
 from kvd.core import iov as iovec
 from kvd.core.errors import Incompatible, InvalidArgument
-from kvd.core.reads import MAX_BATCH_BLOCKS, DataSegment
+from kvd.core.reads import MAX_BATCH_BLOCKS, DataRead, DataSegment
 from kvd.core.relayout import (
     GroupTensors,
     gather_blocks,
@@ -264,6 +264,30 @@ def validate_segment(group: GroupTensors, seg: DataSegment, head_start: int, hea
         raise InvalidArgument("segment.block_ids", f"<{len(seg.block_ids)} ids>", f"exceeds {MAX_BATCH_BLOCKS} per segment")
     if seg.kv_count and seg.kv_start + seg.kv_count > spec.num_kv:
         raise InvalidArgument("segment.kv_start", seg.kv_start, f"with count {seg.kv_count} is outside [0, {spec.num_kv})")
+
+
+def asked_nbytes(tensors: Sequence[GroupTensors], read: DataRead) -> int:
+    """The bytes ``read``'s segments ask for (each already ``validate_segment``'d)."""
+    total = 0
+    sizes: dict[tuple[int, ...], int] = {}  # a big read's thousand segments come in a few shapes
+    for seg in read.segments:
+        key = (seg.group_id, len(seg.layers), len(seg.block_ids) or seg.block_count, seg.token_count, read.heads_of(seg)[1], seg.kv_count)
+        size = sizes.get(key)
+        if size is None:
+            spec = tensors[seg.group_id].spec
+            size = sizes[key] = math.prod(wire_shape(spec, *key[1:5], _kv_range(spec, seg)[1])[0]) * spec.itemsize
+        total += size
+    return total
+
+
+def held_nbytes(tensors: Sequence[GroupTensors], block_ids: Sequence[Sequence[int] | np.ndarray]) -> int:
+    """The bytes of a rank's published blocks, per group: every layer, head and K/V plane of each."""
+    total = 0
+    for group, ids in zip(tensors, block_ids, strict=False):
+        spec = group.spec
+        shape, _ = wire_shape(spec, len(group.layer_indices), len(ids), 1 if spec.opaque else spec.block_size, spec.num_kv_heads, spec.num_kv)
+        total += math.prod(shape) * spec.itemsize
+    return total
 
 
 def copy_blocks(

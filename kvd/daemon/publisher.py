@@ -141,11 +141,8 @@ class Publisher:
         reg = self.registry.registered(worker, token)
         for i, rid in enumerate(request_ids):
             check_request_id(f"request_ids[{i}]", rid)
-        # A count past every layer the model has (its num_layers, or a layer
-        # registered past them, as a draft model's) is a worker's bug, not progress.
-        layers = max([reg.model.num_layers, *(i + 1 for g in reg.groups for i in g.layer_indices)])
-        if layers_saved > layers:
-            raise InvalidArgument("layers_saved", layers_saved, f"is more than the model's {layers} layers (num_layers={reg.model.num_layers})")
+        if layers_saved > reg.model.num_layers:  # every registered layer is below it (Registry checks): a worker's bug, not progress
+            raise InvalidArgument("layers_saved", layers_saved, f"is more than the model's layers (num_layers={reg.model.num_layers})")
         with self.lock:
             advanced = self.owner.layers_saved((reg.worker.tp_rank, reg.worker.pp_rank), list(request_ids), layers_saved)
             # Counted before any read it wakes can land: a reader that has

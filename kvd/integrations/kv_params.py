@@ -80,7 +80,7 @@ def publish_asked(params: Mapping[str, Any], default_lease: float) -> PublishAsk
     raw = params.get("kvd_lease_seconds")
     try:
         lease = float(raw or default_lease)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # JSON gives ints of any length: float() of 10**400 overflows
         raise InvalidArgument("kvd_lease_seconds", raw, "must be a number of seconds") from None
     check_lease_seconds("kvd_lease_seconds", lease)
     name, capability = "", b""
@@ -215,7 +215,7 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         deadline_ms = float(params.get("kvd_deadline_ms", 0.0))  # its value is the daemon's to refuse, by name
     except KeyError as e:
         raise InvalidArgument("kv_transfer_params", sorted(params), f"lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int() of JSON's 1e999 (inf), float() of a 400-digit int
         raise InvalidArgument("kv_transfer_params", dict(params), f"has a malformed value: {e}") from None
     if len(remote) != len(local):
         raise InvalidArgument("remote_block_ids", f"<{len(remote)} groups>", f"must match the {len(local)} local KV cache groups")

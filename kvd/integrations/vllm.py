@@ -60,7 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, SchedulerSide, Settings
+from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, SchedulerSide
+from kvd.integrations.vllm_settings import Settings
 from kvd.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:

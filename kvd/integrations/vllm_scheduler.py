@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,7 +20,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
-from kvd.auth import AuthConfig
 from kvd.client import KvdClient, daemon_status
 from kvd.convert import params_from_pb
 from kvd.core.requests import TransferParams
@@ -39,6 +38,7 @@ from kvd.integrations.kv_params import (
 )
 from kvd.integrations.vllm_caches import group_parts
 from kvd.integrations.vllm_clock import ForwardClock
+from kvd.integrations.vllm_settings import Settings
 from kvd.spec import WorkerId
 
 if TYPE_CHECKING:
@@ -86,41 +86,6 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     # The step's number, and the file its workers stamp when its forward ends (vllm_clock).
     step: int = 0
     clock: str = ""
-
-
-# How long a worker's idle step waits for the daemon to push an outcome
-# (extra config ``kvd_idle_wait_ms``). vLLM keeps stepping while P holds a
-# request for D (``has_finished_requests``), 1 ms apart, and every step wakes
-# the TP workers, whose message queues spin on sched_yield for a second
-# after each read: with a poll that costs 0.1 ms, P stepped 410-560 times a
-# second and its workers took 95-99% of a core, and a decode rank sharing
-# that core got none (hetero TP between OpenAI servers hung). Waiting 10 ms
-# held idle steps to ~76 a second, the workers to 17%; a push ends the wait
-# at once, so no outcome is later for it.
-IDLE_WAIT_MS = 10.0
-
-
-@dataclass(frozen=True)
-class Settings:
-    address: str
-    advertise_address: str
-    lease_seconds: float
-    auth: AuthConfig
-    idle_wait_seconds: float = IDLE_WAIT_MS / 1e3
-
-    @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig) -> Settings:
-        kvt = vllm_config.kv_transfer_config
-        extra: Mapping[str, Any] = dict(kvt.kv_connector_extra_config or {}) if kvt else {}
-        address = str(extra.get("kvd_address", "127.0.0.1:50051"))
-        auth = AuthConfig.load(str(extra.get("kvd_auth", "none")), str(extra.get("kvd_token_file", "")),
-                               str(extra.get("kvd_tls_cert_file", "")), str(extra.get("kvd_tls_key_file", "")),
-                               str(extra.get("kvd_tls_ca_file", "")))
-        idle_wait_ms = float(extra.get("kvd_idle_wait_ms", IDLE_WAIT_MS))
-        if not 0 <= idle_wait_ms <= 1000:
-            raise KvdError(f"kv_connector_extra_config.kvd_idle_wait_ms={idle_wait_ms:g} must be in [0, 1000]")
-        return cls(address, str(extra.get("kvd_advertise_address", address)), float(extra.get("kvd_lease_seconds", 0.0)), auth,
-                   idle_wait_ms / 1e3)
 
 
 def _group_block_sizes(vllm_config: VllmConfig, kv_cache_config: Any) -> list[int]:

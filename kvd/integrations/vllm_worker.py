@@ -48,7 +48,8 @@ from kvd.integrations.vllm_caches import (
 )
 from kvd.integrations.vllm_clock import ForwardClock
 from kvd.integrations.vllm_link import DaemonLink, send_release
-from kvd.integrations.vllm_scheduler import KvdConnectorMetadata, Settings
+from kvd.integrations.vllm_scheduler import KvdConnectorMetadata
+from kvd.integrations.vllm_settings import Settings
 from kvd.spec import (
     KVCacheSpec,
     ModelInfo,
