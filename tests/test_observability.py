@@ -127,3 +127,19 @@ def test_a_daemon_scrapes_its_loop_lag(daemons):
         time.sleep(0.2)
     assert scrape(d.metrics_url, "kvd_event_loop_lag_seconds_count") >= 2
     assert "event loop blocked" not in d.log_path.read_text()
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(daemons):
+    """Where a stuck daemon is stuck, for its operator and for a test's failure message (CI keeps no
+    files): faulthandler writes from the signal handler, so it answers even when no Python thread
+    can run. The negative control is SIGUSR1's default action, which ends the process."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    transfer([pw], [dw], "before", 1, [1, 2], [3, 4], 32)
+    stacks = p.stacks()
+    assert stacks.count("Thread 0x") >= 4, stacks  # every thread: the loop's, the watchdog's, the metrics server's, gRPC's ...
+    assert "kvd/daemon/server.py" in stacks and "kvd/daemon/watchdog.py" in stacks, stacks
+    assert p.proc.poll() is None
+    _, finished = transfer([pw], [dw], "after", 2, [5, 6], [7, 8], 32)  # it serves on, exactly
+    assert finished[0].details[("recving", "after")].outcome == "done" and dw.mismatch(2, [7, 8], 32) is None
+    assert "Thread 0x" not in d.log(), "only the daemon signalled writes its stacks"

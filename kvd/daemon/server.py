@@ -121,6 +121,11 @@ def run(config: DaemonConfig, ready_file: str | None = None) -> int:
     # A crash in native code (a driver, CUDA IPC, NIXL) leaves its Python stack
     # in the log instead of a bare exit status.
     faulthandler.enable()
+    # SIGUSR1 writes every thread's stack to the log and the daemon serves on.
+    # faulthandler writes from the signal handler without the GIL, so this
+    # shows where a daemon is stuck even when no Python thread can run (a
+    # native call holding the GIL); the loop watchdog sees only the loop.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     uvloop.run(Server(config, ready_file).serve())
     if config.transport == "nixl":
         # Everything is closed and logged. NIXL 1.5's UCX crashes in its exit-time

@@ -64,6 +64,19 @@ class DaemonProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def stacks(self, wait: float = 1.0) -> str:
+        """Every thread's stack, as the daemon writes it to its log on SIGUSR1
+        (even a daemon no Python thread of which can run), or why there are
+        none: for a test's failure message, as CI keeps no files. Only for a
+        daemon of this tree (``source`` None): an older release may not
+        handle SIGUSR1, which would end it."""
+        if self.proc.poll() is not None:
+            return f"(kvd serve for {self.engine_id} exited {self.proc.returncode})"
+        before = len(self.log())
+        self.proc.send_signal(signal.SIGUSR1)
+        time.sleep(wait)
+        return self.log()[before:] or f"(kvd serve for {self.engine_id} wrote no stacks within {wait}s of SIGUSR1)"
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """Signal it (SIGTERM: drain and exit) and wait for its exit code."""
         if self.proc.poll() is None:
