@@ -6,6 +6,8 @@ import os
 import secrets
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import grpc
@@ -19,9 +21,11 @@ from kvd.client import KvdClient, daemon_status
 from kvd.core.errors import PermissionDenied
 from kvd.core.spec import WorkerId
 from kvd.core.wire import HEADER, MAGIC, VERSION, FrameType
+from kvd.daemon.caller_uid import loopback_caller_uid
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
-from tests.conftest import make_worker
+from kvd.regions.shm import ShmRegion
+from tests.conftest import REPO, make_worker
 from tests.rawpeer import RawPeer, fake_engine, handshake
 
 pytestmark = pytest.mark.security
@@ -174,6 +178,71 @@ def test_only_the_registered_worker_acts_for_its_rank(daemons):
 def test_local_peer_detection():
     assert is_local_peer("ipv4:127.0.0.1:5555") and is_local_peer("unix:/tmp/kvd.sock") and is_local_peer("ipv6:[::1]:80")
     assert not is_local_peer("ipv4:10.1.2.3:5555") and not is_local_peer("ipv6:[fe80::1]:80")
+
+
+NOBODY = 65534
+# A worker of another user (it drops root once imported: the interpreter may live where only root reads) that
+# registers its own memory, after trying to name another user's file.
+_NOBODY_WORKER = """
+import os, sys
+from kvd import caches
+from tests.conftest import make_worker
+make_worker(sys.argv[1], "warm-up", register=False).client.close()  # every import, while the interpreter's files are readable
+caches.release_all()
+os.setgroups([])
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[3]))  # from here on another user: its shm files and its connections are that user's
+w = make_worker(sys.argv[1], "prefill", register=False)
+own = [(r, r.name) for r in caches._REGIONS.values()]
+for r, _ in own:
+    r.name = sys.argv[2]  # its registration names the other user's file instead of its own
+try:
+    w.register()
+    print("REGISTERED the other user's file")
+except Exception as e:
+    print("REFUSED", type(e).__name__, e)
+for r, name in own:
+    r.name = name
+w.register()
+print("OWN MEMORY REGISTERED")
+"""
+
+
+def test_loopback_callers_uid_is_read_from_the_kernels_table():
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    try:
+        peer = f"ipv4:127.0.0.1:{client.getsockname()[1]}"
+        assert loopback_caller_uid(peer, server.getsockname()[1]) == os.geteuid()
+        assert loopback_caller_uid(peer, server.getsockname()[1] ^ 1) is None  # not a connection to that port
+        assert loopback_caller_uid("unix:", server.getsockname()[1]) is None  # the socket file's permissions decide
+        assert loopback_caller_uid(f"ipv4:10.1.2.3:{client.getsockname()[1]}", server.getsockname()[1]) is None
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a worker as another user needs root")
+def test_a_worker_registers_only_its_own_shared_memory(daemons, tmp_path):
+    """Any local user reaches the worker API on loopback, and the daemon opens what a registration names
+    with its own rights: naming another user's /dev/shm file (another tenant's KV cache, mode 600) would
+    let them read it through a publication, or overwrite it through a pull. Negative control: without
+    the check, the file is registered."""
+    p = daemons.start("prefill")
+    victim = ShmRegion.create(16 << 20)  # root's, mode 600
+    try:
+        victim.tensor.fill_(0x5A)
+        r = subprocess.run([sys.executable, "-c", _NOBODY_WORKER, p.grpc, victim.name, str(NOBODY)], cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
+        refused = next(line for line in r.stdout.splitlines() if line.startswith(("REFUSED", "REGISTERED")))
+        assert refused.startswith("REFUSED PermissionDenied"), r.stdout
+        assert f"={victim.name!r} belongs to uid 0, not to the registering worker's uid {NOBODY}" in refused, refused
+        assert "OWN MEMORY REGISTERED" in r.stdout, r.stdout  # the same user's own memory: served
+        assert len(daemon_status(p.grpc).workers) == 1
+        assert bool((victim.tensor == 0x5A).all())
+    finally:
+        victim.close()
 
 
 # ---------------------------------------------------------------- capability-scoped reads

@@ -85,12 +85,14 @@ class Registry:
 
     # ------------------------------------------------------------ registering
 
-    async def register(self, req: Registering) -> Registered:
+    async def register(self, req: Registering, caller_uid: int | None = None) -> Registered:
+        """Register a worker; ``caller_uid``: the local user calling (``caller_uid.py``),
+        whose shared-memory files alone it may name (None: not known; root: any)."""
         # One at a time: each is checked against the ranks registered before
         # it, and commits only after its mapping, which runs off the loop.
         async with self._registering:
             worker, model, groups = self._check(req)
-            mapped, handles = await asyncio.to_thread(self._map, req.regions)
+            mapped, handles = await asyncio.to_thread(self._map, req.regions, caller_uid or None)
             try:
                 tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
                 # Which groups overlay one another's blocks: exact, so up to a few ms a layer, off the loop.
@@ -100,11 +102,11 @@ class Registry:
                 raise
             return self._commit(req, worker, model, groups, mapped, handles, tensors, sharing)
 
-    def _map(self, regions: Sequence[Region]) -> tuple[dict[str, MappedRegion], list[object]]:
+    def _map(self, regions: Sequence[Region], owner_uid: int | None) -> tuple[dict[str, MappedRegion], list[object]]:
         """In a thread: map a worker's regions and register their host memory
         with NIXL, which reads and writes only registered memory (pinning it
         for RDMA takes long too); on any failure, nothing stays either."""
-        mapped = map_regions(regions)
+        mapped = map_regions(regions, owner_uid)
         handles: list[object] = []
         try:
             if self._nixl is not None:

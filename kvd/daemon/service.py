@@ -40,6 +40,7 @@ from kvd.convert import (
 from kvd.core.aggregate import WorkerFinished
 from kvd.core.errors import KvdError, PermissionDenied, ResourceExhausted
 from kvd.core.requests import PublishOrder, TransferParams
+from kvd.daemon.caller_uid import loopback_caller_uid
 from kvd.daemon.daemon import Daemon
 from kvd.daemon.registration import Registration
 from kvd.proto import kvd_pb2 as pb
@@ -134,7 +135,8 @@ class WorkerService(pbg.WorkerServicer):
     @rpc
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         self._local(context)
-        return registered_to_pb(await self.d.registry.register(registering_from_pb(request)))
+        caller = loopback_caller_uid(context.peer(), self.d.config.grpc_port)
+        return registered_to_pb(await self.d.registry.register(registering_from_pb(request), caller))
 
     @rpc
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:

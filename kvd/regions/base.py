@@ -29,8 +29,9 @@ class MappedRegion(Protocol):
 REGION_ID_MAX = 128
 
 
-def map_region(region: Region) -> MappedRegion:
-    """Map a worker's region descriptor, checking it is reachable and big enough."""
+def map_region(region: Region, owner_uid: int | None = None) -> MappedRegion:
+    """Map a worker's region descriptor, checking it is reachable and big enough
+    (and, with ``owner_uid``, that a shared-memory file belongs to that user)."""
     rid = region.region_id
     if not rid or len(rid) > REGION_ID_MAX or not all(c.isalnum() or c in "-_." for c in rid):
         raise InvalidArgument("region.region_id", rid, f"must be 1-{REGION_ID_MAX} chars of [A-Za-z0-9-_.]")
@@ -40,7 +41,7 @@ def map_region(region: Region) -> MappedRegion:
     if isinstance(source, ShmSource):
         from kvd.regions import shm
 
-        return shm.ShmRegion.open(rid, source.name, region.size_bytes)
+        return shm.ShmRegion.open(rid, source.name, region.size_bytes, owner_uid)
     if isinstance(source, CudaIpcSource):
         from kvd.regions import cuda_ipc
 
@@ -48,8 +49,10 @@ def map_region(region: Region) -> MappedRegion:
     raise InvalidArgument(f"regions[{rid}].source", None, "must be shm or cuda_ipc")
 
 
-def map_regions(regions: Iterable[Region]) -> dict[str, MappedRegion]:
-    """Map every region, by id; on any failure none stays mapped.
+def map_regions(regions: Iterable[Region], owner_uid: int | None = None) -> dict[str, MappedRegion]:
+    """Map every region, by id; on any failure none stays mapped. With
+    ``owner_uid`` (the registering worker's), each shared-memory file must
+    belong to that user: a worker registers only its own memory.
 
     Mapping faults in every page of shared memory (about 70 ms a GiB on a
     2-core host, so seconds for a real cache): callers on an event loop run
@@ -59,7 +62,7 @@ def map_regions(regions: Iterable[Region]) -> dict[str, MappedRegion]:
         for region in regions:
             if region.region_id in mapped:
                 raise InvalidArgument("regions.region_id", region.region_id, "is listed twice")
-            mapped[region.region_id] = map_region(region)
+            mapped[region.region_id] = map_region(region, owner_uid)
     except BaseException:
         for r in mapped.values():
             r.close()

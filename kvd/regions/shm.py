@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.core.errors import InvalidArgument, ResourceExhausted
+from kvd.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 
 SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
@@ -170,7 +170,7 @@ class ShmRegion:
         return cls(region_id or name, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=True)
 
     @classmethod
-    def open(cls, region_id: str, name: str, size: int) -> ShmRegion:
+    def open(cls, region_id: str, name: str, size: int, owner_uid: int | None = None) -> ShmRegion:
         field = f"regions[{region_id}].shm.name"
         check_name(name, field)
         try:
@@ -183,6 +183,9 @@ class ShmRegion:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidArgument(field, name, "is not a regular shared-memory file")
+            if owner_uid is not None and st.st_uid != owner_uid:  # checked on the descriptor opened: no race with a rename
+                raise PermissionDenied(f"{field}={name!r} belongs to uid {st.st_uid}, not to the registering worker's uid {owner_uid}: "
+                                       "a worker registers only its own memory")
             if st.st_size < size:
                 raise InvalidArgument(f"regions[{region_id}].size_bytes", size, f"exceeds the shm file's {st.st_size} bytes")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
