@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.core.errors import InvalidArgument, KvdError
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
+from kvd.regions.shm import pid_alive
 from tests.conftest import REPO, free_port, make_worker, scheduler_params, scrape, transfer
 
 
@@ -239,6 +241,44 @@ def test_demo_command_verifies(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verified" in r.stdout and "failures       0" in r.stdout
+
+
+def _daemons_of(pid: int) -> list[int]:
+    """The ``kvd serve`` children of process ``pid``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat, cmdline = Path(f"/proc/{entry}/stat").read_text(), Path(f"/proc/{entry}/cmdline").read_bytes()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"kvd\0serve" in cmdline:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_a_demo_killed_with_sigkill_leaves_no_daemon_behind():
+    """``kvd demo`` (and ``kvd bench``) start their own daemons; killed without a chance to stop them
+    (kill -9, the OOM killer), it used to leave both serving, holding ports and mapped memory."""
+    demo = subprocess.Popen([sys.executable, "-m", "kvd", "demo", "--requests", "1000000", "--layers", "2"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(started := _daemons_of(demo.pid)) < 2 and time.monotonic() < deadline and demo.poll() is None:
+            time.sleep(0.2)
+        assert len(started) == 2, f"the demo started {started} (exit {demo.poll()})"
+        time.sleep(3)  # serving: they drain on SIGTERM
+        demo.kill()
+        demo.wait()
+        deadline = time.monotonic() + 30
+        while (alive := [p for p in started if pid_alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, f"daemons {alive} outlived their demo"
+    finally:
+        demo.kill()
+        for p in started:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 def test_reregistration_replaces_stale_regions_and_publications(daemons):

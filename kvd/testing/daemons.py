@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,16 @@ from typing import Any
 
 class DaemonDidNotStart(RuntimeError):
     """The daemon exited, or wrote no ready file in time; the message holds its log."""
+
+
+def parent_death_term() -> list[str]:
+    """A command prefix under which a process gets SIGTERM when the thread
+    that started it dies (Linux's parent-death signal, which survives exec):
+    util-linux's ``setpriv``, where it is installed (else none: a SIGKILLed
+    starter then leaves its daemons running, as before). Not preexec_fn,
+    which may deadlock a process that has threads."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 @dataclass
@@ -90,15 +101,18 @@ class DaemonProc:
 
 
 def start_daemon(engine_id: str, folder: Path, *extra: str, name: str = "", grpc_port: int = 0, prefix: Sequence[str] = (),
-                 source: Path | None = None) -> DaemonProc:
+                 source: Path | None = None, with_parent: bool = False) -> DaemonProc:
     """Start ``kvd serve`` for ``engine_id``, its ready file and log in
     ``folder`` (as ``name``.json and .log; the engine id by default), every
     port chosen by the kernel but gRPC's when ``grpc_port`` is set.
     ``extra`` flags come last, so they override these. ``prefix`` runs it
     elsewhere (inside a network namespace); ``source`` is the kvd tree it
     runs (another release's checkout), this interpreter's by default.
+    ``with_parent``: the daemon drains and exits (SIGTERM) when the thread
+    that starts it dies, however it dies (``kill -9`` of ``kvd demo``).
     Returns at once: ``info`` waits for it."""
     name = name or engine_id
+    prefix = [*prefix, *(parent_death_term() if with_parent else ())]
     ready, log_path = folder / f"{name}.json", folder / f"{name}.log"
     with log_path.open("wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(

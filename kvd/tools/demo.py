@@ -50,7 +50,7 @@ class Daemons:
     def launch(self, engine_id: str, extra: Sequence[str] = ()) -> DaemonProc:
         """Start ``kvd serve`` without waiting for it (``ready`` does): daemons
         launched together boot in parallel."""
-        d = start_daemon(engine_id, Path(self.tmp), *extra)
+        d = start_daemon(engine_id, Path(self.tmp), *extra, with_parent=True)  # a killed demo or bench leaves none behind
         self.started.append(d)
         return d
 
