@@ -21,7 +21,7 @@ from kvd.client import KvdClient, daemon_status
 from kvd.core.errors import PermissionDenied
 from kvd.core.spec import WorkerId
 from kvd.core.wire import HEADER, MAGIC, VERSION, FrameType
-from kvd.daemon.caller_uid import loopback_caller_uid
+from kvd.daemon.caller_uid import CallerUnlisted, loopback_caller_uid
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions.shm import ShmRegion
@@ -186,6 +186,7 @@ NOBODY = 65534
 _NOBODY_WORKER = """
 import os, sys
 from kvd import caches
+from kvd.client import daemon_status
 from tests.conftest import make_worker
 make_worker(sys.argv[1], "warm-up", register=False).client.close()  # every import, while the interpreter's files are readable
 caches.release_all()
@@ -205,21 +206,76 @@ for r, name in own:
     r.name = name
 w.register()
 print("OWN MEMORY REGISTERED")
+# Counted here, while this worker lives: once it exits, the daemon's reaper retires its registration.
+print("WORKERS", len(daemon_status(sys.argv[1]).workers))
 """
 
 
 def test_loopback_callers_uid_is_read_from_the_kernels_table():
+    """The caller's own socket, by its whole address: from 127.0.0.1, from another loopback address, and
+    from an AF_INET6 socket bound to an IPv4-mapped one (gRPC names that peer ipv4:)."""
     server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname())
+    port = server.getsockname()[1]
+    mapped = socket.socket(socket.AF_INET6)
+    mapped.bind(("::ffff:127.0.0.2", 0))
+    mapped.connect(("::ffff:127.0.0.1", port))
+    clients = [socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0))]
     try:
-        peer = f"ipv4:127.0.0.1:{client.getsockname()[1]}"
-        assert loopback_caller_uid(peer, server.getsockname()[1]) == os.geteuid()
-        assert loopback_caller_uid(peer, server.getsockname()[1] ^ 1) is None  # not a connection to that port
-        assert loopback_caller_uid("unix:", server.getsockname()[1]) is None  # the socket file's permissions decide
-        assert loopback_caller_uid(f"ipv4:10.1.2.3:{client.getsockname()[1]}", server.getsockname()[1]) is None
+        for c in clients:
+            host, cport = c.getsockname()[:2]
+            assert loopback_caller_uid(f"ipv4:{host}:{cport}", port) == os.geteuid()
+        assert loopback_caller_uid(f"ipv4:127.0.0.2:{mapped.getsockname()[1]}", port) == os.geteuid()
+        with pytest.raises(CallerUnlisted, match="listed 0 times"):  # loopback, but no connection to that port
+            loopback_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port ^ 1)
+        assert loopback_caller_uid("unix:", port) is None  # the socket file's permissions decide
+        assert loopback_caller_uid(f"ipv4:10.1.2.3:{clients[0].getsockname()[1]}", port) is None
     finally:
-        client.close()
-        server.close()
+        for c in [*clients, mapped, server]:
+            c.close()
+
+
+# The kernel's tables (a daemon on port 8080 = 1F90, a root worker on 127.0.0.1:40960 = A000), with
+# nobody's sockets that reuse root's ports on other loopback addresses. Addresses written as the kernel
+# writes them (little-endian words), by hand. The daemon's and root's lines come first: a lookup by
+# port alone finds them.
+_TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1
+   1: 0100007F:1F90 0100007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 2 1
+   2: 0100007F:1F90 0200007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 3 1
+   3: 0100007F:1F90 0300007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4 1
+   4: 0100007F:1F90 0400007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 5 1
+   5: 0100007F:A000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 6 1
+   6: 0200007F:A000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 7 1
+   7: 0300007F:1F90 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 8 1
+   8: 0500007F:B000 0100000A:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 9 1
+   9: 0600007F:B000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 10 1
+  10: 0600007F:B000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 11 1
+"""
+_TCP6 = """  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0000000000000000FFFF00000400007F:1F90 0000000000000000FFFF00000100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 12 1
+   1: 00000000000000000000000001000000:A000 00000000000000000000000001000000:1F90 01 00000000:00000000 00:00000000 00000000     0        0 13 1
+"""
+
+
+def test_a_caller_reusing_roots_port_on_another_loopback_address_is_still_itself(tmp_path):
+    """Any user may bind 127.0.0.2 (or ::ffff:127.0.0.4) to the port a root worker, or the daemon, uses on
+    127.0.0.1. Negative control: matched by ports alone, each of nobody's connections found root (uid 0)
+    in the daemon's or the root worker's line, and its registration went unchecked."""
+    tcp, tcp6 = tmp_path / "tcp", tmp_path / "tcp6"
+    tcp.write_text(_TCP)
+    tcp6.write_text(_TCP6)
+    tables = (str(tcp), str(tcp6))
+    assert loopback_caller_uid("ipv4:127.0.0.1:40960", 8080, tables) == 0  # root's worker
+    assert loopback_caller_uid("ipv6:[::1]:40960", 8080, tables) == 0
+    assert loopback_caller_uid("ipv4:127.0.0.2:40960", 8080, tables) == NOBODY  # root worker's port, another address
+    assert loopback_caller_uid("ipv4:127.0.0.3:8080", 8080, tables) == NOBODY  # the daemon's own port
+    assert loopback_caller_uid("ipv4:127.0.0.4:8080", 8080, tables) == NOBODY  # the same from an IPv4-mapped socket
+    with pytest.raises(CallerUnlisted, match="listed 0 times"):  # not listed: refused, not let through
+        loopback_caller_uid("ipv4:127.0.0.9:40960", 8080, tables)
+    with pytest.raises(CallerUnlisted, match="listed 0 times"):  # its remote end is not loopback
+        loopback_caller_uid("ipv4:127.0.0.5:45056", 8080, tables)
+    with pytest.raises(CallerUnlisted, match="listed 2 times"):
+        loopback_caller_uid("ipv4:127.0.0.6:45056", 8080, tables)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting a worker as another user needs root")
@@ -239,7 +295,7 @@ def test_a_worker_registers_only_its_own_shared_memory(daemons, tmp_path):
         assert refused.startswith("REFUSED PermissionDenied"), r.stdout
         assert f"={victim.name!r} belongs to uid 0, not to the registering worker's uid {NOBODY}" in refused, refused
         assert "OWN MEMORY REGISTERED" in r.stdout, r.stdout  # the same user's own memory: served
-        assert len(daemon_status(p.grpc).workers) == 1
+        assert "WORKERS 1" in r.stdout, r.stdout  # the refused registration left nothing behind
         assert bool((victim.tensor == 0x5A).all())
     finally:
         victim.close()

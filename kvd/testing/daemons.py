@@ -8,6 +8,7 @@ together boot in parallel (most of a start is importing torch).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -31,8 +32,21 @@ def parent_death_term() -> list[str]:
     util-linux's ``setpriv``, where it is installed (else none: a SIGKILLed
     starter then leaves its daemons running, as before). Not preexec_fn,
     which may deadlock a process that has threads."""
+    return list(_pdeathsig_prefix())
+
+
+@functools.cache
+def _pdeathsig_prefix() -> tuple[str, ...]:
+    # Tried once: setpriv before util-linux 2.33, and busybox's, have no --pdeathsig.
     setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
+    if setpriv is None:
+        return ()
+    prefix = (setpriv, "--pdeathsig", "TERM", "--")
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return prefix if ok else ()
 
 
 @dataclass
