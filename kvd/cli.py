@@ -138,6 +138,18 @@ SERVE_FLAGS = {
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import faulthandler
+    import signal
+
+    # First, before the imports (torch's alone takes a second): a crash in
+    # native code (a driver, CUDA IPC, NIXL) leaves its Python stack in the
+    # log instead of a bare exit status, and SIGUSR1 writes every thread's
+    # stack there and the daemon serves on. faulthandler writes from the
+    # signal handler without the GIL, so this shows where a daemon is stuck
+    # even when no Python thread can run (a native call holding the GIL),
+    # and where one that is slow to start spends its time.
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     from kvd.daemon import config as cfg
 
     flags = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in SERVE_FLAGS}

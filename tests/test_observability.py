@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import threading
 import time
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from kvd.daemon.metrics import PULL_PHASES as PHASES
 from kvd.daemon.watchdog import LoopWatchdog
+from kvd.testing.daemons import DaemonDidNotStart
 from tests.conftest import make_worker, scheduler_params, scrape, transfer
 
 
@@ -143,3 +145,19 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_serves_on(
     _, finished = transfer([pw], [dw], "after", 2, [5, 6], [7, 8], 32)  # it serves on, exactly
     assert finished[0].details[("recving", "after")].outcome == "done" and dw.mismatch(2, [7, 8], 32) is None
     assert "Thread 0x" not in d.log(), "only the daemon signalled writes its stacks"
+
+
+def test_a_daemon_not_ready_in_time_says_where_it_is(daemons, tmp_path):
+    """A start that does not finish (here its config is a pipe nobody writes, so opening it waits)
+    fails with the daemon's state, its CPU time and every thread's stack: starved, stuck or busy, and
+    where. Negative control: faulthandler set up only once the daemon's imports are done, SIGUSR1
+    ended the daemon and the message held no stack."""
+    fifo = tmp_path / "kvd.yaml"
+    os.mkfifo(fifo)
+    p = daemons.start("prefill", "--config", str(fifo))
+    p.ready_within = 8
+    with pytest.raises(DaemonDidNotStart) as e:
+        p.info  # noqa: B018 (waits for its ready file)
+    said = str(e.value)
+    assert "not ready within 8 s (state S, " in said and " s system CPU since it started)" in said, said
+    assert "Current thread 0x" in said and "kvd/daemon/config.py" in said, said  # the main thread, opening the config

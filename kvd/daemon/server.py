@@ -11,7 +11,6 @@ everything is reported before the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import gc
 import json
 import logging
@@ -118,14 +117,8 @@ def run(config: DaemonConfig, ready_file: str | None = None) -> int:
     from kvd.logs import setup
 
     setup(config.log_format, config.log_level)
-    # A crash in native code (a driver, CUDA IPC, NIXL) leaves its Python stack
-    # in the log instead of a bare exit status.
-    faulthandler.enable()
-    # SIGUSR1 writes every thread's stack to the log and the daemon serves on.
-    # faulthandler writes from the signal handler without the GIL, so this
-    # shows where a daemon is stuck even when no Python thread can run (a
-    # native call holding the GIL); the loop watchdog sees only the loop.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # faulthandler (crashes, and stacks on SIGUSR1) is set up by `kvd serve`
+    # (cli._serve) before any import.
     uvloop.run(Server(config, ready_file).serve())
     if config.transport == "nixl":
         # Everything is closed and logged. NIXL 1.5's UCX crashes in its exit-time

@@ -57,19 +57,24 @@ class DaemonProc:
     proc: subprocess.Popen[bytes]
     ready: Path
     log_path: Path
+    current_tree: bool = True  # this checkout's kvd, not another release's (which may not handle SIGUSR1)
+    ready_within: float = 60.0
     _info: dict[str, Any] | None = None
 
     @property
     def info(self) -> dict[str, Any]:
-        """The ready file's contents, waited for (60 s) on first use."""
+        """The ready file's contents, waited for (``ready_within``) on first use."""
         if self._info is None:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + self.ready_within
             while not self.ready.exists():
                 if self.proc.poll() is not None:
                     raise DaemonDidNotStart(f"kvd serve for {self.engine_id} exited {self.proc.returncode}: {self.log()}")
                 if time.monotonic() > deadline:
+                    # Starved, stuck or busy: its state and CPU time, and where its threads are (in its log).
+                    state = self.cpu()
+                    self.stacks()
                     self.proc.kill()
-                    raise DaemonDidNotStart(f"kvd serve for {self.engine_id} not ready within 60 s: {self.log()}")
+                    raise DaemonDidNotStart(f"kvd serve for {self.engine_id} not ready within {self.ready_within:g} s ({state}): {self.log()}")
                 time.sleep(0.02)
             self._info = json.loads(self.ready.read_text())
         return self._info
@@ -89,12 +94,23 @@ class DaemonProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def cpu(self) -> str:
+        """Its scheduler state and CPU seconds so far (``/proc``), as words."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError as e:
+            return f"no /proc entry: {e}"
+        user, system = (int(f) / os.sysconf("SC_CLK_TCK") for f in fields[11:13])
+        return f"state {fields[0]}, {user:.2f} s user and {system:.2f} s system CPU since it started"
+
     def stacks(self, wait: float = 1.0) -> str:
         """Every thread's stack, as the daemon writes it to its log on SIGUSR1
-        (even a daemon no Python thread of which can run), or why there are
-        none: for a test's failure message, as CI keeps no files. Only for a
-        daemon of this tree (``source`` None): an older release may not
-        handle SIGUSR1, which would end it."""
+        (even a daemon no Python thread of which can run, or one still
+        importing), or why there are none: for a test's failure message, as
+        CI keeps no files. Only for a daemon of this tree: an older release
+        may not handle SIGUSR1, which would end it."""
+        if not self.current_tree:
+            return f"(kvd serve for {self.engine_id} runs another release: no stacks asked)"
         if self.proc.poll() is not None:
             return f"(kvd serve for {self.engine_id} exited {self.proc.returncode})"
         before = len(self.log())
@@ -135,4 +151,4 @@ def start_daemon(engine_id: str, folder: Path, *extra: str, name: str = "", grpc
             stdout=log, stderr=subprocess.STDOUT, cwd=source,
             env={**os.environ, "PYTHONPATH": str(source)} if source is not None else None,
         )
-    return DaemonProc(engine_id, proc, ready, log_path)
+    return DaemonProc(engine_id, proc, ready, log_path, current_tree=source is None)
