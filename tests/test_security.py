@@ -21,7 +21,7 @@ from kvd.client import KvdClient, daemon_status
 from kvd.core.errors import PermissionDenied
 from kvd.core.spec import WorkerId
 from kvd.core.wire import HEADER, MAGIC, VERSION, FrameType
-from kvd.daemon.caller_uid import CallerUnlisted, loopback_caller_uid
+from kvd.daemon.caller_uid import CallerUnlisted, tcp_caller_uid
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 from kvd.regions.shm import ShmRegion
@@ -211,71 +211,111 @@ print("WORKERS", len(daemon_status(sys.argv[1]).workers))
 """
 
 
-def test_loopback_callers_uid_is_read_from_the_kernels_table():
-    """The caller's own socket, by its whole address: from 127.0.0.1, from another loopback address, and
-    from an AF_INET6 socket bound to an IPv4-mapped one (gRPC names that peer ipv4:)."""
-    server = socket.create_server(("127.0.0.1", 0))
+def _host_address() -> str | None:
+    """One of this host's own addresses that is not loopback (None where it has none)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    return next((w.split("/")[0] for line in out.splitlines() for w in line.split()[3:4] if not w.startswith("127.")), None)
+
+
+def _reusing(local: tuple[str, int], remote: tuple[str, int], family: int = socket.AF_INET) -> socket.socket:
+    """A client socket on ``local`` with SO_REUSEADDR, which gRPC's clients set too: any user may so share an address and port."""
+    s = socket.socket(family)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(local)
+    s.connect(remote)
+    return s
+
+
+def test_a_callers_uid_is_read_from_the_kernels_table_as_one_exact_connection():
+    """The caller's own socket, paired with this process's accepted end: from 127.0.0.1, another loopback
+    address, an AF_INET6 socket on an IPv4-mapped one (gRPC names that peer ipv4:), and this host's own
+    address. A second socket on the first one's address and port (SO_REUSEADDR), connected to another of
+    our addresses, makes the pair ambiguous: refused. Negative control: matched by the caller's address
+    and a loopback far end (8db8dd3), that second socket's row was dropped and the lookup answered the
+    first one's uid (a user, so, registered root's file through a daemon on 0.0.0.0)."""
+    host = _host_address()
+    server = socket.create_server(("0.0.0.0", 0))
     port = server.getsockname()[1]
-    mapped = socket.socket(socket.AF_INET6)
-    mapped.bind(("::ffff:127.0.0.2", 0))
-    mapped.connect(("::ffff:127.0.0.1", port))
-    clients = [socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0))]
+    clients = [_reusing(("127.0.0.1", 0), ("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0)),
+               _reusing(("::ffff:127.0.0.2", 0), ("::ffff:127.0.0.1", port), socket.AF_INET6)]
+    if host:
+        clients.append(socket.create_connection((host, port)))
+    accepted = [server.accept()[0] for _ in clients]
     try:
         for c in clients:
-            host, cport = c.getsockname()[:2]
-            assert loopback_caller_uid(f"ipv4:{host}:{cport}", port) == os.geteuid()
-        assert loopback_caller_uid(f"ipv4:127.0.0.2:{mapped.getsockname()[1]}", port) == os.geteuid()
-        with pytest.raises(CallerUnlisted, match="listed 0 times"):  # loopback, but no connection to that port
-            loopback_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port ^ 1)
-        assert loopback_caller_uid("unix:", port) is None  # the socket file's permissions decide
-        assert loopback_caller_uid(f"ipv4:10.1.2.3:{clients[0].getsockname()[1]}", port) is None
+            addr, cport = c.getsockname()[:2]
+            assert tcp_caller_uid(f"ipv4:{addr.removeprefix('::ffff:')}:{cport}", port) == os.geteuid()
+        with pytest.raises(CallerUnlisted, match="0 of this daemon's sockets"):  # no connection to that port
+            tcp_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port ^ 1)
+        assert tcp_caller_uid("unix:", port) is None  # the socket file's permissions decide
+        if host is None:
+            pytest.skip("this host has no address but loopback: no second way in")
+        twin = _reusing(clients[0].getsockname(), (host, port))
+        accepted.append(server.accept()[0])
+        with pytest.raises(CallerUnlisted, match="2 of this daemon's sockets"):
+            tcp_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port)
+        twin.close()
     finally:
-        for c in [*clients, mapped, server]:
+        for c in [*clients, *accepted, server]:
             c.close()
 
 
-# The kernel's tables (a daemon on port 8080 = 1F90, a root worker on 127.0.0.1:40960 = A000), with
-# nobody's sockets that reuse root's ports on other loopback addresses. Addresses written as the kernel
-# writes them (little-endian words), by hand. The daemon's and root's lines come first: a lookup by
-# port alone finds them.
-_TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1
-   1: 0100007F:1F90 0100007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 2 1
-   2: 0100007F:1F90 0200007F:A000 01 00000000:00000000 00:00000000 00000000     0        0 3 1
-   3: 0100007F:1F90 0300007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4 1
-   4: 0100007F:1F90 0400007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 5 1
-   5: 0100007F:A000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 6 1
-   6: 0200007F:A000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 7 1
-   7: 0300007F:1F90 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 8 1
-   8: 0500007F:B000 0100000A:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 9 1
-   9: 0600007F:B000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 10 1
-  10: 0600007F:B000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 11 1
-"""
-_TCP6 = """  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0000000000000000FFFF00000400007F:1F90 0000000000000000FFFF00000100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 12 1
-   1: 00000000000000000000000001000000:A000 00000000000000000000000001000000:1F90 01 00000000:00000000 00:00000000 00000000     0        0 13 1
-"""
+# The kernel's tables as it writes them on a little-endian host (addresses by hand): a daemon on port
+# 8080 (1F90) of 127.0.0.1 and of 192.0.2.2 (020200C0), whose own sockets are the inodes _OURS; root's
+# workers, and nobody's sockets that reuse their ports (other loopback addresses, SO_REUSEADDR).
+_ROW = "{:4}: {} {} 01 00000000:00000000 00:00000000 00000000 {:5}        0 {} 1"
+_TCP_ROWS = [
+    ("0100007F:1F90", "0100007F:A000", 0, 2), ("0100007F:A000", "0100007F:1F90", 0, 102),  # root's worker
+    ("0100007F:1F90", "0200007F:A000", 0, 3), ("0200007F:A000", "0100007F:1F90", NOBODY, 103),  # its port on 127.0.0.2
+    ("0100007F:1F90", "0300007F:1F90", 0, 4), ("0300007F:1F90", "0100007F:1F90", NOBODY, 104),  # our port on 127.0.0.3
+    ("0100007F:1F90", "0400007F:1F90", 0, 5),  # ... from an IPv4-mapped socket (in tcp6)
+    ("0100007F:1F90", "0100007F:B000", 0, 20), ("0100007F:B000", "0100007F:1F90", 0, 120),  # root's worker ...
+    ("020200C0:1F90", "0100007F:B000", 0, 21), ("0100007F:B000", "020200C0:1F90", NOBODY, 121),  # ... and its twin to 192.0.2.2
+    ("0100007F:1F90", "0100007F:C000", 0, 30), ("0100007F:C000", "0100007F:1F90", 0, 130),  # root's worker ...
+    ("0200007F:1F90", "0100007F:C000", NOBODY, 31), ("0100007F:C000", "0200007F:1F90", NOBODY, 131),  # ... twin to nobody's listener
+    ("020200C0:1F90", "0500000A:D000", 0, 40),  # a worker on 10.0.0.5, another host
+    ("020200C0:1F90", "020200C0:E000", 0, 41), ("020200C0:E000", "020200C0:1F90", NOBODY, 141),  # nobody via this host's address
+    ("0100007F:1F90", "0900007F:A000", 0, 50),  # a loopback peer whose end is not listed
+    ("0100007F:1F90", "0600007F:B000", 0, 60), ("0600007F:B000", "0100007F:1F90", NOBODY, 160), ("0600007F:B000", "0100007F:1F90", 0, 161),
+]
+_TCP6_ROWS = [("0000000000000000FFFF00000400007F:1F90", "0000000000000000FFFF00000100007F:1F90", NOBODY, 105),
+              ("00000000000000000000000001000000:1F90", "00000000000000000000000001000000:A000", 0, 7),
+              ("00000000000000000000000001000000:A000", "00000000000000000000000001000000:1F90", 0, 107)]
+_OURS = {2, 3, 4, 5, 7, 20, 21, 30, 40, 41, 50, 60}
 
 
-def test_a_caller_reusing_roots_port_on_another_loopback_address_is_still_itself(tmp_path):
-    """Any user may bind 127.0.0.2 (or ::ffff:127.0.0.4) to the port a root worker, or the daemon, uses on
-    127.0.0.1. Negative control: matched by ports alone, each of nobody's connections found root (uid 0)
-    in the daemon's or the root worker's line, and its registration went unchecked."""
-    tcp, tcp6 = tmp_path / "tcp", tmp_path / "tcp6"
-    tcp.write_text(_TCP)
-    tcp6.write_text(_TCP6)
-    tables = (str(tcp), str(tcp6))
-    assert loopback_caller_uid("ipv4:127.0.0.1:40960", 8080, tables) == 0  # root's worker
-    assert loopback_caller_uid("ipv6:[::1]:40960", 8080, tables) == 0
-    assert loopback_caller_uid("ipv4:127.0.0.2:40960", 8080, tables) == NOBODY  # root worker's port, another address
-    assert loopback_caller_uid("ipv4:127.0.0.3:8080", 8080, tables) == NOBODY  # the daemon's own port
-    assert loopback_caller_uid("ipv4:127.0.0.4:8080", 8080, tables) == NOBODY  # the same from an IPv4-mapped socket
-    with pytest.raises(CallerUnlisted, match="listed 0 times"):  # not listed: refused, not let through
-        loopback_caller_uid("ipv4:127.0.0.9:40960", 8080, tables)
-    with pytest.raises(CallerUnlisted, match="listed 0 times"):  # its remote end is not loopback
-        loopback_caller_uid("ipv4:127.0.0.5:45056", 8080, tables)
+@pytest.mark.skipif(sys.byteorder != "little", reason="the tables are written as a little-endian kernel writes them")
+def test_a_caller_on_another_users_address_and_port_is_still_itself(tmp_path):
+    """Any user may bind another loopback address to the port a root worker, or the daemon, uses on
+    127.0.0.1, or share root's very address and port (SO_REUSEADDR) towards another of our addresses, or
+    towards a listener of its own. Negative control: matched by ports alone (6b5e4a2), nobody's
+    connections found root (uid 0); by the caller's address and a loopback far end (8db8dd3), the twin
+    to 192.0.2.2 found root's, and the twin to nobody's listener made root's own registration fail."""
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    tables = []
+    for name, rows in (("tcp", _TCP_ROWS), ("tcp6", _TCP6_ROWS)):
+        (tmp_path / name).write_text(header + "".join(_ROW.format(i, *r) + "\n" for i, r in enumerate(rows)))
+        tables.append(str(tmp_path / name))
+
+    def uid(peer: str) -> int | None:
+        return tcp_caller_uid(peer, 8080, tuple(tables), lambda: _OURS)
+
+    assert uid("ipv4:127.0.0.1:40960") == 0  # root's worker
+    assert uid("ipv6:%5B::1%5D:40960") == 0
+    assert uid("ipv4:127.0.0.2:40960") == NOBODY  # root worker's port, another address
+    assert uid("ipv4:127.0.0.3:8080") == NOBODY  # the daemon's own port
+    assert uid("ipv4:127.0.0.4:8080") == NOBODY  # the same from an IPv4-mapped socket
+    with pytest.raises(CallerUnlisted, match="2 of this daemon's sockets"):  # root's address and port, twice
+        uid("ipv4:127.0.0.1:45056")
+    assert uid("ipv4:127.0.0.1:49152") == 0  # a twin to a listener of nobody's own changes nothing
+    assert uid("ipv4:10.0.0.5:53248") is None  # another host's: not known
+    assert uid("ipv4:192.0.2.2:57344") == NOBODY  # a local user on this host's own address is known
+    with pytest.raises(CallerUnlisted, match="listed 0 times"):  # loopback, its end not found: refused, not let through
+        uid("ipv4:127.0.0.9:40960")
     with pytest.raises(CallerUnlisted, match="listed 2 times"):
-        loopback_caller_uid("ipv4:127.0.0.6:45056", 8080, tables)
+        uid("ipv4:127.0.0.6:45056")
+    with pytest.raises(CallerUnlisted, match="0 of this daemon's sockets"):  # not connected to us at all
+        uid("ipv4:127.0.0.8:40960")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting a worker as another user needs root")

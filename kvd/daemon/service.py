@@ -40,7 +40,7 @@ from kvd.convert import (
 from kvd.core.aggregate import WorkerFinished
 from kvd.core.errors import KvdError, PermissionDenied, ResourceExhausted
 from kvd.core.requests import PublishOrder, ShmSource, TransferParams
-from kvd.daemon.caller_uid import CallerUnlisted, loopback_caller_uid
+from kvd.daemon.caller_uid import tcp_caller_uid
 from kvd.daemon.daemon import Daemon
 from kvd.daemon.registration import Registration
 from kvd.proto import kvd_pb2 as pb
@@ -136,13 +136,10 @@ class WorkerService(pbg.WorkerServicer):
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         self._local(context)
         registering = registering_from_pb(request)
-        try:
+        caller = None  # CUDA IPC handles name no file of another user's
+        if any(isinstance(r.source, ShmSource) for r in registering.regions):
             # /proc/net/tcp* lists every socket on the host: read off the loop.
-            caller = await asyncio.to_thread(loopback_caller_uid, context.peer(), self.d.config.grpc_port)
-        except CallerUnlisted:
-            if any(isinstance(r.source, ShmSource) for r in registering.regions):
-                raise
-            caller = None  # CUDA IPC handles name no file of another user's
+            caller = await asyncio.to_thread(tcp_caller_uid, context.peer(), self.d.config.grpc_port)
         return registered_to_pb(await self.d.registry.register(registering, caller))
 
     @rpc
