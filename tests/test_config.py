@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from kvd.daemon import config
-from tests.conftest import REPO, make_worker
+from kvd.integrations.kv_params import release_params, stream_params
+from tests.conftest import REPO, make_worker, scrape, transfer
 
 
 def test_precedence_file_then_env_then_flags(tmp_path):
@@ -119,3 +120,20 @@ def test_a_bad_tool_option_is_one_line_naming_it(argv, message):
     r = subprocess.run([sys.executable, "-m", "kvd", *argv], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2 if "error: argument" in message else r.returncode == 1, r.stderr
     assert r.stderr.strip().splitlines()[-1] == message and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_daemons_on_an_ipv6_host_serve_and_move_blocks_exactly(daemons, host):
+    """An IPv6 host, bare or bracketed, binds gRPC, the data plane and /metrics, and every address the
+    daemons give out is host:port text with the host in brackets; a vLLM param's bare remote_host comes
+    back as the same address. Negative control: gRPC was given '::1:0' and the daemon exited 1
+    ('Failed to bind to address ::1:0')."""
+    p, d = daemons.start("prefill", "--host", host), daemons.start("decode", "--host", host)
+    for info in (p.info, d.info):
+        assert all(info[k].startswith("[::1]:") for k in ("grpc", "data", "data_bind", "metrics")), info
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")  # registers over ::1: the caller's uid is found
+    _, finished = transfer([pw], [dw], "v6", 5, [1, 2], [3, 4], 32)
+    assert finished[0].details[("recving", "v6")].outcome == "done" and dw.mismatch(5, [3, 4], 32) is None
+    assert scrape(d.metrics_url, "kvd_received_bytes_total", transport="tcp") > 0
+    _, decode = stream_params(name="v6", capability=bytes(16), engine_id="prefill", address=p.grpc)
+    assert decode["remote_host"] == "::1" and release_params(decode).remote_address == p.grpc

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvd.core.addresses import bare_host
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import DEFAULT_LEASE_SECONDS, MAX_LEASE_SECONDS
 from kvd.core.qos import parse_shares
@@ -255,6 +256,9 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None, flags: M
             raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be {rule[1]}")
         if key.endswith("_seconds") and not value <= MAX_SETTING_SECONDS:
             raise ConfigError(f"{key}={value!r} (from {sources[key]}) must be at most {MAX_SETTING_SECONDS:g} (a day)")
+    for key in ("host", "advertise_host"):  # "[::]" as "::": the brackets belong to host:port text
+        if key in values:
+            values[key] = bare_host(values[key])
     config = DaemonConfig(**values)
     if config.transport == "nixl" and config.auth == "mtls":
         raise ConfigError(f"transport=nixl (from {sources.get('transport', 'default')}) cannot be used with auth=mtls "

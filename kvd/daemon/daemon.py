@@ -16,6 +16,7 @@ import time
 import uuid
 
 from kvd.auth import AuthConfig
+from kvd.core.addresses import host_port
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import PublicationTable
 from kvd.core.qos import QosTag, WireSchedule
@@ -136,7 +137,7 @@ class Daemon:
     def data_address(self) -> str:
         if self.config.data_advertise_address:
             return self.config.data_advertise_address
-        return f"{self.config.advertise_host or self.config.host}:{self.config.data_port}"
+        return host_port(self.config.advertise_host or self.config.host, self.config.data_port)
 
     async def drain(self) -> None:
         """Stop new work; let in-flight pulls finish within the drain bound, then fail them."""

@@ -26,6 +26,7 @@ from grpc_health.v1 import health
 from prometheus_client import start_http_server
 
 from kvd import __version__
+from kvd.core.addresses import host_port
 from kvd.core.errors import KvdError
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.daemon import Daemon
@@ -67,15 +68,15 @@ class Server:
         server, self._health = build_server(daemon)
         self._grpc = server
         creds = daemon.auth.server_credentials()
-        address = f"{config.host}:{config.grpc_port}"
+        address = host_port(config.host, config.grpc_port)
         grpc_port = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
         if config.worker_socket:
             # Workers on this host may also come over a Unix socket (file permissions apply).
             server.add_insecure_port(f"unix:{config.worker_socket}")
         if grpc_port == 0:
-            raise SystemExit(f"kvd: cannot bind gRPC on {config.host}:{config.grpc_port}")
+            raise SystemExit(f"kvd: cannot bind gRPC on {address}")
         config.grpc_port = grpc_port
-        daemon.grpc_address = f"{config.advertise_host or config.host}:{grpc_port}"
+        daemon.grpc_address = host_port(config.advertise_host or config.host, grpc_port)
         metrics_port = -1
         if config.metrics_port >= 0:
             httpd, _thread = start_http_server(config.metrics_port, addr=config.host, registry=daemon.metrics.registry)
@@ -89,8 +90,8 @@ class Server:
             await self._health.set(name, SERVING)
         self.info = {
             "engine_id": config.engine_id, "epoch": daemon.epoch, "grpc": daemon.grpc_address,
-            "data": daemon.data_address, "data_bind": f"{config.host}:{config.data_port}",
-            "metrics": f"{config.host}:{metrics_port}" if metrics_port >= 0 else "off", "version": __version__, "pid": os.getpid(),
+            "data": daemon.data_address, "data_bind": host_port(config.host, config.data_port),
+            "metrics": host_port(config.host, metrics_port) if metrics_port >= 0 else "off", "version": __version__, "pid": os.getpid(),
         }
         log.info("kvd serving " + " ".join(f"{k}={v}" for k, v in self.info.items()))
         if self.ready_file:

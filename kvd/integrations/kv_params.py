@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.core.addresses import host_port, split_host_port
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import check_lease_seconds
 from kvd.core.requests import Blocks, TransferParams
@@ -124,7 +125,7 @@ def make_params(pub: Publication, *, engine_id: str, address: str, tp_size: int,
     """The JSON-safe dict P returns from ``request_finished``; with
     ``published`` (the daemon's params: it is published already), its
     generation and epoch, so D's daemon need not resolve them."""
-    host, _, port = address.rpartition(":")
+    host, port = split_host_port(address)
     known = {"kvd_generation": published.generation, "kvd_epoch": published.remote_epoch} if published is not None else {}
     return {
         **known,
@@ -150,7 +151,7 @@ def stream_params(*, name: str, capability: bytes, engine_id: str, address: str)
     --prefill-kvd``): P's params (publish under ``name`` and ``capability``
     as the prompt is computed) and D's (pull it from P's daemon at
     ``address`` as it streams; P's blocks come from its publication)."""
-    host, _, port = address.rpartition(":")
+    host, port = split_host_port(address)
     prefill = {"do_remote_decode": True, "do_remote_prefill": False, "kvd_stream": True, "kvd_publish_as": name,
                "kvd_capability": capability.hex()}
     decode = {"do_remote_prefill": True, "do_remote_decode": False, "kvd_stream": True, "remote_engine_id": engine_id,
@@ -167,7 +168,7 @@ def release_params(params: Mapping[str, Any]) -> TransferParams:
     """What D's daemon needs to tell P it will not read a publication."""
     check_params(params)
     return TransferParams(remote_engine_id=str(params["remote_engine_id"]), request_id=str(params["remote_request_id"]),
-                          remote_address=f"{params['remote_host']}:{int(params['remote_port'])}",
+                          remote_address=host_port(params["remote_host"], int(params["remote_port"])),
                           capability=bytes.fromhex(str(params["kvd_capability"])), block_ids=(), num_tokens=0)
 
 
@@ -207,7 +208,7 @@ def load_request(request_id: str, params: Mapping[str, Any], local: Sequence[Gro
         firsts = [int(x) for x in params.get("kvd_first_tokens", [0] * len(remote))]
         generation, epoch = int(params.get("kvd_generation", 0)), str(params.get("kvd_epoch", ""))
         capability = bytes.fromhex(str(params["kvd_capability"]))
-        address = f"{params['remote_host']}:{int(params['remote_port'])}"
+        address = host_port(params["remote_host"], int(params["remote_port"]))
         engine_id, request_id = str(params["remote_engine_id"]), str(params["remote_request_id"])
         tp_size, pp_size = int(params.get("tp_size", 1)), int(params.get("pp_size", 1))
         lease_seconds = float(params.get("kvd_lease_seconds", 0.0))

@@ -28,6 +28,7 @@ import torch
 
 from kvd.core import errors
 from kvd.core import iov as iovs
+from kvd.core.addresses import split_host_port
 from kvd.core.session import HEADER_SIZE, Data, Error, Event, ProtocolError, Session
 from kvd.transport import iovec
 from kvd.transport.codec import CODEC
@@ -59,8 +60,8 @@ def tune(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host, port = split_host_port(address)
+    return host or "127.0.0.1", int(port)
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
