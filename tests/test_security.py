@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -226,6 +227,14 @@ def _reusing(local: tuple[str, int], remote: tuple[str, int], family: int = sock
     return s
 
 
+def _until_refused(lookup: Callable[[], object], within: float = 5.0) -> None:
+    """``lookup`` until it raises (an RST arrives a moment after the close that sends it)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        lookup()
+        time.sleep(0.01)
+
+
 def test_a_callers_uid_is_read_from_the_kernels_table_as_one_exact_connection():
     """The caller's own socket, paired with this process's accepted end: from 127.0.0.1, another loopback
     address, an AF_INET6 socket on an IPv4-mapped one (gRPC names that peer ipv4:), and this host's own
@@ -248,6 +257,17 @@ def test_a_callers_uid_is_read_from_the_kernels_table_as_one_exact_connection():
         with pytest.raises(CallerUnlisted, match="0 of this daemon's sockets"):  # no connection to that port
             tcp_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port ^ 1)
         assert tcp_caller_uid("unix:", port) is None  # the socket file's permissions decide
+        # A connection reset by its far end leaves the table while our end is open: whose it was is not
+        # known (a twin may ask and reset at once), so every caller is refused until our end is closed.
+        reset = socket.create_connection(("127.0.0.1", port))
+        reset_accepted = server.accept()[0]
+        accepted.append(reset_accepted)
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()
+        with pytest.raises(CallerUnlisted, match="was reset"):
+            _until_refused(lambda: tcp_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port))
+        reset_accepted.close()
+        assert tcp_caller_uid(f"ipv4:127.0.0.1:{clients[0].getsockname()[1]}", port) == os.geteuid()
         if host is None:
             pytest.skip("this host has no address but loopback: no second way in")
         twin = _reusing(clients[0].getsockname(), (host, port))
@@ -260,11 +280,13 @@ def test_a_callers_uid_is_read_from_the_kernels_table_as_one_exact_connection():
             c.close()
 
 
-# The kernel's tables as it writes them on a little-endian host (addresses by hand): a daemon on port
-# 8080 (1F90) of 127.0.0.1 and of 192.0.2.2 (020200C0), whose own sockets are the inodes _OURS; root's
-# workers, and nobody's sockets that reuse their ports (other loopback addresses, SO_REUSEADDR).
-_ROW = "{:4}: {} {} 01 00000000:00000000 00:00000000 00000000 {:5}        0 {} 1"
+# The kernel's tables as it writes them on a little-endian host (addresses by hand): a daemon listening
+# on port 8080 (1F90) of 127.0.0.1, of 192.0.2.2 (020200C0) and of ::1, whose own sockets are the inodes
+# _OURS; root's workers, and nobody's sockets that reuse their ports (other loopback addresses,
+# SO_REUSEADDR). States: 01 established, 05 FIN_WAIT2, 06 TIME_WAIT, 08 CLOSE_WAIT, 0A LISTEN.
+_ROW = "{:4}: {} {} {} 00000000:00000000 00:00000000 00000000 {:5}        0 {} 1"
 _TCP_ROWS = [
+    ("0100007F:1F90", "00000000:0000", 0, 1, "0A"), ("020200C0:1F90", "00000000:0000", 0, 6, "0A"),  # our listeners
     ("0100007F:1F90", "0100007F:A000", 0, 2), ("0100007F:A000", "0100007F:1F90", 0, 102),  # root's worker
     ("0100007F:1F90", "0200007F:A000", 0, 3), ("0200007F:A000", "0100007F:1F90", NOBODY, 103),  # its port on 127.0.0.2
     ("0100007F:1F90", "0300007F:1F90", 0, 4), ("0300007F:1F90", "0100007F:1F90", NOBODY, 104),  # our port on 127.0.0.3
@@ -272,33 +294,51 @@ _TCP_ROWS = [
     ("0100007F:1F90", "0100007F:B000", 0, 20), ("0100007F:B000", "0100007F:1F90", 0, 120),  # root's worker ...
     ("020200C0:1F90", "0100007F:B000", 0, 21), ("0100007F:B000", "020200C0:1F90", NOBODY, 121),  # ... and its twin to 192.0.2.2
     ("0100007F:1F90", "0100007F:C000", 0, 30), ("0100007F:C000", "0100007F:1F90", 0, 130),  # root's worker ...
-    ("0200007F:1F90", "0100007F:C000", NOBODY, 31), ("0100007F:C000", "0200007F:1F90", NOBODY, 131),  # ... twin to nobody's listener
+    ("0200007F:1F90", "00000000:0000", NOBODY, 32, "0A"),  # ... nobody's listener on 127.0.0.2 ...
+    ("0200007F:1F90", "0100007F:C000", NOBODY, 31), ("0100007F:C000", "0200007F:1F90", NOBODY, 131),  # ... and a twin to it
     ("020200C0:1F90", "0500000A:D000", 0, 40),  # a worker on 10.0.0.5, another host
     ("020200C0:1F90", "020200C0:E000", 0, 41), ("020200C0:E000", "020200C0:1F90", NOBODY, 141),  # nobody via this host's address
     ("0100007F:1F90", "0900007F:A000", 0, 50),  # a loopback peer whose end is not listed
     ("0100007F:1F90", "0600007F:B000", 0, 60), ("0600007F:B000", "0100007F:1F90", NOBODY, 160), ("0600007F:B000", "0100007F:1F90", 0, 161),
+    # root's worker, and a twin to 192.0.2.2 that asked and half-closed (CLOSE_WAIT on our side) ...
+    ("0100007F:1F90", "0100007F:F000", 0, 70), ("0100007F:F000", "0100007F:1F90", 0, 170),
+    ("020200C0:1F90", "0100007F:F000", 0, 71, "08"), ("0100007F:F000", "020200C0:1F90", NOBODY, 171, "05"),
+    # ... twins ended both ways (TIME_WAIT, held by no process: uid 0), ours gone: ended calls, not callers ...
+    ("0100007F:1F90", "0100007F:F100", 0, 72), ("0100007F:F100", "0100007F:1F90", 0, 172),
+    ("0100007F:F100", "020200C0:1F90", 0, 0, "06"), ("020200C0:1F90", "0100007F:F100", 0, 0, "06"),
+    # ... a twin not yet accepted (our end held by no process yet) ...
+    ("0100007F:1F90", "0100007F:F200", 0, 73), ("0100007F:F200", "0100007F:1F90", 0, 173),
+    ("020200C0:1F90", "0100007F:F200", 0, 0), ("0100007F:F200", "020200C0:1F90", NOBODY, 174),
+    # ... and a caller that closed its end after asking (FIN_WAIT2, held by no process: uid 0)
+    ("0100007F:1F90", "0700007F:A000", 0, 74, "08"), ("0700007F:A000", "0100007F:1F90", 0, 0, "05"),
 ]
 _TCP6_ROWS = [("0000000000000000FFFF00000400007F:1F90", "0000000000000000FFFF00000100007F:1F90", NOBODY, 105),
+              ("00000000000000000000000001000000:1F90", "00000000000000000000000000000000:0000", 0, 8, "0A"),
               ("00000000000000000000000001000000:1F90", "00000000000000000000000001000000:A000", 0, 7),
               ("00000000000000000000000001000000:A000", "00000000000000000000000001000000:1F90", 0, 107)]
-_OURS = {2, 3, 4, 5, 7, 20, 21, 30, 40, 41, 50, 60}
+_OURS = {1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 30, 40, 41, 50, 60, 70, 71, 72, 73, 74}
 
 
 @pytest.mark.skipif(sys.byteorder != "little", reason="the tables are written as a little-endian kernel writes them")
 def test_a_caller_on_another_users_address_and_port_is_still_itself(tmp_path):
     """Any user may bind another loopback address to the port a root worker, or the daemon, uses on
     127.0.0.1, or share root's very address and port (SO_REUSEADDR) towards another of our addresses, or
-    towards a listener of its own. Negative control: matched by ports alone (6b5e4a2), nobody's
-    connections found root (uid 0); by the caller's address and a loopback far end (8db8dd3), the twin
-    to 192.0.2.2 found root's, and the twin to nobody's listener made root's own registration fail."""
+    towards a listener of its own; and it may half-close, close or reset that twin right after asking.
+    Negative controls: matched by ports alone (6b5e4a2), nobody's connections found root (uid 0); by the
+    caller's address and a loopback far end (8db8dd3), the twin to 192.0.2.2 found root's, and the twin to
+    nobody's listener made root's own registration fail; by established rows alone (5eb9314), the
+    half-closed and not yet accepted twins found root's (uid 0). A twin that has ended both ways
+    (TIME_WAIT, a minute) may not block root's registrations: counting it refused them."""
     header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
     tables = []
     for name, rows in (("tcp", _TCP_ROWS), ("tcp6", _TCP6_ROWS)):
-        (tmp_path / name).write_text(header + "".join(_ROW.format(i, *r) + "\n" for i, r in enumerate(rows)))
+        lines = (_ROW.format(i, local, remote, state, uid, inode) for i, (local, remote, uid, inode, state) in
+                 enumerate((*r, "01")[:5] for r in rows))
+        (tmp_path / name).write_text(header + "".join(line + "\n" for line in lines))
         tables.append(str(tmp_path / name))
 
     def uid(peer: str) -> int | None:
-        return tcp_caller_uid(peer, 8080, tuple(tables), lambda: _OURS)
+        return tcp_caller_uid(peer, 8080, tuple(tables), lambda: dict.fromkeys(_OURS, -1))
 
     assert uid("ipv4:127.0.0.1:40960") == 0  # root's worker
     assert uid("ipv6:%5B::1%5D:40960") == 0
@@ -316,6 +356,14 @@ def test_a_caller_on_another_users_address_and_port_is_still_itself(tmp_path):
         uid("ipv4:127.0.0.6:45056")
     with pytest.raises(CallerUnlisted, match="0 of this daemon's sockets"):  # not connected to us at all
         uid("ipv4:127.0.0.8:40960")
+    with pytest.raises(CallerUnlisted, match="2 of this daemon's sockets"):  # a twin half-closed
+        uid("ipv4:127.0.0.1:61440")
+    # Twins that ended both ways (TIME_WAIT: gRPC has closed our end and cancelled their calls) block no one.
+    assert uid("ipv4:127.0.0.1:61696") == 0
+    with pytest.raises(CallerUnlisted, match="2 of this daemon's sockets"):  # a twin not yet accepted
+        uid("ipv4:127.0.0.1:61952")
+    with pytest.raises(CallerUnlisted, match="its end is closed"):  # the caller's own end, closed
+        uid("ipv4:127.0.0.7:40960")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting a worker as another user needs root")

@@ -12,10 +12,19 @@ The connection is found exactly, as a pair, because an address is not
 proof: any user may open a socket with SO_REUSEADDR on another user's
 address and port (127.0.0.1 and a root worker's port, towards another of our
 addresses), or bind another loopback address to it. So first our own end:
-the socket of this process (by inode, from ``/proc/self/fd``) whose remote
-end is the peer, on our port; it must be one. Then the caller's end: the
-socket from the peer to exactly that address and port; it must be one too.
-Anything else is refused (``CallerUnlisted``), never let through unchecked.
+every socket on an address our listener answers on whose remote end is the
+peer must be one, and this process's (by inode, from ``/proc/self/fd``).
+Then the caller's end: every socket from the peer to an address we answer
+on must be one, to exactly ours, and held by a process. Every live state
+counts: a twin its user half-closed, closed or reset right after asking is
+still a twin (its row shows uid 0 once closed, and a reset one of ours is no
+longer listed at all: one such on our port refuses every caller until gRPC
+closes it). Not LISTEN, and not TIME_WAIT: a connection in TIME_WAIT has
+ended both ways, so gRPC has closed our end and cancelled its calls (and
+counting it would let anyone block a worker's registrations for a minute by
+closing a twin). Anything else is refused (``CallerUnlisted``), never let
+through unchecked; a call whose connection has left the table entirely is
+cancelled by gRPC, not caught here.
 
 A peer whose end is not in this network namespace's table is on another host
 (or behind a NAT or proxy, whose end it is): its user is not known (None).
@@ -29,14 +38,17 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.core.errors import PermissionDenied
 
 TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-ESTABLISHED = "01"
+LISTEN = "0A"
+TIME_WAIT = "06"
+_ENDED = (LISTEN, TIME_WAIT)  # not a live connection
 # "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234", "ipv6:%5B::1%5D:41234"
 _PEER = re.compile(r"^(ipv4|ipv6):(?:\[|%5B)?([0-9A-Fa-f.:]+?)(?:\]|%5D)?:(\d+)$")
 
@@ -49,21 +61,22 @@ class CallerUnlisted(PermissionDenied):
 
 @dataclass(frozen=True)
 class _Socket:
-    """One established row of the kernel's TCP table."""
+    """One row of the kernel's TCP table (inode 0: no process holds it)."""
 
     local: Address
     remote: Address
+    state: str
     uid: int
     inode: int
 
 
 def tcp_caller_uid(peer: str, server_port: int, tables: tuple[str, ...] = TCP_TABLES,
-                   own_inodes: Callable[[], set[int]] | None = None) -> int | None:
+                   own_sockets: Callable[[], dict[int, int]] | None = None) -> int | None:
     """The uid owning the caller's end of the TCP connection ``peer`` (a gRPC
     peer string) has to our ``server_port``; None for a peer that is not TCP,
     or whose end is on another host. Raises ``CallerUnlisted`` where the pair
     is not exactly one, or a loopback peer's end is not found.
-    ``own_inodes``: the inodes of this process's sockets (``/proc/self/fd``)."""
+    ``own_sockets``: this process's sockets, inode to descriptor (``/proc/self/fd``)."""
     m = _PEER.match(peer)
     if m is None:
         return None
@@ -72,17 +85,34 @@ def tcp_caller_uid(peer: str, server_port: int, tables: tuple[str, ...] = TCP_TA
     except ValueError:
         return None
     caller: Address = (addr, int(m.group(3)))
-    rows = list(_sockets(tables, f":{caller[1]:04X}"))  # only rows with the peer's port on either end
-    own = (own_inodes or _own_socket_inodes)()
-    ours = [r for r in rows if r.remote == caller and r.local[1] == server_port and r.inode in own]
-    if len(ours) != 1:
-        raise _unlisted(peer, server_port, f"{len(ours)} of this daemon's sockets are connected to it")
-    theirs = [r for r in rows if r.local == caller and r.remote == ours[0].local]
-    if not theirs and not addr.is_loopback:
+    own = (own_sockets or _own_sockets)()
+    listed, rows = _sockets(tables, {f":{caller[1]:04X}", f":{server_port:04X}"})
+    served = [r.local[0] for r in rows if r.state == LISTEN and r.local[1] == server_port and r.inode in own]
+
+    def ours(a: Address) -> bool:  # an address our listener answers on
+        return a[1] == server_port and any(s == a[0] or s.is_unspecified for s in served)
+
+    # Every live state: a connection its caller half-closed, closed or has
+    # not yet seen accepted is still a second connection from that address.
+    daemon_ends = [r for r in rows if r.state not in _ENDED and r.remote == caller and ours(r.local)]
+    if len(daemon_ends) != 1:
+        raise _unlisted(peer, server_port, f"{len(daemon_ends)} of this daemon's sockets are connected to it")
+    if daemon_ends[0].inode not in own:
+        raise _unlisted(peer, server_port, "the one socket connected to it is not this daemon's own")
+    if any(_on_port(fd, server_port) for inode, fd in own.items() if inode not in listed):
+        # One of our connections was reset and is no longer listed: its caller is not known.
+        raise _unlisted(peer, server_port, "a connection to this daemon was reset, and its far end is gone")
+    caller_ends = [r for r in rows if r.state not in _ENDED and r.local == caller and ours(r.remote)]
+    if not caller_ends and not addr.is_loopback:
         return None  # its end is not on this host
-    if len(theirs) != 1:
-        raise _unlisted(peer, server_port, f"its end is listed {len(theirs)} times")
-    return theirs[0].uid
+    if len(caller_ends) != 1:
+        raise _unlisted(peer, server_port, f"its end is listed {len(caller_ends)} times")
+    end = caller_ends[0]
+    if end.remote != daemon_ends[0].local:
+        raise _unlisted(peer, server_port, f"its end is connected to {end.remote[0]}, ours to it from {daemon_ends[0].local[0]}")
+    if end.inode == 0:  # no process holds it (closed): the table shows uid 0
+        raise _unlisted(peer, server_port, "its end is closed")
+    return end.uid
 
 
 def _unlisted(peer: str, server_port: int, why: str) -> CallerUnlisted:
@@ -105,8 +135,10 @@ def _address(field: str) -> Address:
     return _unmapped(ipaddress.ip_address(raw)), int(hex_port, 16)
 
 
-def _sockets(tables: tuple[str, ...], port_hex: str) -> Iterator[_Socket]:
-    """The established rows with ``port_hex`` at the end of either address."""
+def _sockets(tables: tuple[str, ...], port_hexes: set[str]) -> tuple[set[int], list[_Socket]]:
+    """Every socket's inode, and the rows with one of ``port_hexes`` at the end of either address."""
+    listed: set[int] = set()
+    rows = []
     for path in tables:
         try:
             with open(path) as f:
@@ -114,21 +146,39 @@ def _sockets(tables: tuple[str, ...], port_hex: str) -> Iterator[_Socket]:
         except OSError:
             continue  # no IPv6: no tcp6
         for line in lines:
-            if port_hex not in line:
-                continue
             # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...
             fields = line.split()
-            if len(fields) > 9 and fields[3] == ESTABLISHED and (fields[1].endswith(port_hex) or fields[2].endswith(port_hex)):
-                yield _Socket(_address(fields[1]), _address(fields[2]), int(fields[7]), int(fields[9]))
+            if len(fields) <= 9:
+                continue
+            listed.add(int(fields[9]))
+            if any(fields[1].endswith(h) or fields[2].endswith(h) for h in port_hexes):
+                rows.append(_Socket(_address(fields[1]), _address(fields[2]), fields[3], int(fields[7]), int(fields[9])))
+    return listed, rows
 
 
-def _own_socket_inodes() -> set[int]:
-    inodes = set()
+def _own_sockets() -> dict[int, int]:
+    """This process's sockets: inode to descriptor."""
+    sockets = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue  # closed meanwhile
         if link.startswith("socket:["):
-            inodes.add(int(link[8:-1]))
-    return inodes
+            sockets[int(link[8:-1])] = int(fd)
+    return sockets
+
+
+def _on_port(fd: int, port: int) -> bool:
+    """Whether descriptor ``fd`` is a TCP socket on local ``port`` (a copy of it is asked)."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return False  # closed meanwhile
+    try:
+        s = socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return False  # not a socket (the number was reused)
+    with s:
+        return s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) and s.getsockname()[1] == port
