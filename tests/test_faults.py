@@ -155,7 +155,10 @@ def test_a_pull_past_its_whole_timeout_fails_with_exactly_the_unlanded_blocks_in
     d, dw, ids, f, elapsed = _pull_that_stalls(daemons, "--pull-timeout-seconds", "1.5")
     detail = f.details[("recving", "r")]
     # The reason says why, with whom, where it stopped and how much had landed (not just "pull timed out").
-    assert detail.outcome == "failed" and detail.reason.startswith("pull timed out after 1."), detail.reason
+    assert detail.outcome == "failed" and detail.reason.startswith("pull timed out after "), detail.reason
+    # At its own bound, not the stall bound (30 s): within the same window as the wall clock below
+    # (the figure counts from acceptance, and a starved loop reports late: 2.6 s once in CI's niced pass).
+    assert 1.4 < float(detail.reason.split("after ")[1].split("s ")[0]) < 6, detail.reason
     assert "(pull_timeout_seconds=1.5) [engine 'prefill' at " in detail.reason and ", in phase data, " in detail.reason, detail.reason
     landed, planned = (int(x) for x in detail.reason.split(", in phase data, ")[1].split(" bytes landed")[0].split(" of "))
     assert 0 < landed < planned, detail.reason

@@ -5,8 +5,10 @@ it with its own rights. Without knowing who asks, any local user could name
 another user's file (another tenant's KV cache) and read it through a
 publication, or overwrite it through a pull. gRPC gives a handler only the
 peer's address, so the caller's uid is read the way identd reads it: the
-kernel's table of TCP sockets (``/proc/net/tcp``, ``tcp6``) lists the
-caller's end of the connection, and the uid that owns it.
+kernel's table of TCP sockets lists the caller's end of the connection, and
+the uid that owns it. It is read with sock_diag (``sock_diag.py``), in one
+pass: ``/proc/net/tcp`` lists a socket twice, or not at all, while others
+come and go.
 
 The connection is found exactly, as a pair, because an address is not
 proof: any user may open a socket with SO_REUSEADDR on another user's
@@ -19,7 +21,8 @@ on must be one, to exactly ours, and held by a process. Every live state
 counts: a twin its user half-closed, closed or reset right after asking is
 still a twin (its row shows uid 0 once closed, and a reset one of ours is no
 longer listed at all: one such on our port refuses every caller until gRPC
-closes it). Not LISTEN, and not TIME_WAIT: a connection in TIME_WAIT has
+closes it). Not LISTEN, and not TIME_WAIT (nor an orphan's FIN_WAIT2, which
+the kernel keeps as a TIME_WAIT socket): a connection in TIME_WAIT has
 ended both ways, so gRPC has closed our end and cancelled its calls (and
 counting it would let anyone block a worker's registrations for a minute by
 closing a twin). Anything else is refused (``CallerUnlisted``), never let
@@ -39,54 +42,43 @@ import ipaddress
 import os
 import re
 import socket
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvd.core.errors import PermissionDenied
+from kvd.daemon.sock_diag import LISTEN, TIME_WAIT, Address, TcpSocket, tcp_sockets, unmapped
 
-TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-LISTEN = "0A"
-TIME_WAIT = "06"
-_ENDED = (LISTEN, TIME_WAIT)  # not a live connection
+_ENDED = (LISTEN, TIME_WAIT)  # not a live connection (the dump leaves TIME_WAIT out already)
 # "ipv4:127.0.0.1:41234", "ipv6:[::1]:41234", "ipv6:%5B::1%5D:41234"
 _PEER = re.compile(r"^(ipv4|ipv6):(?:\[|%5B)?([0-9A-Fa-f.:]+?)(?:\]|%5D)?:(\d+)$")
-
-Address = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
 
 
 class CallerUnlisted(PermissionDenied):
     """A peer whose connection the kernel's table does not show as one exact pair."""
 
 
-@dataclass(frozen=True)
-class _Socket:
-    """One row of the kernel's TCP table (inode 0: no process holds it)."""
-
-    local: Address
-    remote: Address
-    state: str
-    uid: int
-    inode: int
-
-
-def tcp_caller_uid(peer: str, server_port: int, tables: tuple[str, ...] = TCP_TABLES,
+def tcp_caller_uid(peer: str, server_port: int, sockets: Callable[[int, int], list[TcpSocket]] = tcp_sockets,
                    own_sockets: Callable[[], dict[int, int]] | None = None) -> int | None:
     """The uid owning the caller's end of the TCP connection ``peer`` (a gRPC
     peer string) has to our ``server_port``; None for a peer that is not TCP,
     or whose end is on another host. Raises ``CallerUnlisted`` where the pair
     is not exactly one, or a loopback peer's end is not found.
-    ``own_sockets``: this process's sockets, inode to descriptor (``/proc/self/fd``)."""
+    ``sockets(port, other)``: the live sockets with local ``port``, or local ``other`` towards
+    remote ``port`` (``sock_diag.tcp_sockets``); ``own_sockets``: this process's sockets,
+    inode to descriptor (``/proc/self/fd``)."""
     m = _PEER.match(peer)
     if m is None:
         return None
     try:
-        addr = _unmapped(ipaddress.ip_address(m.group(2)))
+        addr = unmapped(ipaddress.ip_address(m.group(2)))
     except ValueError:
         return None
     caller: Address = (addr, int(m.group(3)))
     own = (own_sockets or _own_sockets)()
-    listed, rows = _sockets(tables, {f":{caller[1]:04X}", f":{server_port:04X}"})
+    try:
+        rows = sockets(server_port, caller[1])
+    except OSError as e:
+        raise _unlisted(peer, server_port, f"the kernel's socket table could not be read: {e}") from e
+    listed = {r.inode for r in rows if r.local[1] == server_port}
     served = [r.local[0] for r in rows if r.state == LISTEN and r.local[1] == server_port and r.inode in own]
 
     def ours(a: Address) -> bool:  # an address our listener answers on
@@ -99,7 +91,7 @@ def tcp_caller_uid(peer: str, server_port: int, tables: tuple[str, ...] = TCP_TA
         raise _unlisted(peer, server_port, f"{len(daemon_ends)} of this daemon's sockets are connected to it")
     if daemon_ends[0].inode not in own:
         raise _unlisted(peer, server_port, "the one socket connected to it is not this daemon's own")
-    if any(_on_port(fd, server_port) for inode, fd in own.items() if inode not in listed):
+    if any(_on_port(fd, inode, server_port) for inode, fd in own.items() if inode not in listed):
         # One of our connections was reset and is no longer listed: its caller is not known.
         raise _unlisted(peer, server_port, "a connection to this daemon was reset, and its far end is gone")
     caller_ends = [r for r in rows if r.state not in _ENDED and r.local == caller and ours(r.remote)]
@@ -120,42 +112,6 @@ def _unlisted(peer: str, server_port: int, why: str) -> CallerUnlisted:
                           "its user is not known, so it may not name shared memory")
 
 
-def _unmapped(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """``::ffff:a.b.c.d`` as ``a.b.c.d``: one address, however a socket wrote it."""
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped
-    return addr
-
-
-def _address(field: str) -> Address:
-    """A table's ``HEX:PORT``. The kernel prints each 32-bit word of the
-    address as a host-order integer, so its bytes are the host's order."""
-    hex_addr, _, hex_port = field.partition(":")
-    raw = b"".join(int(hex_addr[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(hex_addr), 8))
-    return _unmapped(ipaddress.ip_address(raw)), int(hex_port, 16)
-
-
-def _sockets(tables: tuple[str, ...], port_hexes: set[str]) -> tuple[set[int], list[_Socket]]:
-    """Every socket's inode, and the rows with one of ``port_hexes`` at the end of either address."""
-    listed: set[int] = set()
-    rows = []
-    for path in tables:
-        try:
-            with open(path) as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue  # no IPv6: no tcp6
-        for line in lines:
-            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...
-            fields = line.split()
-            if len(fields) <= 9:
-                continue
-            listed.add(int(fields[9]))
-            if any(fields[1].endswith(h) or fields[2].endswith(h) for h in port_hexes):
-                rows.append(_Socket(_address(fields[1]), _address(fields[2]), fields[3], int(fields[7]), int(fields[9])))
-    return listed, rows
-
-
 def _own_sockets() -> dict[int, int]:
     """This process's sockets: inode to descriptor."""
     sockets = {}
@@ -169,12 +125,15 @@ def _own_sockets() -> dict[int, int]:
     return sockets
 
 
-def _on_port(fd: int, port: int) -> bool:
-    """Whether descriptor ``fd`` is a TCP socket on local ``port`` (a copy of it is asked)."""
+def _on_port(fd: int, inode: int, port: int) -> bool:
+    """Whether descriptor ``fd`` is still socket ``inode``, TCP on local ``port`` (a copy of it is asked)."""
     try:
         copy = os.dup(fd)
     except OSError:
         return False  # closed meanwhile
+    if os.fstat(copy).st_ino != inode:
+        os.close(copy)
+        return False  # closed meanwhile, and the number given to another socket
     try:
         s = socket.socket(fileno=copy)
     except OSError:

@@ -138,7 +138,7 @@ class WorkerService(pbg.WorkerServicer):
         registering = registering_from_pb(request)
         caller = None  # CUDA IPC handles name no file of another user's
         if any(isinstance(r.source, ShmSource) for r in registering.regions):
-            # /proc/net/tcp* lists every socket on the host: read off the loop.
+            # The kernel walks every socket in the namespace for the dump: off the loop.
             caller = await asyncio.to_thread(tcp_caller_uid, context.peer(), self.d.config.grpc_port)
         return registered_to_pb(await self.d.registry.register(registering, caller))
 
