@@ -28,6 +28,7 @@ from kvd.daemon.metrics import PULL_PHASES
 from kvd.regions import shm
 from tests import vllm_env
 from tests.conftest import REPO, Daemons, scrape, wait_for
+from tests.vllm_driver import PREEMPTED_TOKENS
 from tests.vllm_support import (
     BYTES_PER_BLOCK_PER_LAYER,
     HEAD_DIM,
@@ -105,7 +106,7 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     preempted = result["preempted_stream"]
     assert preempted["published"] and preempted["ended_after_s"] < 5, preempted
     assert f"publication {preempted['name']} ended" in log
-    assert len(preempted["tokens"]) == 64 and preempted["tokens"][0] == baseline[1][0], preempted
+    assert len(preempted["tokens"]) == PREEMPTED_TOKENS and preempted["tokens"][0] == baseline[1][0], preempted
 
     # Negative control: zero P's cache between prefill and decode, and the output changes.
     assert result["corrupted_bytes"] > 0

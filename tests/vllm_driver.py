@@ -254,10 +254,16 @@ def run_pd(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
     return out
 
 
+# The engine core decodes on in its own process while this one asks for the reset: with 64 tokens it
+# could finish first (a make test run: the finished request's 3 blocks still held for its readers,
+# as a finished publication's are, and vLLM refused the reset), so it is asked for as many as fit.
+PREEMPTED_TOKENS = 512
+
+
 def preempted_stream(p: Any, p_kvd: str, prompt: list[int]) -> dict[str, Any]:
-    """A streamed prefill that runs on after its prompt (P asked for 64
-    tokens), preempted from outside vLLM's schedule once published, as
-    ``pause_generation(clear_cache=True)`` does, and resumed by the next step."""
+    """A streamed prefill that runs on after its prompt (P asked for
+    PREEMPTED_TOKENS), preempted from outside vLLM's schedule once published,
+    as ``pause_generation(clear_cache=True)`` does, and resumed by the next step."""
     import secrets
 
     from kvd.integrations.kv_params import stream_params
@@ -270,7 +276,7 @@ def preempted_stream(p: Any, p_kvd: str, prompt: list[int]) -> dict[str, Any]:
     name = f"preempted-{secrets.token_hex(4)}"
     prefill, _ = stream_params(name=name, capability=secrets.token_bytes(32), engine_id="prefill", address=p_kvd)
     engine_ = p.llm_engine
-    engine_.add_request(name, {"prompt_token_ids": prompt}, sampling(64, prefill))
+    engine_.add_request(name, {"prompt_token_ids": prompt}, sampling(PREEMPTED_TOKENS, prefill))
     engine_.step()  # the prompt's forward, published before it (the engine core goes on decoding)
     out: dict[str, Any] = {"name": name, "published": name in leases(p_kvd), "cache_free_after_s": cache_free_after_s}
     p.reset_prefix_cache(reset_running_requests=True)  # frees its blocks; the core's next step resumes it
