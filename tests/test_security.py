@@ -291,6 +291,9 @@ def test_a_callers_uid_is_read_from_the_kernels_table_as_one_exact_connection():
             c.close()
 
 
+FIN_WAIT1, FIN_WAIT2, CLOSE_WAIT = 4, 5, 8  # the kernel's TCP_* numbers
+
+
 def test_sock_diag_lists_exactly_the_live_sockets_on_the_port_once_each_while_others_come_and_go():
     """The dump returns our listener, its accepted socket and the caller's end, each once: not the
     TIME_WAIT end of an ended connection, not sockets on other ports; and a fresh pair is listed once
@@ -324,6 +327,18 @@ def test_sock_diag_lists_exactly_the_live_sockets_on_the_port_once_each_while_ot
         assert next(r for r in rows if r.inode == inode[client]).remote[1] == port
         assert sorted(r.inode for r in tcp_sockets(port, ended_port)) == sorted((inode[server], inode[accepted]))  # not TIME_WAIT
         assert {r.local[1] for r in tcp_sockets(elsewhere.getsockname()[1], 1)} == {elsewhere.getsockname()[1]}
+        orphan = socket.create_connection(("127.0.0.1", port))
+        orphan_port = orphan.getsockname()[1]
+        accepted_too = server.accept()[0]
+        orphan.close()  # its FIN taken, our end kept open: an orphan in FIN_WAIT2, held by no process
+        # The orphan is listed by its substate (FIN_WAIT2, inode 0: 'its end is closed'), as /proc listed it.
+        def orphan_rows() -> list[tuple[int, int]]:
+            return [(r.state, r.inode) for r in tcp_sockets(port, orphan_port) if r.local[1] == orphan_port]
+        deadline = time.monotonic() + 5
+        while orphan_rows() == [(FIN_WAIT1, 0)] and time.monotonic() < deadline:  # its FIN not yet acknowledged
+            time.sleep(0.01)
+        assert orphan_rows() == [(FIN_WAIT2, 0)]
+        accepted_too.close()
         counts = []
         for _ in range(200):
             c = socket.create_connection(("127.0.0.1", port))
@@ -357,8 +372,7 @@ def test_the_port_filter_is_bytecode_the_kernel_accepts_and_runs():
 
 # The kernel's TCP sockets, by hand: a daemon listening on port 8080 of 127.0.0.1, of 192.0.2.2 and of
 # ::1, whose own sockets are the inodes _OURS; root's workers, and nobody's sockets that reuse their ports
-# (other loopback addresses, SO_REUSEADDR). An orphan's FIN_WAIT2 is a TIME_WAIT socket to the kernel.
-FIN_WAIT1, FIN_WAIT2, CLOSE_WAIT = 4, 5, 8
+# (other loopback addresses, SO_REUSEADDR). The state is what sock_diag reports (a timewait socket's substate).
 _SOCKETS = [
     ("127.0.0.1:8080", "0.0.0.0:0", 0, 1, LISTEN), ("192.0.2.2:8080", "0.0.0.0:0", 0, 6, LISTEN),  # our listeners
     ("[::1]:8080", "[::]:0", 0, 8, LISTEN),
@@ -387,8 +401,8 @@ _SOCKETS = [
     ("192.0.2.2:8080", "127.0.0.1:61952", 0, 0), ("127.0.0.1:61952", "192.0.2.2:8080", NOBODY, 174),
     # ... a caller that closed its end after asking, its FIN not yet taken (FIN_WAIT1, no process: uid 0) ...
     ("127.0.0.1:8080", "127.0.0.7:40960", 0, 74), ("127.0.0.7:40960", "127.0.0.1:8080", 0, 0, FIN_WAIT1),
-    # ... and one whose FIN was taken: an orphan in FIN_WAIT2, to the kernel a TIME_WAIT socket
-    ("127.0.0.1:8080", "127.0.0.10:40960", 0, 75, CLOSE_WAIT), ("127.0.0.10:40960", "127.0.0.1:8080", 0, 0, TIME_WAIT),
+    # ... and one whose FIN was taken: an orphan in FIN_WAIT2 (a timewait socket, listed by its substate)
+    ("127.0.0.1:8080", "127.0.0.10:40960", 0, 75, CLOSE_WAIT), ("127.0.0.10:40960", "127.0.0.1:8080", 0, 0, FIN_WAIT2),
     # noise the filter leaves out: other ports, and our port as someone else's far end only
     ("127.0.0.1:9090", "127.0.0.1:40960", 0, 90), ("127.0.0.5:33333", "127.0.0.1:8080", NOBODY, 91),
 ]
@@ -447,7 +461,7 @@ def test_a_caller_on_another_users_address_and_port_is_still_itself():
         uid("ipv4:127.0.0.1:61952")
     with pytest.raises(CallerUnlisted, match="its end is closed"):  # the caller's own end, closed
         uid("ipv4:127.0.0.7:40960")
-    with pytest.raises(CallerUnlisted, match="listed 0 times"):  # ... and its FIN taken: TIME_WAIT to the kernel
+    with pytest.raises(CallerUnlisted, match="its end is closed"):  # ... and its FIN taken (an orphan in FIN_WAIT2)
         uid("ipv4:127.0.0.10:40960")
 
 

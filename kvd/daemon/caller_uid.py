@@ -21,8 +21,7 @@ on must be one, to exactly ours, and held by a process. Every live state
 counts: a twin its user half-closed, closed or reset right after asking is
 still a twin (its row shows uid 0 once closed, and a reset one of ours is no
 longer listed at all: one such on our port refuses every caller until gRPC
-closes it). Not LISTEN, and not TIME_WAIT (nor an orphan's FIN_WAIT2, which
-the kernel keeps as a TIME_WAIT socket): a connection in TIME_WAIT has
+closes it). Not LISTEN, and not TIME_WAIT: a connection in TIME_WAIT has
 ended both ways, so gRPC has closed our end and cancelled its calls (and
 counting it would let anyone block a worker's registrations for a minute by
 closing a twin). Anything else is refused (``CallerUnlisted``), never let

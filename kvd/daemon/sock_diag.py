@@ -5,13 +5,19 @@ read resumes by counting sockets into a hash bucket, so while connections
 come and go one socket can be listed twice (27 times in one read, measured)
 or skipped. A skipped twin is a way past the uid check. A sock_diag dump with
 a filter walks the table once in the kernel (each bucket under its lock) and
-returns the few matching sockets in one message: a socket that exists for
-the whole dump is listed exactly once. It is also what ``ss`` reads.
+returns the matching sockets in one reply: a socket that exists for the whole
+dump is listed exactly once. It is also what ``ss`` reads. (Past about 200
+matching sockets the reply spans reads, each resuming by position within a
+bucket, as /proc does at every page: a daemon's port holds tens. A miss or a
+repeat there refuses a caller; it lets none through, since a twin's end on
+our side is ours, and one not listed reads as reset.)
 
 The filter is the kernel's own bytecode (``inet_diag_bc_op``): local port
 ``port``, or local port ``other`` towards remote port ``port``. TIME_WAIT
-sockets (every substate: an orphan's FIN_WAIT2 is one) are left out by the
-state mask: they are ended connections, held by no process.
+sockets are left out by the state mask: ended connections, held by no
+process. The kernel tests the mask against a timewait socket's substate, so
+an orphan in FIN_WAIT2 (a timewait socket too) is listed, as FIN_WAIT2 with
+inode 0, as /proc showed it.
 """
 
 from __future__ import annotations
@@ -100,6 +106,9 @@ def _dump(family: int, bytecode: bytes) -> list[TcpSocket]:
                 if length < _HEADER.size:
                     raise OSError(f"sock_diag: a message of {length} bytes")
                 if kind == NLMSG_DONE:
+                    errno = -struct.unpack_from("=i", data, offset + _HEADER.size)[0] if length >= _HEADER.size + 4 else 0
+                    if errno:  # a dump that failed part way says so here
+                        raise OSError(errno, f"sock_diag: the dump failed: {os.strerror(errno)}")
                     return found
                 if kind == NLMSG_ERROR:
                     errno = -struct.unpack_from("=i", data, offset + _HEADER.size)[0]
