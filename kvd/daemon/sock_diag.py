@@ -3,7 +3,7 @@
 ``/proc/net/tcp`` is not a snapshot: it is read 4 KiB at a time, and each
 read resumes by counting sockets into a hash bucket, so while connections
 come and go one socket can be listed twice (27 times in one read, measured)
-or skipped. A skipped twin is a way past the uid check. A sock_diag dump with
+or skipped (a real worker was refused for a repeat). A sock_diag dump with
 a filter walks the table once in the kernel (each bucket under its lock) and
 returns the matching sockets in one reply: a socket that exists for the whole
 dump is listed exactly once. It is also what ``ss`` reads. (Past about 200
@@ -105,14 +105,13 @@ def _dump(family: int, bytecode: bytes) -> list[TcpSocket]:
                 length, kind, _, _, _ = _HEADER.unpack_from(data, offset)
                 if length < _HEADER.size:
                     raise OSError(f"sock_diag: a message of {length} bytes")
-                if kind == NLMSG_DONE:
-                    errno = -struct.unpack_from("=i", data, offset + _HEADER.size)[0] if length >= _HEADER.size + 4 else 0
-                    if errno:  # a dump that failed part way says so here
-                        raise OSError(errno, f"sock_diag: the dump failed: {os.strerror(errno)}")
-                    return found
-                if kind == NLMSG_ERROR:
-                    errno = -struct.unpack_from("=i", data, offset + _HEADER.size)[0]
+                # Both carry an error number after the header: NLMSG_DONE's is nonzero for a dump
+                # that failed part way (and may be absent), NLMSG_ERROR's for a refused request.
+                errno = -struct.unpack_from("=i", data, offset + _HEADER.size)[0] if length >= _HEADER.size + 4 else 0
+                if kind == NLMSG_ERROR or (kind == NLMSG_DONE and errno):
                     raise OSError(errno, f"sock_diag: {os.strerror(errno)}")
+                if kind == NLMSG_DONE:
+                    return found
                 if kind == SOCK_DIAG_BY_FAMILY:
                     found.append(_socket(data, offset + _HEADER.size))
                 offset += (length + 3) & ~3
