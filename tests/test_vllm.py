@@ -80,8 +80,9 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
 
     # D really loaded the KV through kvd: its byte counter is exactly the blocks of
     # each prompt but its last token (D computes that one for the logits), each
-    # prompt once, plus the one tail block of the prefix-hit repeat.
-    loaded_blocks = sum(blocks(len(pr) - 1) for pr in PROMPTS) + 1
+    # prompt once, plus the one tail block of the prefix-hit repeat, and of each streamed
+    # request that finished before its preemption (vllm_driver.PREEMPTED_TOKENS: D read it).
+    loaded_blocks = sum(blocks(len(pr) - 1) for pr in PROMPTS) + 1 + len(result["preempted_stream"]["finished_first"])
     assert received_bytes(d.metrics_url) == loaded_blocks * LAYERS * BYTES_PER_BLOCK_PER_LAYER
     # Each publication carried the end of the forward that computed its prompt, stamped by
     # P's worker: P's daemon observed the delay to it (0 until then: kvd_publish_delay_seconds).
@@ -92,8 +93,9 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     assert {f for f in set(Path("/dev/shm").glob("kvd-forward-clock-*")) - clocks if not shm.pid_alive(int(f.name.split("-")[3]))} == set()
     print(f"\nP published {stamped:.0f} prompts {scrape(p.metrics_url, 'kvd_publish_delay_seconds_sum', by='engine') / stamped * 1e3:.2f} ms "
           "after their forward ended, on average")
-    # Published before D had the params: D's daemon never waited to resolve them.
-    assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="resolve") == 0
+    # Published before D had the params: D's daemon never waited to resolve them (but for
+    # each streamed request that finished first: D read it by name, as a stream is read).
+    assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="resolve") == len(result["preempted_stream"]["finished_first"])
     assert scrape(d.metrics_url, "kvd_pull_phase_seconds_count", phase="transfer") >= len(PROMPTS)
 
     # A streamed prefill preempted after its publication, from outside vLLM's
@@ -107,6 +109,9 @@ def test_prefill_and_decode_engines_through_kvd_match_one_engine(vllm_python, mo
     assert preempted["published"] and preempted["ended_after_s"] < 5, preempted
     assert f"publication {preempted['name']} ended" in log
     assert len(preempted["tokens"]) == PREEMPTED_TOKENS and preempted["tokens"][0] == baseline[1][0], preempted
+    # A try whose request finished before the reset preempted nothing (vllm_driver.PREEMPTED_TOKENS):
+    # D read its publication, which must then be the prompt's, as any other.
+    assert all(tried["read_by_d"] == baseline[1][:1] for tried in preempted["finished_first"]), preempted
 
     # Negative control: zero P's cache between prefill and decode, and the output changes.
     assert result["corrupted_bytes"] > 0
