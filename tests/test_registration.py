@@ -9,6 +9,7 @@ from kvd.caches import adopt_into_shm, allocate_kv_caches, local_group_tensors
 from kvd.client import KvdClient
 from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
+from kvd.transport.nixl import available as nixl_available
 from tests.conftest import local_group_tensors_plain, make_worker
 
 
@@ -147,3 +148,47 @@ def test_the_daemon_answers_while_it_maps_a_big_cache(daemons):
     assert len(inside) >= 3 and max(inside) < took / 2, (took, inside)
     assert dw.mismatch(3, [4, 5, 6], 48) is None
     assert "same-host path to engine=prefill: 1 ranks mapped" in d.log()
+
+
+@pytest.mark.skipif(bool(nixl_available()), reason=f"NIXL NOT TESTED: {nixl_available()}")
+def test_a_registration_cancelled_while_it_maps_leaves_nothing_registered():
+    """A worker's Register maps its memory in a thread and registers it with
+    NIXL (seconds for a real cache). Cancelled meanwhile (the client's deadline
+    passed), the thread runs on: what it registered is undone when it ends,
+    not left to nobody. (Before: NIXL kept the registration for good.)"""
+    import asyncio
+    import time
+
+    from kvd.caches import describe
+    from kvd.convert import registering_from_pb
+    from kvd.daemon.metrics import Metrics
+    from kvd.daemon.registry import Registry
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.transport.nixl import NixlAgent
+
+    spec = KVCacheSpec(16, 8, 128, "bfloat16", parse_layout("NHD"), 1024)  # 256 MiB over 4 layers
+    caches = allocate_kv_caches(spec, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
+    described = describe([(spec, caches)])
+    req = registering_from_pb(pb.RegisterRequest(worker=pb.WorkerId(engine_id="prefill", tp_size=1, pp_size=1),
+                                                 model=pb.ModelInfo(num_layers=4, total_num_kv_heads=8),
+                                                 regions=described.regions, groups=described.groups))
+    agent = NixlAgent("kvd-test-cancelled-registration", 0)
+    registry = Registry("prefill", "epoch", "host", lambda: "", Metrics(), agent)
+
+    async def cancelled_while_mapping() -> None:
+        task = asyncio.create_task(registry.register(req))
+        await asyncio.sleep(0)  # it runs up to the mapping thread's await
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The agent's version moves with every (de)registration: 1, mapped 2, undone 3.
+        deadline = time.monotonic() + 30
+        while agent.version < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # a callback scheduled with the last change has run
+
+    asyncio.run(cancelled_while_mapping())
+    assert agent.version == 3 and len(registry) == 0, agent.version
+    # The same memory registers again, and stays.
+    asyncio.run(registry.register(req))
+    assert agent.version == 4 and len(registry) == 1

@@ -92,7 +92,7 @@ class Registry:
         # it, and commits only after its mapping, which runs off the loop.
         async with self._registering:
             worker, model, groups = self._check(req)
-            mapped, handles = await asyncio.to_thread(self._map, req.regions, caller_uid or None)
+            mapped, handles = await self._mapped(req.regions, caller_uid or None)
             try:
                 tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
                 # Which groups overlay one another's blocks: exact, so up to a few ms a layer, off the loop.
@@ -101,6 +101,22 @@ class Registry:
                 self._unmap(mapped, handles)
                 raise
             return self._commit(req, worker, model, groups, mapped, handles, tensors, sharing)
+
+    async def _mapped(self, regions: Sequence[Region], owner_uid: int | None) -> tuple[dict[str, MappedRegion], list[object]]:
+        """``_map`` in a thread. A call cancelled meanwhile (its client's deadline passed, or it
+        went away: mapping a real cache takes seconds) cannot stop the thread, and would leave
+        what it maps to nobody, its NIXL registrations for good: that is undone when it ends."""
+        job = asyncio.ensure_future(asyncio.to_thread(self._map, regions, owner_uid))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(self._unmap_orphan)
+            raise
+
+    def _unmap_orphan(self, job: asyncio.Future[tuple[dict[str, MappedRegion], list[object]]]) -> None:
+        if not job.cancelled() and job.exception() is None:
+            self._unmap(*job.result())
+            log.info("unmapped the regions of a registration cancelled while they were mapped")
 
     def _map(self, regions: Sequence[Region], owner_uid: int | None) -> tuple[dict[str, MappedRegion], list[object]]:
         """In a thread: map a worker's regions and register their host memory
