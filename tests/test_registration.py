@@ -172,7 +172,7 @@ def test_a_registration_cancelled_while_it_maps_leaves_nothing_registered():
     req = registering_from_pb(pb.RegisterRequest(worker=pb.WorkerId(engine_id="prefill", tp_size=1, pp_size=1),
                                                  model=pb.ModelInfo(num_layers=4, total_num_kv_heads=8),
                                                  regions=described.regions, groups=described.groups))
-    agent = NixlAgent("kvd-test-cancelled-registration", 0)
+    agent = NixlAgent("kvd-test-cancelled-registration", 10_000)  # the daemon's default delay: its progress thread sleeps
     registry = Registry("prefill", "epoch", "host", lambda: "", Metrics(), agent)
 
     async def cancelled_while_mapping() -> None:
@@ -192,3 +192,4 @@ def test_a_registration_cancelled_while_it_maps_leaves_nothing_registered():
     # The same memory registers again, and stays.
     asyncio.run(registry.register(req))
     assert agent.version == 4 and len(registry) == 1
+    registry.close()

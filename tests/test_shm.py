@@ -1,6 +1,7 @@
 """POSIX shm regions: a /dev/shm too small for a cache fails at creation with a
 clear error, not with SIGBUS at the first page past the limit (a container's
-/dev/shm is 64 MiB unless given more)."""
+/dev/shm is 64 MiB unless given more); a closed region stays mapped while a
+view of it lives."""
 
 from __future__ import annotations
 
@@ -35,3 +36,30 @@ def test_a_region_larger_than_dev_shm_is_refused_clearly():
     # Control: one that fits is created and written to the last byte.
     ok = _in_small_shm(4 << 20)
     assert ok.returncode == 0 and "created" in ok.stdout, ok.stderr[-2000:]
+
+
+# A region closed under a view still in use (a worker's registration ended while a copy thread lands
+# a pull into it, or an engine still holds its cache tensor), then the view used: in a process of its
+# own, since before the fix the use killed it (SIGSEGV, exit -11).
+CLOSED_UNDER_A_VIEW = """
+import gc
+from kvd.regions.shm import ShmRegion
+def mapped(name): return name in open('/proc/self/maps').read()
+r = ShmRegion.create(1 << 20)
+view = r.tensor[4096:8192].view(torch.int32)
+r.close()  # its creator's: unlinked too
+view.fill_(7)
+print('sum', int(view.sum()), 'mapped', mapped(r.name))
+del view; gc.collect()
+print('after the view: mapped', mapped(r.name))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="known: ShmRegion's tensor is torch.frombuffer's, which holds no export of the mmap, so close() "
+                   "unmaps under a live view (exit -11). Made through numpy it passes, but then a finished 500 MiB pull is seen to keep "
+                   "its registration's views for good (held outside gc's view), so an ended worker's memory would stay mapped: both go together")
+def test_a_closed_region_stays_mapped_while_a_view_of_it_lives():
+    r = subprocess.run([sys.executable, "-c", "import torch" + CLOSED_UNDER_A_VIEW], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.splitlines() == ["sum 7168 mapped True", "after the view: mapped False"], r.stdout

@@ -115,8 +115,9 @@ class Registry:
 
     def _unmap_orphan(self, job: asyncio.Future[tuple[dict[str, MappedRegion], list[object]]]) -> None:
         if not job.cancelled() and job.exception() is None:
-            self._unmap(*job.result())
-            log.info("unmapped the regions of a registration cancelled while they were mapped")
+            mapped, handles = job.result()
+            close_later(lambda: self._unmap(mapped, handles))  # off the loop, as _release: seconds for a real cache
+            log.info("unmapping the regions of a registration cancelled while they were mapped")
 
     def _map(self, regions: Sequence[Region], owner_uid: int | None) -> tuple[dict[str, MappedRegion], list[object]]:
         """In a thread: map a worker's regions and register their host memory
@@ -223,7 +224,7 @@ class Registry:
 
     def _release(self, reg: Registration, *, unlink: bool = False) -> None:
         def unmap() -> None:
-            reg.tensors.clear()  # views keep a mapping alive
+            reg.tensors.clear()  # (they do not keep the mapping: regions/shm.py, close)
             self._unmap(reg.regions, reg.nixl_handles)
             if unlink:
                 for name in shm_names(reg):
