@@ -55,10 +55,10 @@ print('after the view: mapped', mapped(r.name))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="known: ShmRegion's tensor is torch.frombuffer's, which holds no export of the mmap, so close() "
-                   "unmaps under a live view (exit -11). Made through numpy it passes, but then a finished 500 MiB pull is seen to keep "
-                   "its registration's views for good (held outside gc's view), so an ended worker's memory would stay mapped: both go together")
 def test_a_closed_region_stays_mapped_while_a_view_of_it_lives():
+    """Its mapping ends with its last view, and not before. Negative control: the region's tensor
+    from torch.frombuffer, which holds no export of the mmap: the view's use killed the process
+    (exit -11)."""
     r = subprocess.run([sys.executable, "-c", "import torch" + CLOSED_UNDER_A_VIEW], capture_output=True, text=True, timeout=120, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

@@ -46,17 +46,23 @@ class Heartbeat:
         """Renew P's leases for every pull queued or in flight, batched per peer."""
         while True:
             await asyncio.sleep(TICK_SECONDS)
-            now = time.monotonic()
-            due: dict[tuple[str, str], list[ActivePull]] = {}
-            for p in self.pulls.values():
-                # Unresolved params name no generation to renew: a queued pull resolves them while it
-                # waits (Resolver.while_queued), and is renewed from then on, by P's own lease.
-                if now >= p.next_renew and p.params.generation and not p.lease_gone:
-                    p.next_renew = now + renew_interval(p.params)
-                    # One call per owner engine: a daemon refuses leases it is not the engine of.
-                    due.setdefault((p.params.remote_address, p.params.remote_engine_id), []).append(p)
-            for (address, _engine), pulls in due.items():
-                self.tasks.spawn(self._renew(address, pulls))
+            self.beat(time.monotonic())
+
+    def beat(self, now: float) -> None:
+        """One beat: a renewal per owner engine for the pulls due. Its own
+        function, not run's loop body, so that its lists of pulls die with it:
+        a loop variable left in run's frame kept the last beat's pulls, and
+        with them their registrations' memory, until another renewal."""
+        due: dict[tuple[str, str], list[ActivePull]] = {}
+        for p in self.pulls.values():
+            # Unresolved params name no generation to renew: a queued pull resolves them while it
+            # waits (Resolver.while_queued), and is renewed from then on, by P's own lease.
+            if now >= p.next_renew and p.params.generation and not p.lease_gone:
+                p.next_renew = now + renew_interval(p.params)
+                # One call per owner engine: a daemon refuses leases it is not the engine of.
+                due.setdefault((p.params.remote_address, p.params.remote_engine_id), []).append(p)
+        for (address, _engine), pulls in due.items():
+            self.tasks.spawn(self._renew(address, pulls))
 
     async def _renew(self, address: str, pulls: list[ActivePull]) -> None:
         leases = [LeaseRef(p.params.request_id, p.params.generation, p.params.capability) for p in pulls]

@@ -224,7 +224,7 @@ class Registry:
 
     def _release(self, reg: Registration, *, unlink: bool = False) -> None:
         def unmap() -> None:
-            reg.tensors.clear()  # (they do not keep the mapping: regions/shm.py, close)
+            reg.tensors.clear()  # views: a region unmaps when its last one goes (regions/shm.py, close)
             self._unmap(reg.regions, reg.nixl_handles)
             if unlink:
                 for name in shm_names(reg):

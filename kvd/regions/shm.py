@@ -17,6 +17,7 @@ import stat
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvd.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
@@ -140,6 +141,17 @@ def _reserve(fd: int, name: str, size: int) -> None:
         ) from None
 
 
+def _tensor_of(mm: mmap.mmap) -> torch.Tensor:
+    """The mapping as bytes, every view of which holds it mapped: numpy's
+    frombuffer takes a buffer export of the mmap, which torch's views keep
+    (torch.frombuffer takes none, so the mmap could unmap under them)."""
+    return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+
+
+_CLOSED = mmap.mmap(-1, PAGE)  # what a closed region holds instead of its mapping
+_CLOSED.close()
+
+
 @dataclass
 class ShmRegion:
     region_id: str
@@ -167,7 +179,7 @@ class ShmRegion:
             raise
         finally:
             os.close(fd)
-        return cls(region_id or name, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=True)
+        return cls(region_id or name, name, size, mm, _tensor_of(mm), owner=True)
 
     @classmethod
     def open(cls, region_id: str, name: str, size: int, owner_uid: int | None = None) -> ShmRegion:
@@ -192,7 +204,7 @@ class ShmRegion:
         finally:
             os.close(fd)
         prefault(mm, write=False)
-        return cls(region_id, name, size, mm, torch.frombuffer(mm, dtype=torch.uint8), owner=False)
+        return cls(region_id, name, size, mm, _tensor_of(mm), owner=False)
 
     def backing_bytes(self) -> int:
         try:
@@ -201,12 +213,15 @@ class ShmRegion:
             return 0
 
     def close(self) -> None:
-        # This unmaps now, even under a live view of the tensor: torch.frombuffer
-        # holds no export of the mmap, so nothing may touch a view afterwards
-        # (tests/test_shm.py, the xfail, says why it is not yet otherwise).
+        # The mapping ends with its last view, not here: a view still in use (a
+        # copy thread landing into an ended registration) then writes to memory
+        # nobody reads, where an unmap under it would kill the daemon (SIGSEGV).
+        # The region lets go of its tensor and its mmap object; the mmap object
+        # closes (and unmaps) now if no view is left, else when the last goes.
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        with contextlib.suppress(BufferError):  # only a memoryview or numpy export refuses it
-            self.mm.close()
+        mm, self.mm = self.mm, _CLOSED
+        with contextlib.suppress(BufferError):  # a view holds it: it unmaps when that view goes
+            mm.close()
         if self.owner:
             self.unlink()
 
