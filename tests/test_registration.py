@@ -215,16 +215,20 @@ def _shm_mapped(pid: int) -> set[str]:
         return {line.split()[-1] for line in f if "/dev/shm/kvd-" in line}
 
 
-def test_an_ended_workers_memory_is_unmapped_once_its_pull_is_done(daemons):
+@pytest.mark.parametrize("d_layout", ["NHD", "HND"], ids=["in-place", "relayout"])
+def test_an_ended_workers_memory_is_unmapped_once_its_pull_is_done(daemons, d_layout):
     """A region's mapping lasts as long as a view of it (kvd/regions/shm.py: so a copy thread never
     writes to unmapped memory), so anything that keeps a finished pull keeps its worker's memory.
     A pull long enough for the lease heartbeat to renew it (256 MiB: a renewal every tick, 0.1 s)
-    was kept by the heartbeat's loop variable until the next renewal. Here D's worker unregisters
-    after that pull, and D's daemon must map its memory no more. Negative control: the heartbeat's
-    lists in its loop's frame (before 'beat'): the region was still mapped 10 s later."""
+    was kept by the heartbeat's loop variable until the next renewal; a relayout's (D in HND, P in
+    NHD: its segments land through the copy threads) by each copy thread's last batch, which kept
+    its jobs, until the thread's next batch. Here D's worker unregisters after that pull, and D's
+    daemon must map its memory no more. Negative controls: the heartbeat's lists in its loop's frame
+    (before 'beat'): the region was still mapped 10 s later (in-place); the copy threads keeping
+    their last batch and its jobs: the same (relayout)."""
     p, d = daemons.start("prefill"), daemons.start("decode")
     shape = {"layers": 4, "heads": 8, "head_size": 128, "num_blocks": 520, "dtype": "float32"}  # 512 KiB a block
-    pw, dw = make_worker(p.grpc, "prefill", **shape), make_worker(d.grpc, "decode", **shape)
+    pw, dw = make_worker(p.grpc, "prefill", **shape), make_worker(d.grpc, "decode", layout=d_layout, **shape)
     ids = list(range(1, 513))
     _, finished = transfer([pw], [dw], "long", 1, ids, ids, 512 * 16, timeout=120)
     assert finished[0].details[("recving", "long")].outcome == "done" and dw.mismatch(1, ids, 512 * 16) is None

@@ -14,6 +14,8 @@ import mmap
 import os
 import re
 import stat
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -151,6 +153,43 @@ def _tensor_of(mm: mmap.mmap) -> torch.Tensor:
 _CLOSED = mmap.mmap(-1, PAGE)  # what a closed region holds instead of its mapping
 _CLOSED.close()
 
+UNVIEWED_POLL_SECONDS = 0.5
+_viewed: list[mmap.mmap] = []  # closed regions' mappings that views still held when asked to close
+_viewed_lock = threading.Lock()
+_viewed_thread: threading.Thread | None = None
+
+
+def _unmap_when_unviewed(mm: mmap.mmap) -> None:
+    global _viewed_thread
+    with _viewed_lock:
+        _viewed.append(mm)
+        if _viewed_thread is None:
+            _viewed_thread = threading.Thread(target=_unmap_unviewed, name="kvd-unmap-viewed", daemon=True)
+            _viewed_thread.start()
+
+
+def _unmap_unviewed() -> None:
+    """Close each held mapping once no view is left, until none is held."""
+    global _viewed_thread
+    while True:
+        time.sleep(UNVIEWED_POLL_SECONDS)
+        with _viewed_lock:
+            held = list(_viewed)
+        for mm in held:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        with _viewed_lock:
+            _viewed[:] = [mm for mm in _viewed if not mm.closed]
+            if not _viewed:
+                _viewed_thread = None
+                return
+
+
+def unmaps_pending() -> int:
+    """Closed regions whose mappings views still hold (unmapped once they go)."""
+    with _viewed_lock:
+        return len(_viewed)
+
 
 @dataclass
 class ShmRegion:
@@ -216,12 +255,16 @@ class ShmRegion:
         # The mapping ends with its last view, not here: a view still in use (a
         # copy thread landing into an ended registration) then writes to memory
         # nobody reads, where an unmap under it would kill the daemon (SIGSEGV).
-        # The region lets go of its tensor and its mmap object; the mmap object
-        # closes (and unmaps) now if no view is left, else when the last goes.
+        # The region lets go of its tensor and its mmap object, which closes (and
+        # unmaps) now if no view is left, else on a background thread once the
+        # last view has gone: not on the thread that drops it, which may be the
+        # event loop (unmapping costs about 25 ms a GiB).
         self.tensor = torch.empty(0, dtype=torch.uint8)
         mm, self.mm = self.mm, _CLOSED
-        with contextlib.suppress(BufferError):  # a view holds it: it unmaps when that view goes
+        try:
             mm.close()
+        except BufferError:  # a view holds it
+            _unmap_when_unviewed(mm)
         if self.owner:
             self.unlink()
 

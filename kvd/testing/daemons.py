@@ -58,7 +58,8 @@ class DaemonProc:
     ready: Path
     log_path: Path
     current_tree: bool = True  # this checkout's kvd, not another release's (which may not handle SIGUSR1)
-    ready_within: float = 60.0
+    ready_within: float = 60.0  # seconds of its own time: wall time less its wait for a CPU
+    starved_within: float = 240.0  # seconds of wall time however starved
     _info: dict[str, Any] | None = None
 
     @property
@@ -68,16 +69,20 @@ class DaemonProc:
         less the time its main thread waited for a CPU. A daemon starved by
         busier processes (three of them on each core give it about 3% of
         one: two seconds of importing took more than 60) is not stuck, and
-        one that sleeps or spins is still caught."""
+        one that sleeps or spins is still caught. A start starved past
+        ``starved_within`` seconds of wall time fails all the same: a
+        caller's own timeout would end it with no word of its state."""
         if self._info is None:
             started, waited_before = time.monotonic(), self.cpu_wait()
             while not self.ready.exists():
                 if self.proc.poll() is not None:
                     raise DaemonDidNotStart(f"kvd serve for {self.engine_id} exited {self.proc.returncode}: {self.log()}")
-                if time.monotonic() - started - (self.cpu_wait() - waited_before) > self.ready_within:
+                wall = time.monotonic() - started
+                if wall - (self.cpu_wait() - waited_before) > self.ready_within or wall > self.starved_within:
                     # Stuck or busy: its state and CPU time, and where its threads are (in its log).
                     # The summary goes last too: a caller that keeps only a message's tail keeps it.
-                    state = f"kvd serve for {self.engine_id} not ready within {self.ready_within:g} s of its own time ({self.cpu()})"
+                    state = (f"kvd serve for {self.engine_id} not ready within {self.ready_within:g} s of its own time "
+                             f"or {self.starved_within:g} s of wall time ({self.cpu()})")
                     self.stacks()
                     self.proc.kill()
                     raise DaemonDidNotStart(f"{state}: {self.log()}\n{state}")
@@ -107,16 +112,12 @@ class DaemonProc:
         except OSError as e:
             return f"no /proc entry: {e}"
         user, system = (int(f) / os.sysconf("SC_CLK_TCK") for f in fields[11:13])
-        return f"state {fields[0]}, {user:.2f} s user and {system:.2f} s system CPU since it started, {self.cpu_wait():.2f} s waiting for a CPU"
+        return f"state {fields[0]}, {user:.2f} s user and {system:.2f} s system CPU since it started, its main thread {self.cpu_wait():.2f} s waiting for a CPU"
 
     def cpu_wait(self) -> float:
         """Seconds its main thread has spent runnable but waiting for a CPU
-        (``/proc/PID/schedstat``'s second field); 0 where the kernel does not
-        keep it, or the process is gone."""
-        try:
-            return int(Path(f"/proc/{self.proc.pid}/schedstat").read_text().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        (``run_delay``); 0 where the kernel does not keep it, or it is gone."""
+        return run_delay(self.proc.pid) or 0.0
 
     def stacks(self, wait: float = 1.0) -> str:
         """Every thread's stack, as the daemon writes it to its log on SIGUSR1
@@ -143,6 +144,16 @@ class DaemonProc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def run_delay(pid: int) -> float | None:
+    """Seconds process ``pid``'s main thread has spent runnable but waiting
+    for a CPU (``/proc/PID/schedstat``'s second field); None where the
+    kernel keeps none (no CONFIG_SCHED_INFO), or the process is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def start_daemon(engine_id: str, folder: Path, *extra: str, name: str = "", grpc_port: int = 0, prefix: Sequence[str] = (),

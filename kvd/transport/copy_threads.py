@@ -23,6 +23,7 @@ import functools
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 from kvd.core.relayout import Copy, split_copies
@@ -78,6 +79,10 @@ class Batch:
                 job()
             except BaseException as e:
                 failure = e
+                # Its traceback's frames (the job's) hold views of registered memory, which would stay
+                # mapped as long as the batch keeps the failure: their locals go, the lines stay.
+                traceback.clear_frames(e.__traceback__)
+            del job
             with self._lock:
                 self._running -= 1
                 if failure is not None and self.failure is None:
@@ -91,9 +96,12 @@ class Batch:
     def _finish(self) -> None:
         if self.started_at is not None:
             self.seconds = time.perf_counter() - self.started_at
+        on_done, self._on_done = self._on_done, None
+        with self._lock:  # a finished batch lets go of its jobs: they hold views of registered memory
+            self._jobs, self._next = [], 0
         try:
-            if self._on_done is not None:
-                self._on_done(self)
+            if on_done is not None:
+                on_done(self)
         except BaseException as e:  # on a copy thread: it must not die of it
             self.failure = self.failure or e
         finally:
@@ -143,8 +151,12 @@ class CopyThreads:
         _on_worker.yes = True
         if self.nice is not None:
             set_thread_nice(self.nice)
-        while (batch := self._queue.get()) is not None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
             batch.drain()
+            del batch  # not kept while this thread waits for the next: its jobs hold views of registered memory
 
     def submit(self, jobs: Sequence[Job], on_done: Callable[[Batch], None] | None = None, *, helpers: int | None = None) -> Batch:
         """Queue ``jobs`` for the threads and return at once; ``on_done`` runs
