@@ -23,7 +23,7 @@ from kvd.testing import pattern
 from kvd.testing.daemons import DaemonProc, start_daemon
 from kvd.testing.metrics import scrape
 
-__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "local_group_tensors_plain", "make_worker", "scheduler_params", "scrape", "transfer", "wait_for"]
+__all__ = ["REPO", "DaemonProc", "Daemons", "TestWorker", "free_port", "local_group_tensors_plain", "make_worker", "scheduler_params", "scrape", "shm_mapped", "transfer", "wait_for"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -216,6 +216,15 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def shm_mapped(pid: int) -> set[str]:
+    """The /dev/shm files ``pid`` maps (unlinked ones too)."""
+    out = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/dev/shm/" in line:
+            out.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+    return out
 
 
 def wait_for(cond: Callable[[], bool], within: float, what: str) -> None:

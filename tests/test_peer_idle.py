@@ -14,16 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_worker, wait_for
-
-
-def _shm_mapped(pid: int) -> set[str]:
-    """The /dev/shm files ``pid`` maps (unlinked ones too)."""
-    out = set()
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        if "/dev/shm/" in line:
-            out.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
-    return out
+from tests.conftest import make_worker, shm_mapped, wait_for
 
 
 def _connected_to(port: int) -> int:
@@ -54,20 +45,20 @@ def test_an_engine_not_read_from_is_forgotten_and_handshaken_again(daemons, idle
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
     _pull(pw, dw, "first", 1)
     data_port = int(p.info["data"].rsplit(":", 1)[1])
-    owners = _shm_mapped(d.pid) & _shm_mapped(p.pid)  # the owner's regions, mapped by the reader too
+    owners = shm_mapped(d.pid) & shm_mapped(p.pid)  # the owner's regions, mapped by the reader too
     assert owners, "the reader took the same-host path"
     assert _connected_to(data_port) >= 1  # a connection pooled to the owner (the reads' authorisation)
     if idle > 10:  # the control: well inside the idle time, everything is kept
         time.sleep(3)
-        assert owners <= _shm_mapped(d.pid)
+        assert owners <= shm_mapped(d.pid)
         assert _connected_to(data_port) >= 1
         return
-    wait_for(lambda: not owners & _shm_mapped(d.pid), 15, "the reader to unmap the idle owner's memory")
+    wait_for(lambda: not owners & shm_mapped(d.pid), 15, "the reader to unmap the idle owner's memory")
     wait_for(lambda: _connected_to(data_port) == 0, 5, "the connections pooled to the idle owner to close")
     # Logged once forgetting is done (after the connections closed): waited for, not raced.
     wait_for(lambda: "forgot engine=prefill" in d.log(), 5, "the reader to log that it forgot the owner")
     _pull(pw, dw, "again", 2)  # handshaken and mapped again
-    assert owners <= _shm_mapped(d.pid)
+    assert owners <= shm_mapped(d.pid)
 
 
 def _readers(daemon) -> float:

@@ -10,7 +10,7 @@ from kvd.client import KvdClient
 from kvd.core.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 from kvd.testing import pattern
 from kvd.transport.nixl import available as nixl_available
-from tests.conftest import local_group_tensors_plain, make_worker, transfer, wait_for
+from tests.conftest import local_group_tensors_plain, make_worker, shm_mapped, transfer, wait_for
 
 
 def test_spec_is_inferred_from_shape_and_strides(daemons):
@@ -210,11 +210,6 @@ def test_a_registration_cancelled_while_it_maps_leaves_nothing_registered():
     assert r.stdout.splitlines() == ["cancelled", "version 3 registered 0", "version 4 registered 1"], (r.stdout, r.stderr[-2000:])
 
 
-def _shm_mapped(pid: int) -> set[str]:
-    with open(f"/proc/{pid}/maps") as f:
-        return {line.split()[-1] for line in f if "/dev/shm/kvd-" in line}
-
-
 @pytest.mark.parametrize("d_layout", ["NHD", "HND"], ids=["in-place", "relayout"])
 def test_an_ended_workers_memory_is_unmapped_once_its_pull_is_done(daemons, d_layout):
     """A region's mapping lasts as long as a view of it (kvd/regions/shm.py: so a copy thread never
@@ -232,7 +227,7 @@ def test_an_ended_workers_memory_is_unmapped_once_its_pull_is_done(daemons, d_la
     ids = list(range(1, 513))
     _, finished = transfer([pw], [dw], "long", 1, ids, ids, 512 * 16, timeout=120)
     assert finished[0].details[("recving", "long")].outcome == "done" and dw.mismatch(1, ids, 512 * 16) is None
-    mine = _shm_mapped(d.pid)
+    mine = shm_mapped(d.pid)
     assert len(mine) == 1, mine  # TCP: D maps its own worker's region only
     dw.client.unregister()
-    wait_for(lambda: not _shm_mapped(d.pid), 10, f"D still maps {mine} 10 s after its worker unregistered")
+    wait_for(lambda: not shm_mapped(d.pid), 10, f"D still maps {mine} 10 s after its worker unregistered")
