@@ -51,11 +51,11 @@ r.close()  # its creator's: unlinked too
 view.fill_(7)
 print('sum', int(view.sum()), 'mapped', mapped(r.name))
 import time
-from kvd.regions import shm
-from kvd.regions.shm import unmaps_pending
-with shm._viewed_lock:  # the unmapping thread waits: what dropping the view did, alone
+from kvd.regions import unmapper
+from kvd.regions.unmapper import unmaps_pending
+with unmapper.retrying:  # the unmapping thread waits: what dropping the view did, alone
     del view; gc.collect()
-    print('after the view: pending', len(shm._viewed), 'mapped', mapped(r.name))
+    print('after the view: pending', unmaps_pending(), 'mapped', mapped(r.name))
 end = time.monotonic() + 5
 while mapped(r.name) and time.monotonic() < end:
     time.sleep(0.05)
@@ -73,3 +73,27 @@ def test_a_closed_region_stays_mapped_while_a_view_of_it_lives():
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     # Unmapped by kvd's background thread (within its 0.5 s poll), not by the thread that dropped the view.
     assert r.stdout.splitlines() == ["sum 7168 mapped True", "after the view: pending 1 mapped True", "then: pending 0 mapped False"], r.stdout
+
+
+def test_a_region_knows_when_its_file_is_removed_or_replaced():
+    """What a same-host reader asks of an owner's mapped region (daemon/peers.py
+    drop_removed): its file still there is kept; gone, or its name now naming
+    another file (a worker that made new memory under the old name), is removed."""
+    from kvd.regions.shm import ShmRegion, unlink_name
+
+    made = ShmRegion.create(1 << 16)
+    seen = ShmRegion.open("r", made.name, 1 << 16)
+    try:
+        assert not seen.removed()
+        assert unlink_name(made.name)
+        assert seen.removed()
+        again = ShmRegion.create(1 << 16, name=made.name)  # the same name, another file
+        fresh = ShmRegion.open("r2", made.name, 1 << 16)
+        try:
+            assert seen.removed() and not fresh.removed()
+        finally:
+            fresh.close()
+            again.close()
+    finally:
+        seen.close()
+        made.close()

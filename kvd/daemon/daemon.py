@@ -42,6 +42,10 @@ from kvd.transport.tcp_client import TcpDataClient
 from kvd.transport.tcp_server import TcpDataServer
 from kvd.transport.wire_gate import WireGate
 
+# A same-host peer's regions are checked this often for removal (a stat
+# each): a few seconds of an ended worker's pages held, not peer_idle_seconds.
+REMOVED_CHECK_SECONDS = 2.0
+
 
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
@@ -120,11 +124,14 @@ class Daemon:
 
     async def _forget_idle_peers(self) -> None:
         """Now and then, forget the engines no pull has used for
-        ``peer_idle_seconds``, and as their owner the readers idle as long."""
+        ``peer_idle_seconds``, and as their owner the readers idle as long;
+        and unmap a same-host engine's memory once its worker let it go (a
+        stat a region: every ``REMOVED_CHECK_SECONDS``)."""
         while True:
-            await asyncio.sleep(min(self.config.peer_idle_seconds / 4, 30.0))
+            await asyncio.sleep(min(self.config.peer_idle_seconds / 4, REMOVED_CHECK_SECONDS))
             busy = {p.params.remote_engine_id for p in self.puller.pulls.values()}
             now = time.monotonic()
+            self.handshakes.drop_removed(busy)
             await self.handshakes.forget_idle(now, busy)
             self.publisher.forget_idle_readers(now, self.data_server.connected_readers())
 

@@ -45,6 +45,7 @@ class Peer:
     # Same host: the owner's ranks, mapped here, so reads are plain copies.
     local_sources: dict[RankKey, LocalSource] = field(default_factory=dict)
     mapped: list[MappedRegion] = field(default_factory=list)
+    stale: bool = False  # its same-host memory was let go: the next pull handshakes again
 
     def close(self) -> None:
         self.local_sources.clear()
@@ -100,7 +101,7 @@ class Handshakes:
     def drop_peer(self, engine_id: str) -> Peer | None:
         """Forget a remote engine's handshake (and unmap its same-host regions)."""
         peer = self.peers.pop(engine_id, None)
-        if peer is not None and peer.mapped:
+        if peer is not None and peer.mapped and not peer.stale:  # a stale one's are being unmapped already
             close_later(peer.close)
         return peer
 
@@ -112,7 +113,8 @@ class Handshakes:
         lock = self._locks.setdefault(eid, asyncio.Lock())
         async with lock:
             peer = self.peers.get(eid)
-            if peer is not None and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch and peer.local_version == self.registry.version:
+            if (peer is not None and not peer.stale and peer.address == params.remote_address and peer.meta.epoch == params.remote_epoch
+                    and peer.local_version == self.registry.version):
                 return peer
             mine = self._introduce()
             t0 = time.perf_counter()
@@ -174,6 +176,27 @@ class Handshakes:
             mapped = len(self.peers[eid].mapped) if eid in self.peers else 0  # counted before the peer is closed
             if await self.forget(eid, for_good=True) is not None:
                 log.info("forgot engine=%s: not read from for %gs (%d same-host regions unmapped)", eid, self.config.peer_idle_seconds, mapped)
+
+    def drop_removed(self, busy: set[str]) -> None:
+        """Unmap the same-host memory of the engines whose worker let a
+        shared-memory region go (its file removed: the worker ended, or its
+        process died and its daemon removed what it left): only this mapping
+        would keep those pages from the host, until the engine went idle. Not
+        while a pull reads from it (``busy``) or a handshake is under way. The
+        peer stays known, stale (its connections are closed when it goes idle,
+        as any peer's); a later pull handshakes again, and maps what is
+        registered then (if a worker removed files it still serves from, that
+        mapping fails and the reads go over TCP)."""
+        for eid, peer in self.peers.items():
+            lock = self._locks.get(eid)
+            if peer.stale or eid in busy or (lock is not None and lock.locked()):
+                continue
+            gone = next((r.region_id for r in peer.mapped if r.removed()), None)  # a stat each, until one is gone
+            if gone is not None:
+                log.info("unmapping engine=%s's same-host memory (%d regions): its region %s was removed (its worker ended)",
+                         eid, len(peer.mapped), gone)
+                peer.stale = True
+                close_later(peer.close)
 
     async def _map_same_host(self, peer: Peer, memory: tuple[RankMemory, ...]) -> None:
         """Map the owner's regions, in a thread (mapping faults in every page:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -23,6 +21,11 @@ class MappedRegion(Protocol):
 
     def backing_bytes(self) -> int:
         """Bytes of the memory behind the mapping now (it may have shrunk since)."""
+        ...
+
+    def removed(self) -> bool:
+        """Whether the memory's maker let it go (a shared-memory file
+        unlinked): then nothing but mappings keeps its pages from the host."""
         ...
 
 
@@ -83,21 +86,3 @@ def check_intact(regions: Iterable[MappedRegion], whose: str) -> None:
         if now < r.size:
             raise FailedPrecondition(f"{whose} region {r.region_id!r} shrank to {now} bytes after it was registered with {r.size}; "
                                      f"the worker must register again")
-
-
-_unmapper: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def close_later(close: Callable[[], None]) -> None:
-    """Run ``close`` (unmapping regions) in a background thread: unmapping
-    costs about 25 ms a GiB, too long for an event loop. The memory stays
-    valid until then, and while any view of it lives."""
-    global _unmapper
-    if _unmapper is None:
-        _unmapper = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-unmap")
-    _unmapper.submit(close).add_done_callback(_log_failure)
-
-
-def _log_failure(done: concurrent.futures.Future[None]) -> None:
-    if done.exception() is not None:
-        logging.getLogger("kvd.regions").error("closing mapped regions failed", exc_info=done.exception())

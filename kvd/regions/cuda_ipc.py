@@ -74,6 +74,9 @@ class CudaIpcRegion:
     def backing_bytes(self) -> int:
         return self.size  # a CUDA allocation does not shrink under its handle
 
+    def removed(self) -> bool:
+        return False  # an IPC handle names no file: whether its maker freed it cannot be seen from here
+
     def close(self) -> None:
         # Dropping the last reference to the opened storage is what tells the
         # engine's process (its IPC ref counter) that we are done with it; a

@@ -14,8 +14,6 @@ import mmap
 import os
 import re
 import stat
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 
 from kvd.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from kvd.regions.unmapper import unmap_when_unviewed
 
 SHM_DIR = "/dev/shm"
 SHM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,200}$")
@@ -143,6 +142,10 @@ def _reserve(fd: int, name: str, size: int) -> None:
         ) from None
 
 
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def _tensor_of(mm: mmap.mmap) -> torch.Tensor:
     """The mapping as bytes, every view of which holds it mapped: numpy's
     frombuffer takes a buffer export of the mmap, which torch's views keep
@@ -153,44 +156,6 @@ def _tensor_of(mm: mmap.mmap) -> torch.Tensor:
 _CLOSED = mmap.mmap(-1, PAGE)  # what a closed region holds instead of its mapping
 _CLOSED.close()
 
-UNVIEWED_POLL_SECONDS = 0.5
-_viewed: list[mmap.mmap] = []  # closed regions' mappings that views still held when asked to close
-_viewed_lock = threading.Lock()
-_viewed_thread: threading.Thread | None = None
-
-
-def _unmap_when_unviewed(mm: mmap.mmap) -> None:
-    global _viewed_thread
-    with _viewed_lock:
-        _viewed.append(mm)
-        if _viewed_thread is None:
-            _viewed_thread = threading.Thread(target=_unmap_unviewed, name="kvd-unmap-viewed", daemon=True)
-            _viewed_thread.start()
-
-
-def _unmap_unviewed() -> None:
-    """Close each held mapping once no view is left, until none is held."""
-    global _viewed_thread
-    while True:
-        time.sleep(UNVIEWED_POLL_SECONDS)
-        with _viewed_lock:
-            held = list(_viewed)
-        for mm in held:
-            with contextlib.suppress(BufferError):
-                mm.close()
-        with _viewed_lock:
-            _viewed[:] = [mm for mm in _viewed if not mm.closed]
-            if not _viewed:
-                _viewed_thread = None
-                return
-
-
-def unmaps_pending() -> int:
-    """Closed regions whose mappings views still hold (unmapped once they go)."""
-    with _viewed_lock:
-        return len(_viewed)
-
-
 @dataclass
 class ShmRegion:
     region_id: str
@@ -200,6 +165,7 @@ class ShmRegion:
     tensor: torch.Tensor
     owner: bool
     kind: str = "shm"
+    file_id: tuple[int, int] = (0, 0)  # the mapped file's (st_dev, st_ino): whether its name still names it
 
     @classmethod
     def create(cls, size: int, name: str | None = None, region_id: str | None = None) -> ShmRegion:
@@ -212,13 +178,14 @@ class ShmRegion:
             _reserve(fd, name, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             prefault(mm, write=True)
+            file_id = _file_id(os.fstat(fd))
         except BaseException:
             with contextlib.suppress(OSError):  # a half-made region holds pages nobody would free
                 os.unlink(os.path.join(SHM_DIR, name))
             raise
         finally:
             os.close(fd)
-        return cls(region_id or name, name, size, mm, _tensor_of(mm), owner=True)
+        return cls(region_id or name, name, size, mm, _tensor_of(mm), owner=True, file_id=file_id)
 
     @classmethod
     def open(cls, region_id: str, name: str, size: int, owner_uid: int | None = None) -> ShmRegion:
@@ -243,13 +210,23 @@ class ShmRegion:
         finally:
             os.close(fd)
         prefault(mm, write=False)
-        return cls(region_id, name, size, mm, _tensor_of(mm), owner=False)
+        return cls(region_id, name, size, mm, _tensor_of(mm), owner=False, file_id=_file_id(st))
 
     def backing_bytes(self) -> int:
         try:
             return self.mm.size()  # fstat of the mapping's own descriptor: the file's size now
         except (ValueError, OSError):  # closed
             return 0
+
+    def removed(self) -> bool:
+        """Its file is gone from /dev/shm (or its name now names another):
+        whoever made it let it go, and only mappings keep its pages."""
+        try:
+            return _file_id(os.stat(os.path.join(SHM_DIR, self.name), follow_symlinks=False)) != self.file_id
+        except FileNotFoundError:
+            return True
+        except OSError:  # cannot tell: not removed, so nothing is let go on a guess
+            return False
 
     def close(self) -> None:
         # The mapping ends with its last view, not here: a view still in use (a
@@ -264,7 +241,7 @@ class ShmRegion:
         try:
             mm.close()
         except BufferError:  # a view holds it
-            _unmap_when_unviewed(mm)
+            unmap_when_unviewed(mm)
         if self.owner:
             self.unlink()
 
