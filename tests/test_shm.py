@@ -57,7 +57,7 @@ with unmapper.retrying:  # the unmapping thread waits: what dropping the view di
     del view; gc.collect()
     print('after the view: pending', unmaps_pending(), 'mapped', mapped(r.name))
 end = time.monotonic() + 5
-while mapped(r.name) and time.monotonic() < end:
+while (mapped(r.name) or unmaps_pending()) and time.monotonic() < end:  # the count drops just after the unmap
     time.sleep(0.05)
 print('then: pending', unmaps_pending(), 'mapped', mapped(r.name))
 """
@@ -97,3 +97,23 @@ def test_a_region_knows_when_its_file_is_removed_or_replaced():
     finally:
         seen.close()
         made.close()
+
+
+QUEUED_AT_EXIT = """
+import sys, time
+from kvd.regions import close_later
+close_later(lambda: time.sleep(0.5))  # one running as the process ends
+close_later(lambda: open(sys.argv[1], 'w').write('closed'))  # and one queued behind it
+"""
+
+
+def test_closes_queued_as_a_process_ends_are_run_before_it_goes(tmp_path):
+    """A daemon that stops (tcp transport: it returns, and Python shuts
+    down) still runs the closes it queued: one may unlink a gone worker's
+    files. Negative control: the unmapping thread left to die with the
+    interpreter (no exit hook): the file was never written."""
+    out = tmp_path / "closed"
+    r = subprocess.run([sys.executable, "-c", QUEUED_AT_EXIT, str(out)], capture_output=True, text=True, timeout=60, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert out.exists() and out.read_text() == "closed"

@@ -5,12 +5,14 @@ are closed here, off the caller's thread (``close_later``). A shared-memory
 mapping that views still hold cannot be unmapped yet (an unmap under a view
 in use would kill the daemon with SIGSEGV): it waits here too
 (``unmap_when_unviewed``) and is unmapped once its last view has gone,
-retried every ``UNVIEWED_POLL_SECONDS`` while any waits, never on the
-thread that dropped the view.
+tried after each close and every ``UNVIEWED_POLL_SECONDS`` while any waits,
+never on the thread that dropped the view. At exit the closes queued are
+run (one may unlink a gone worker's files) before the interpreter goes.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
@@ -19,8 +21,10 @@ import threading
 from collections.abc import Callable
 
 UNVIEWED_POLL_SECONDS = 0.5
+EXIT_WAIT_SECONDS = 30.0  # at exit, the closes queued get this long; a stuck one does not keep the process
 
-_jobs: queue.SimpleQueue[Callable[[], None] | mmap.mmap] = queue.SimpleQueue()
+_STOP = object()
+_jobs: queue.SimpleQueue[Callable[[], None] | mmap.mmap | object] = queue.SimpleQueue()
 _lock = threading.Lock()
 # Held while the thread tries the mappings views held: a test holds it to
 # see what dropping a view does by itself (nothing: the mapping waits here).
@@ -53,9 +57,24 @@ def _submit(job: Callable[[], None] | mmap.mmap) -> None:
     global _thread
     _jobs.put(job)
     with _lock:
-        if _thread is None:
-            _thread = threading.Thread(target=_run, name="kvd-unmap", daemon=True)
-            _thread.start()
+        if _thread is None or not _thread.is_alive():
+            thread = threading.Thread(target=_run, name="kvd-unmap", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # the interpreter is ending: the process's end unmaps everything
+                return
+            if _thread is None:
+                atexit.register(_finish)
+            _thread = thread
+
+
+def _finish() -> None:
+    """At exit: run the closes queued, then stop (mappings views still hold are left to the process's end)."""
+    with _lock:
+        thread = _thread
+    if thread is not None and thread.is_alive():
+        _jobs.put(_STOP)
+        thread.join(EXIT_WAIT_SECONDS)
 
 
 def _run() -> None:
@@ -66,13 +85,16 @@ def _run() -> None:
             job = _jobs.get(timeout=UNVIEWED_POLL_SECONDS if viewed else None)
         except queue.Empty:
             job = None
+        if job is _STOP:
+            return
         if isinstance(job, mmap.mmap):
             viewed.append(job)
-        elif job is not None:
+        elif callable(job):
             try:
                 job()
-            except Exception:
+            except BaseException:  # nothing a close raises may end the thread every later close needs
                 logging.getLogger("kvd.regions").exception("closing mapped regions failed")
+        job = None  # not held while waiting for the next: a failed close's regions would stay mapped
         with retrying:
             for mm in viewed:
                 with contextlib.suppress(BufferError):
