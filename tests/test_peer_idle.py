@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvd.regions.shm import unlink_name
 from tests.conftest import make_worker, shm_mapped, wait_for
 
 
@@ -106,6 +107,13 @@ def test_a_reader_rescheduled_under_a_new_address_replaces_its_old_entry(daemons
     assert _readers(p) == 1
 
 
+def _remove_and_see_unmapped(d, owners: set[str]) -> None:
+    """The owner's worker lets its memory go, as kvd.caches.release_all does: the reader must unmap it."""
+    for name in owners:
+        assert unlink_name(name)
+    wait_for(lambda: not owners & shm_mapped(d.pid), 10, f"the reader to unmap {owners}, removed by their worker")
+
+
 def test_a_reader_unmaps_an_owners_memory_once_its_worker_let_it_go(daemons):
     """A same-host reader maps the owner's regions; once the owner's worker
     ends and its file is removed (kvd.caches.release_all, or the owner's
@@ -115,8 +123,6 @@ def test_a_reader_unmaps_an_owners_memory_once_its_worker_let_it_go(daemons):
     within a few seconds and unmaps, and a pull from the worker that comes
     next (new memory) handshakes again and lands. The control: a worker that
     unregistered but keeps its file (it may register it again) stays mapped."""
-    from kvd.regions.shm import unlink_name
-
     p = daemons.start("prefill", same_host="auto")
     d = daemons.start("decode", same_host="auto")  # peer_idle_seconds: the default, 300
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
@@ -126,9 +132,7 @@ def test_a_reader_unmaps_an_owners_memory_once_its_worker_let_it_go(daemons):
     pw.client.unregister()
     time.sleep(5)  # over two of the reader's checks
     assert owners <= shm_mapped(d.pid), "unregistered, its file still there: kept"
-    for name in owners:  # the worker lets its memory go, as kvd.caches.release_all does
-        assert unlink_name(name)
-    wait_for(lambda: not owners & shm_mapped(d.pid), 10, f"the reader to unmap {owners}, removed by their worker")
+    _remove_and_see_unmapped(d, owners)
     wait_for(lambda: "unmapping engine=prefill's same-host memory" in d.log(), 5, "the reader to log why it unmapped")
     again = make_worker(p.grpc, "prefill")  # the rank's next worker, in new memory
     _pull(again, dw, "again", 2)
@@ -142,8 +146,6 @@ def test_an_owner_unmapped_for_its_removed_memory_is_still_forgotten_when_idle(d
     is forgotten, as any idle engine. Negative control: dropping the engine's
     handshake to unmap, which left forget_idle nothing to close: the
     connection stayed open."""
-    from kvd.regions.shm import unlink_name
-
     p = daemons.start("prefill", same_host="auto")
     d = daemons.start("decode", "--peer-idle-seconds", "6", same_host="auto")  # checked every 1.5 s
     pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
@@ -152,9 +154,7 @@ def test_an_owner_unmapped_for_its_removed_memory_is_still_forgotten_when_idle(d
     owners = shm_mapped(d.pid) & shm_mapped(p.pid)
     assert owners and _connected_to(data_port) >= 1
     pw.client.unregister()
-    for name in owners:
-        assert unlink_name(name)
-    wait_for(lambda: not owners & shm_mapped(d.pid), 10, f"the reader to unmap {owners}, removed by their worker")
+    _remove_and_see_unmapped(d, owners)
     assert "unmapping engine=prefill's same-host memory" in d.log() and "forgot engine=prefill" not in d.log()
     wait_for(lambda: _connected_to(data_port) == 0, 15, "the connections pooled to the idle owner to close")
     wait_for(lambda: "forgot engine=prefill" in d.log(), 5, "the reader to log that it forgot the owner")

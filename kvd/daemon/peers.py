@@ -168,8 +168,7 @@ class Handshakes:
         for eid in busy:
             self.last_used[eid] = now
         for eid, at in list(self.last_used.items()):
-            lock = self._locks.get(eid)  # held: a handshake under way, in use after all
-            if now - at < self.config.peer_idle_seconds or eid in busy or (lock is not None and lock.locked()):
+            if now - at < self.config.peer_idle_seconds or self._in_use(eid, busy):
                 continue
             del self.last_used[eid]
             self._locks.pop(eid, None)
@@ -188,8 +187,7 @@ class Handshakes:
         registered then (if a worker removed files it still serves from, that
         mapping fails and the reads go over TCP)."""
         for eid, peer in self.peers.items():
-            lock = self._locks.get(eid)
-            if peer.stale or eid in busy or (lock is not None and lock.locked()):
+            if peer.stale or self._in_use(eid, busy):
                 continue
             gone = next((r.region_id for r in peer.mapped if r.removed()), None)  # a stat each, until one is gone
             if gone is not None:
@@ -197,6 +195,11 @@ class Handshakes:
                          eid, len(peer.mapped), gone)
                 peer.stale = True
                 close_later(peer.close)
+
+    def _in_use(self, engine_id: str, busy: set[str]) -> bool:
+        """A pull is queued for or under way from it (``busy``), or a handshake with it (its lock held)."""
+        lock = self._locks.get(engine_id)
+        return engine_id in busy or (lock is not None and lock.locked())
 
     async def _map_same_host(self, peer: Peer, memory: tuple[RankMemory, ...]) -> None:
         """Map the owner's regions, in a thread (mapping faults in every page:
