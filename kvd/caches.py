@@ -6,6 +6,10 @@ shared memory. ``allocate_kv_caches`` makes vLLM-style per-layer tensors that
 are views into one shm buffer; ``adopt_into_shm`` moves the storage of
 tensors you already have into shm (one copy, once, at registration) and
 re-points the same tensor objects at it.
+
+Each region is named for this process and holds a shared lock on its file
+while it is mapped: the daemon reads the lock, free once the process ends,
+to tell that a worker died without unregistering (``kvd.regions.shm``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 workers in their own processes, /dev/shm itself).
 
 A worker killed with SIGKILL never unregisters; the daemon sees its regions'
-creator gone and retires the registration: what it published is served for
+creator gone (its pid exited, or, from any pid namespace, the lock it held
+on them is free) and retires the registration: what it published is served for
 a grace of 5 s at most, then it ends (naming why) and the regions are
 unlinked, within seconds (here a publication of a 600 s lease that nobody
 reads). A daemon that starts removes regions
@@ -12,6 +13,7 @@ pid namespace, are left alone."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +33,10 @@ from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 64)
 caches = allocate_kv_caches(spec, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
 if sys.argv[1] != "-":
+    if sys.argv[2:] == ["wait"]:
+        from kvd.caches import _REGIONS
+        print(" ".join(r.name for r in _REGIONS.values()), flush=True)
+        sys.stdin.readline()  # register when told
     client = KvdClient(sys.argv[1], WorkerId("prefill"))
     client.wait_ready()
     client.register(caches, ModelInfo(4, 4), spec)
@@ -41,8 +47,9 @@ time.sleep(600)
 """
 
 
-def _worker(address: str) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, address], stdout=subprocess.PIPE, text=True, cwd=REPO)
+def _worker(address: str, *args: str, prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([*prefix, sys.executable, "-c", WORKER, address, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=REPO)
     assert proc.stdout is not None
     names = proc.stdout.readline().split()
     assert names, "the worker made no region"
@@ -72,6 +79,73 @@ def test_a_killed_workers_regions_are_removed_and_its_registration_ends(daemons)
     live = make_worker(p.grpc, "prefill")
     time.sleep(2.5)
     assert len(daemon_status(p.grpc).workers) == 1 and live.client.publish("r2", [[1]], 16).generation > 0
+
+
+# As deploy/kubernetes runs it: the engine's container has a pid namespace of its own, so the pid in
+# its regions' names means nothing to the daemon. ``--kill-child``: the worker dies with unshare.
+OTHER_PID_NAMESPACE = ("unshare", "--pid", "--fork", "--kill-child")
+needs_unshare = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="a pid namespace of its own needs root and unshare")
+
+
+def _until_gone(p, names: list[str], within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while (_in_shm(names) or daemon_status(p.grpc).workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@needs_unshare
+def test_a_killed_worker_in_another_pid_namespace_is_found_gone_by_its_lock(daemons):
+    p = daemons.start("prefill")
+    proc, names = _worker(p.grpc, prefix=OTHER_PID_NAMESPACE)
+    try:
+        assert all(shm.creator_pid(n, shm.pid_namespace()) is None for n in names), "the worker shares the daemon's pid namespace"
+        # Control: alive, it stays registered past two of the reaper's checks, its regions in place.
+        time.sleep(2.5)
+        assert _in_shm(names) == names and len(daemon_status(p.grpc).workers) == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _until_gone(p, names)
+        assert _in_shm(names) == [], "the killed worker's regions are still in /dev/shm"
+        assert daemon_status(p.grpc).workers == []
+        assert "the process that made its memory let go of it (it exited) without unregistering" in p.log()
+    finally:
+        proc.kill()
+        for n in names:
+            shm.unlink_name(n)
+
+
+@needs_unshare
+def test_a_worker_that_dies_after_its_rank_registered_again_leaves_nothing_behind(daemons):
+    """A restart while the old process is still going down: the new worker
+    registers the rank while the old one holds its memory, then the old one
+    is killed. Its files are no registration's any more, and still removed."""
+    p = daemons.start("prefill")
+    old, old_names = _worker(p.grpc, prefix=OTHER_PID_NAMESPACE)
+    new, new_names = _worker(p.grpc, "wait", prefix=OTHER_PID_NAMESPACE)
+    try:
+        assert new.stdin is not None and new.stdout is not None
+        new.stdin.write("\n")
+        new.stdin.flush()
+        assert new.stdout.readline().split() == new_names  # registered in the old one's place, and published
+        # Control: while the old worker lives, its memory is its own, past two of the reaper's checks.
+        time.sleep(2.5)
+        assert _in_shm(old_names) == old_names
+        old.send_signal(signal.SIGKILL)
+        old.wait()
+        deadline = time.monotonic() + 10
+        while _in_shm(old_names) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _in_shm(old_names) == [], "the killed worker's regions are still in /dev/shm"
+        assert "their creator let go of after its registration ended" in p.log()
+        # The live worker is not taken for the dead one.
+        time.sleep(2.5)
+        assert _in_shm(new_names) == new_names and len(daemon_status(p.grpc).workers) == 1
+    finally:
+        for proc in (old, new):
+            proc.kill()
+            proc.wait()
+        for n in [*old_names, *new_names]:
+            shm.unlink_name(n)
 
 
 @pytest.mark.alone  # any daemon starting beside it would remove the orphan first: every daemon sweeps /dev/shm

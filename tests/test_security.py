@@ -589,8 +589,11 @@ def fuzz_target(tmp_path_factory):
 
     ds = Daemons(tmp_path_factory.mktemp("fuzz"))
     p, d = ds.start("prefill"), ds.start("decode")
-    make_worker(p.grpc, "prefill", tp_rank=1, tp_size=2, heads=4)  # something to handshake with
+    # Something to handshake with, alive for the module: a worker that drops its memory
+    # without unregistering is taken for gone (each test's end unlinks this process's regions).
+    alive = make_worker(p.grpc, "prefill", tp_rank=1, tp_size=2, heads=4)
     yield ds, p, d
+    del alive
     for x in ds.started:
         x.stop()
 

@@ -1,11 +1,15 @@
 """Shared memory that outlives its engine: found and removed.
 
 A worker that is killed (SIGKILL, the OOM killer) never unregisters, and the
-KV cache regions it made in /dev/shm stay behind, owned by a dead pid; a node
-that restarts engines a few times fills /dev/shm, and then every engine on it
-fails at start. ``kvd.caches`` names each region it makes for its creator
-(pid and pid namespace, ``shm.OWNED_NAME``), so a daemon in the same pid
-namespace can tell. ``Reaper`` checks, once a second, the creators of every
+KV cache regions it made in /dev/shm stay behind; a node that restarts
+engines a few times fills /dev/shm, and then every engine on it fails at
+start. Two signs tell a daemon that a region's creator is gone
+(``why_gone``): the shared lock ``kvd.caches`` holds on each region it makes
+is free (the kernel lets go of it however the process ends, and it is seen
+from any pid namespace: a Kubernetes sidecar without shareProcessNamespace,
+as deploy/ runs it), or, for a creator of an earlier release, the pid its
+region's name carries has exited (``shm.OWNED_NAME``; only a daemon in the
+same pid namespace can tell). ``Reaper`` checks, once a second, every
 registered worker's regions. A registration whose creators are all gone is
 retired: its pulls end and it accepts nothing new, but what it already
 published is still served (the daemon holds the mapping, and nobody writes
@@ -13,17 +17,24 @@ the memory any more), so a decode on its way loses nothing. Once nothing
 holds it, or after ``GONE_GRACE_SECONDS``, it ends as an unregister would
 (what is still published ends, naming the reason), and its regions are
 unlinked once the daemon has unmapped them: /dev/shm is freed within
-seconds. At start, ``remove_orphans`` removes regions whose creator is gone.
+seconds. A registration that ends while its creator still holds its files
+(it unregistered, or registered its rank again in new memory) leaves them
+watched (``Leftovers``): a creator that then dies without unlinking them
+(a restart while the old process is still going down) has them unlinked
+at the next check. At start, ``remove_orphans`` removes
+regions whose creator's pid is gone (in this pid namespace: a lock free at
+start could be an earlier release's live worker, which holds none).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from kvd.regions import shm
+from kvd.regions import MappedRegion, shm
 
 log = logging.getLogger("kvd.daemon")
 
@@ -44,24 +55,81 @@ def creators(names: list[str], namespace: str) -> set[int]:
     return {pid for n in names if (pid := shm.creator_pid(n, namespace)) is not None}
 
 
+def why_gone(regions: Iterable[MappedRegion], namespace: str) -> str:
+    """Why the worker that registered ``regions`` is gone: their creators'
+    pids (in ``namespace``) have all exited, or every lock their creators
+    held is free; "" while either may still live (or nothing can tell)."""
+    files = [r for r in regions if isinstance(r, shm.ShmRegion)]
+    pids = creators([r.name for r in files], namespace)
+    if pids and not any(shm.pid_alive(p) for p in pids):
+        return f"worker gone: pid {', '.join(map(str, sorted(pids)))} exited without unregistering"
+    locked = [r for r in files if r.lock_probe >= 0]
+    if locked and all(r.creator_gone() for r in locked):
+        return "worker gone: the process that made its memory let go of it (it exited) without unregistering"
+    return ""
+
+
+MAX_WATCHED = 4096  # files watched at most (a descriptor each); past it the oldest are let go of, never unlinked
+
+
+class Leftovers:
+    """The files of registrations that ended while their creator still held
+    them (it unregistered, or registered its rank again in new memory, and
+    may yet die without unlinking them: a restart while the old process is
+    still going down), watched until the creator lets go (``sweep``): then
+    nobody will map them again and they are unlinked. Files removed
+    meanwhile (by their creator) are forgotten."""
+
+    def __init__(self) -> None:
+        self._watched: dict[tuple[int, int], shm.CreatorWatch] = {}
+
+    def watch(self, regions: Iterable[shm.ShmRegion]) -> None:
+        for r in regions:
+            if r.file_id in self._watched or (w := r.watch_creator()) is None:
+                continue
+            self._watched[r.file_id] = w
+            while len(self._watched) > MAX_WATCHED:
+                os.close(self._watched.pop(next(iter(self._watched))).fd)
+
+    def sweep(self) -> list[str]:
+        """Unlink the watched files whose creator let go of them; the names unlinked."""
+        unlinked = []
+        for key, w in list(self._watched.items()):
+            state = w.state()
+            if state == "held":
+                continue
+            del self._watched[key]
+            os.close(w.fd)
+            if state == "let go" and shm.unlink_name(w.name):
+                unlinked.append(w.name)
+        if unlinked:
+            log.info("removed %d shared-memory regions their creator let go of after its registration ended: %s",
+                     len(unlinked), ", ".join(unlinked[:8]))
+        return unlinked
+
+    def __len__(self) -> int:
+        return len(self._watched)
+
+
 class Reaper:
     """Retires registrations whose worker is gone (``retire(rank, reason,
     now)``), and ends them once released (``release(now)``)."""
 
-    def __init__(self, registered_names: Callable[[], Mapping[tuple[int, int], list[str]]],
-                 retire: Callable[[tuple[int, int], str, float], None], release: Callable[[float], None]) -> None:
-        self.registered_names = registered_names  # live rank -> the shm names of its regions
+    def __init__(self, registered: Callable[[], Mapping[tuple[int, int], Iterable[MappedRegion]]],
+                 retire: Callable[[tuple[int, int], str, float], None], release: Callable[[float], None],
+                 leftovers: Leftovers | None = None) -> None:
+        self.registered = registered  # live rank -> its regions
         self.retire = retire
         self.release = release
+        self.leftovers = leftovers
         self.namespace = shm.pid_namespace()
 
     def check(self, now: float) -> list[tuple[int, int]]:
-        """Retire each registration whose regions' creators have all exited; the ranks retired."""
+        """Retire each registration whose worker is gone (``why_gone``); the ranks retired."""
         retired = []
-        for rank, names in list(self.registered_names().items()):
-            pids = creators(names, self.namespace)
-            if pids and not any(shm.pid_alive(p) for p in pids):
-                reason = f"worker gone: pid {', '.join(map(str, sorted(pids)))} exited without unregistering"
+        for rank, regions in list(self.registered().items()):
+            reason = why_gone(regions, self.namespace)
+            if reason:
                 log.warning("retiring registration of rank tp%d/pp%d: %s; what it published is served for up to %gs",
                             rank[0], rank[1], reason, GONE_GRACE_SECONDS)
                 self.retire(rank, reason, now)
@@ -74,3 +142,5 @@ class Reaper:
             now = time.monotonic()
             self.check(now)
             self.release(now)
+            if self.leftovers is not None:
+                self.leftovers.sweep()

@@ -40,6 +40,7 @@ from kvd.core.requests import Region, Registered, Registering
 from kvd.core.spec import GroupSpec, ModelInfo, WorkerId
 from kvd.core.topology import heads_of_rank
 from kvd.daemon.metrics import Metrics
+from kvd.daemon.reaper import Leftovers
 from kvd.daemon.registration import Registration, check_token, shm_names, token_for
 from kvd.regions import MappedRegion, close_later, map_regions, shm
 from kvd.transport.nixl import NixlAgent
@@ -67,6 +68,7 @@ class Registry:
         self._generation = 0
         self._meta_cache: tuple[int, EngineMeta] | None = None
         self._registering = asyncio.Lock()
+        self.leftovers = Leftovers()  # files of registrations ended while their creator held them
 
     def __iter__(self) -> Iterator[Registration]:
         return iter(self.by_rank.values())
@@ -223,6 +225,11 @@ class Registry:
             hook(rank, reason)
 
     def _release(self, reg: Registration, *, unlink: bool = False) -> None:
+        if not unlink:
+            # Its creator may still be alive (it unregistered, or registered the rank
+            # again in new memory) or may be dying: its files are watched until it lets go.
+            self.leftovers.watch(r for r in reg.regions.values() if isinstance(r, shm.ShmRegion))
+
         def unmap() -> None:
             reg.tensors.clear()  # views: a region unmaps when its last one goes (regions/shm.py, close)
             self._unmap(reg.regions, reg.nixl_handles)
@@ -236,9 +243,9 @@ class Registry:
         """The ranks whose worker is still there (a retired one lingers until its reads end)."""
         return {k for k, reg in self.by_rank.items() if not reg.gone}
 
-    def shm_by_rank(self) -> dict[RankKey, list[str]]:
-        """Each live rank's shared-memory names: the reaper watches for their creators."""
-        return {k: shm_names(reg) for k, reg in self.by_rank.items() if not reg.gone}
+    def regions_by_rank(self) -> dict[RankKey, list[MappedRegion]]:
+        """Each live rank's regions: the reaper watches for their creators."""
+        return {k: list(reg.regions.values()) for k, reg in self.by_rank.items() if not reg.gone}
 
     def retire(self, rank: RankKey, reason: str, now: float) -> None:
         """The rank's worker exited without unregistering: it accepts nothing

@@ -28,6 +28,12 @@ class MappedRegion(Protocol):
         unlinked): then nothing but mappings keeps its pages from the host."""
         ...
 
+    def creator_gone(self) -> bool:
+        """Whether the process that made the memory has let go of it (its
+        lock on a shared-memory file is free: it exited, from any pid
+        namespace). False where that cannot be seen."""
+        ...
+
 
 REGION_ID_MAX = 128
 

@@ -77,6 +77,9 @@ class CudaIpcRegion:
     def removed(self) -> bool:
         return False  # an IPC handle names no file: whether its maker freed it cannot be seen from here
 
+    def creator_gone(self) -> bool:
+        return False  # nor whether its maker exited (no lock to watch)
+
     def close(self) -> None:
         # Dropping the last reference to the opened storage is what tells the
         # engine's process (its IPC ref counter) that we are done with it; a

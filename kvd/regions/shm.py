@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -34,6 +35,14 @@ PAGE = mmap.PAGESIZE
 # and remove what it left; in another namespace (a Kubernetes sidecar without
 # shareProcessNamespace) the pid means nothing there, and nothing is touched.
 OWNED_NAME = re.compile(r"^kvd-(\d+)-n([0-9a-f]+)-[0-9a-f]{12}$")
+
+# Its creator also holds a shared flock on the file for as long as it keeps
+# the mapping (the lock lives on the open file description, which the mmap
+# object's own descriptor keeps): the kernel lets go of it when the process
+# exits, however it exits, and a lock is seen from any pid namespace that
+# shares /dev/shm. A daemon that saw the lock held when it mapped the region
+# (a creator of this release or later) then knows its creator is gone when
+# it can take the lock itself, where the pid in the name says nothing.
 
 
 def pid_namespace() -> str:
@@ -142,8 +151,31 @@ def _reserve(fd: int, name: str, size: int) -> None:
         ) from None
 
 
+def _lock_free(fd: int) -> bool:
+    """Whether nobody holds a lock on ``fd``'s file: an exclusive lock is
+    taken without waiting and given straight back. False where it cannot
+    be taken, or the kernel says anything else (never let go on a guess)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
 def _file_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
+
+
+def _names(name: str, file_id: tuple[int, int]) -> bool | None:
+    """Whether ``name`` in /dev/shm still names the file ``file_id`` (False:
+    gone, or another file's now); None where it cannot be told."""
+    try:
+        return _file_id(os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)) == file_id
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
 
 
 def _tensor_of(mm: mmap.mmap) -> torch.Tensor:
@@ -166,6 +198,9 @@ class ShmRegion:
     owner: bool
     kind: str = "shm"
     file_id: tuple[int, int] = (0, 0)  # the mapped file's (st_dev, st_ino): whether its name still names it
+    # A descriptor of the file, kept where its creator held its lock when it was
+    # mapped (-1: not held, as by a creator of an earlier release): ``creator_gone``.
+    lock_probe: int = -1
 
     @classmethod
     def create(cls, size: int, name: str | None = None, region_id: str | None = None) -> ShmRegion:
@@ -174,6 +209,7 @@ class ShmRegion:
             raise InvalidArgument("size", size, "must be positive")
         fd = _open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while the mapping's descriptor lives (OWNED_NAME's comment)
             os.ftruncate(fd, size)
             _reserve(fd, name, size)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -207,10 +243,14 @@ class ShmRegion:
             if st.st_size < size:
                 raise InvalidArgument(f"regions[{region_id}].size_bytes", size, f"exceeds the shm file's {st.st_size} bytes")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            held = not _lock_free(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not held:
             os.close(fd)
         prefault(mm, write=False)
-        return cls(region_id, name, size, mm, _tensor_of(mm), owner=False, file_id=_file_id(st))
+        return cls(region_id, name, size, mm, _tensor_of(mm), owner=False, file_id=_file_id(st), lock_probe=fd if held else -1)
 
     def backing_bytes(self) -> int:
         try:
@@ -221,14 +261,22 @@ class ShmRegion:
     def removed(self) -> bool:
         """Its file is gone from /dev/shm (or its name now names another):
         whoever made it let it go, and only mappings keep its pages."""
-        try:
-            return _file_id(os.stat(os.path.join(SHM_DIR, self.name), follow_symlinks=False)) != self.file_id
-        except FileNotFoundError:
-            return True
-        except OSError:  # cannot tell: not removed, so nothing is let go on a guess
-            return False
+        return _names(self.name, self.file_id) is False  # None: cannot tell, so nothing is let go on a guess
+
+    def watch_creator(self) -> CreatorWatch | None:
+        """A watch on its creator that outlives this mapping (None where the lock was not held)."""
+        return CreatorWatch(self.name, self.file_id, os.dup(self.lock_probe)) if self.lock_probe >= 0 else None
+
+    def creator_gone(self) -> bool:
+        """Whether the process that made it has let it go (exited, or closed
+        its mapping): its lock is free. False where it was not held when
+        mapped: then only the creator's pid can tell (``creator_pid``)."""
+        return self.lock_probe >= 0 and _lock_free(self.lock_probe)
 
     def close(self) -> None:
+        probe, self.lock_probe = self.lock_probe, -1
+        if probe >= 0:
+            os.close(probe)
         # The mapping ends with its last view, not here: a view still in use (a
         # copy thread landing into an ended registration) then writes to memory
         # nobody reads, where an unmap under it would kill the daemon (SIGSEGV).
@@ -247,3 +295,21 @@ class ShmRegion:
 
     def unlink(self) -> None:
         unlink_name(self.name)
+
+
+@dataclass(frozen=True)
+class CreatorWatch:
+    """A region's file, watched for its creator letting go of it (its lock
+    free) through a descriptor of the file's own, which the caller closes."""
+
+    name: str
+    file_id: tuple[int, int]
+    fd: int
+
+    def state(self) -> str:
+        """"removed": its name no longer names the file (unlinked, or another's);
+        "let go": its creator's lock is free; else "held"."""
+        named = _names(self.name, self.file_id)
+        if named is False:
+            return "removed"
+        return "let go" if named and _lock_free(self.fd) else "held"  # None: cannot tell, never let go on a guess
