@@ -14,7 +14,9 @@ to tell that a worker died without unregistering (``kvd.regions.shm``).
 
 from __future__ import annotations
 
+import atexit
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,12 +27,12 @@ from kvd.convert import region_to_pb, spec_to_pb
 from kvd.core.requests import Region, ShmSource
 from kvd.errors import InvalidArgument
 from kvd.proto import kvd_pb2 as pb
-from kvd.regions.shm import ShmRegion
+from kvd.regions.shm import PAGE, ShmRegion, unlink_name
 from kvd.spec import FULL_ATTENTION, STATE_PART, GroupKind, KVCacheSpec
 
 # The public API (tests/test_public_api.py pins it).
 __all__ = [
-    "Described", "KVCacheTensors", "ShmRegion", "adopt_into_shm", "allocate_cpu_attention_caches", "allocate_kv_caches",
+    "Described", "KVCacheTensors", "ShmRegion", "adopt_into_shm", "alive_token", "allocate_cpu_attention_caches", "allocate_kv_caches",
     "allocate_state_pages", "cpu_attention_parts", "describe", "layer_index_of", "local_group_tensors", "release_all", "torch_dtype",
 ]
 
@@ -97,6 +99,29 @@ def _region_of(ptr: int) -> ShmRegion | None:
         if base <= ptr < base + region.size:
             return region
     return None
+
+
+_ALIVE: tuple[int, ShmRegion] | None = None  # this process's alive_token, and the pid that made it
+
+
+def alive_token() -> str:
+    """The name of a page of shared memory this process holds locked for as
+    long as it lives (made once a process). ``KvdClient.register`` sends it
+    (``RegisterRequest.alive_shm``): the daemon then tells that the worker
+    exited without unregistering from any pid namespace, whatever its memory
+    (a CUDA IPC region names no file). Removed at a clean exit; after a kill,
+    by the daemon. ``release_all`` leaves it: registrations may outlive it."""
+    global _ALIVE
+    pid = os.getpid()
+    if _ALIVE is None or _ALIVE[0] != pid:  # a forked child makes its own: the lock it inherited is its parent's too
+        _ALIVE = (pid, ShmRegion.create(PAGE))
+        atexit.register(_remove_alive, pid, _ALIVE[1].name)
+    return _ALIVE[1].name
+
+
+def _remove_alive(pid: int, name: str) -> None:
+    if os.getpid() == pid:  # not a forked child's exit
+        unlink_name(name)
 
 
 def release_all() -> None:

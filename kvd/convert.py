@@ -259,7 +259,7 @@ def region_to_pb(r: Region) -> pb.Region:
 
 def registering_from_pb(req: pb.RegisterRequest) -> Registering:
     return Registering(worker_from_pb(req.worker), model_from_pb(req.model), tuple(region_from_pb(r) for r in req.regions),
-                       tuple(group_from_pb(g, i) for i, g in enumerate(req.groups)), req.worker_token)
+                       tuple(group_from_pb(g, i) for i, g in enumerate(req.groups)), req.worker_token, req.alive_shm)
 
 
 def registered_to_pb(r: Registered) -> pb.RegisterResponse:

@@ -26,14 +26,19 @@ from kvd.regions import shm
 from tests.conftest import REPO, make_worker
 
 WORKER = """
-import sys, time
+import fcntl, sys, time
+import kvd.caches
 from kvd.caches import allocate_kv_caches
 from kvd.client import KvdClient
 from kvd.spec import KVCacheSpec, ModelInfo, WorkerId, parse_layout
 spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 64)
+if "unseen" in sys.argv:  # memory that says nothing of its maker, as CUDA IPC memory: no lock (as an earlier release made it)
+    flock, fcntl.flock = fcntl.flock, lambda *args: None
 caches = allocate_kv_caches(spec, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
+if "unseen" in sys.argv:
+    fcntl.flock = flock
 if sys.argv[1] != "-":
-    if sys.argv[2:] == ["wait"]:
+    if "wait" in sys.argv:
         from kvd.caches import _REGIONS
         print(" ".join(r.name for r in _REGIONS.values()), flush=True)
         sys.stdin.readline()  # register when told
@@ -107,6 +112,28 @@ def test_a_killed_worker_in_another_pid_namespace_is_found_gone_by_its_lock(daem
         _until_gone(p, names)
         assert _in_shm(names) == [], "the killed worker's regions are still in /dev/shm"
         assert daemon_status(p.grpc).workers == []
+        assert "the process that made its memory let go of it (it exited) without unregistering" in p.log()
+    finally:
+        proc.kill()
+        for n in names:
+            shm.unlink_name(n)
+
+
+@needs_unshare
+def test_a_killed_worker_whose_memory_names_no_maker_is_found_gone_by_its_alive_token(daemons):
+    """Its regions hold no lock and their pid means nothing here (CUDA IPC
+    memory names no file at all): the page ``KvdClient.register`` sends as
+    its alive token is what tells the daemon."""
+    p = daemons.start("prefill")
+    proc, names = _worker(p.grpc, "unseen", prefix=OTHER_PID_NAMESPACE)
+    try:
+        time.sleep(2.5)  # control: alive, it stays registered past two of the reaper's checks
+        assert _in_shm(names) == names and len(daemon_status(p.grpc).workers) == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _until_gone(p, names)
+        assert daemon_status(p.grpc).workers == [], "the killed worker is still registered"
+        assert _in_shm(names) == [], "the killed worker's regions are still in /dev/shm"
         assert "the process that made its memory let go of it (it exited) without unregistering" in p.log()
     finally:
         proc.kill()

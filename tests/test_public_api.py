@@ -34,7 +34,7 @@ EXPORTS = {
         "physical_order",
     ],
     "kvd.caches": [
-        "Described", "KVCacheTensors", "ShmRegion", "adopt_into_shm", "allocate_cpu_attention_caches", "allocate_kv_caches",
+        "Described", "KVCacheTensors", "ShmRegion", "adopt_into_shm", "alive_token", "allocate_cpu_attention_caches", "allocate_kv_caches",
         "allocate_state_pages", "cpu_attention_parts", "describe", "layer_index_of", "local_group_tensors", "release_all", "torch_dtype",
     ],
 }

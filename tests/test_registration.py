@@ -231,3 +231,43 @@ def test_an_ended_workers_memory_is_unmapped_once_its_pull_is_done(daemons, d_la
     assert len(mine) == 1, mine  # TCP: D maps its own worker's region only
     dw.client.unregister()
     wait_for(lambda: not shm_mapped(d.pid), 10, f"D still maps {mine} 10 s after its worker unregistered")
+
+
+def test_an_alive_token_that_is_missing_or_not_held_is_refused_by_name(daemons, tmp_path):
+    """``RegisterRequest.alive_shm`` must name a file its worker's process holds
+    locked (``kvd.caches.alive_token``): a name of nothing, or of a file nobody
+    holds, would make a live worker look dead (or a dead one live)."""
+    import os
+
+    import grpc
+
+    from kvd.caches import alive_token, describe
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.proto import kvd_pb2_grpc as pbg
+    from kvd.regions import shm
+
+    p = daemons.start("prefill")
+    spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 64)
+    caches = allocate_kv_caches(spec, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
+    desc = describe([(spec, caches)])
+    loose = f"kvd-test-loose-{os.getpid()}"
+    with open(os.path.join(shm.SHM_DIR, loose), "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
+        with grpc.insecure_channel(p.grpc) as ch:
+            stub = pbg.WorkerStub(ch)
+
+            def register(alive: str) -> pb.RegisterResponse:
+                return stub.Register(pb.RegisterRequest(worker=pb.WorkerId(engine_id="prefill", tp_size=1, pp_size=1),
+                                                        model=pb.ModelInfo(num_layers=4, total_num_kv_heads=4), regions=desc.regions,
+                                                        groups=desc.groups, alive_shm=alive), timeout=30)
+
+            for alive, why in [("kvd-no-such-file", "does not exist"), (loose, "is not held locked"), ("../etc/passwd", "must be a bare name")]:
+                with pytest.raises(grpc.RpcError) as e:
+                    register(alive)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                assert "alive_shm" in e.value.details() and alive in e.value.details() and why in e.value.details(), e.value.details()
+            # The daemon serves on, and the worker's own token registers.
+            assert register(alive_token()).registration_generation > 0
+    finally:
+        shm.unlink_name(loose)

@@ -148,13 +148,13 @@ class KvdClient:
             groups = list(kv_caches)
         # Imported here: kvd.caches imports torch, which a worker has loaded
         # already and `kvd status` need not load (2 s).
-        from kvd.caches import describe
+        from kvd.caches import alive_token, describe
 
         described = describe(groups, dims=dims, kinds=kinds)  # type: ignore[arg-type]
         resp = self._call(self._worker.Register, pb.RegisterRequest(
             worker=self._wid, model=pb.ModelInfo(num_layers=model.num_layers, total_num_kv_heads=model.total_num_kv_heads),
             regions=described.regions, groups=described.groups,
-            worker_token=self._first_token,
+            worker_token=self._first_token, alive_shm=alive_token(),
         ))
         self.worker_token = resp.worker_token
         self._first_token = self._first_token or resp.worker_token

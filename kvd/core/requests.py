@@ -156,6 +156,7 @@ class Registering:
     regions: tuple[Region, ...]
     groups: tuple[GroupSpec, ...]
     worker_token: bytes = b""
+    alive_shm: str = ""  # a shared-memory file its process holds locked while it lives ("": none)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class Daemon:
     async def start(self) -> None:
         self.config.data_port = await self.data_server.start()
         remove_orphans()
-        reaper = Reaper(self.registry.regions_by_rank, self.registry.retire,
+        reaper = Reaper(self.registry.live_registrations, self.registry.retire,
                         lambda now: self.registry.end_retired(now, self.publications.holds, GONE_GRACE_SECONDS), self.registry.leftovers)
         self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat.run()),
                             asyncio.create_task(self.finished.reports.run()), asyncio.create_task(reaper.run()),

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from kvd.regions import MappedRegion, shm
+from kvd.daemon.registration import Registration
+from kvd.regions import shm
 
 log = logging.getLogger("kvd.daemon")
 
@@ -55,16 +55,17 @@ def creators(names: list[str], namespace: str) -> set[int]:
     return {pid for n in names if (pid := shm.creator_pid(n, namespace)) is not None}
 
 
-def why_gone(regions: Iterable[MappedRegion], namespace: str) -> str:
-    """Why the worker that registered ``regions`` is gone: their creators'
-    pids (in ``namespace``) have all exited, or every lock their creators
-    held is free; "" while either may still live (or nothing can tell)."""
-    files = [r for r in regions if isinstance(r, shm.ShmRegion)]
+def why_gone(reg: Registration, namespace: str) -> str:
+    """Why the worker of ``reg`` is gone: its regions' creators' pids (in
+    ``namespace``) have all exited, or every lock it held (its regions' seen
+    held when mapped, its alive token's) is free; "" while it may still
+    live, or nothing can tell."""
+    files = [r for r in reg.regions.values() if isinstance(r, shm.ShmRegion)]
     pids = creators([r.name for r in files], namespace)
     if pids and not any(shm.pid_alive(p) for p in pids):
         return f"worker gone: pid {', '.join(map(str, sorted(pids)))} exited without unregistering"
-    locked = [r for r in files if r.lock_probe >= 0]
-    if locked and all(r.creator_gone() for r in locked):
+    locked = [r.creator_gone for r in files if r.lock_probe >= 0] + ([reg.alive.let_go] if reg.alive is not None else [])
+    if locked and all(let_go() for let_go in locked):
         return "worker gone: the process that made its memory let go of it (it exited) without unregistering"
     return ""
 
@@ -83,13 +84,15 @@ class Leftovers:
     def __init__(self) -> None:
         self._watched: dict[tuple[int, int], shm.CreatorWatch] = {}
 
-    def watch(self, regions: Iterable[shm.ShmRegion]) -> None:
-        for r in regions:
-            if r.file_id in self._watched or (w := r.watch_creator()) is None:
+    def watch(self, watches: Iterable[shm.CreatorWatch]) -> None:
+        """Watch these files (the watches are this one's to close)."""
+        for w in watches:
+            if w.file_id in self._watched:
+                w.close()
                 continue
-            self._watched[r.file_id] = w
+            self._watched[w.file_id] = w
             while len(self._watched) > MAX_WATCHED:
-                os.close(self._watched.pop(next(iter(self._watched))).fd)
+                self._watched.pop(next(iter(self._watched))).close()
 
     def sweep(self) -> list[str]:
         """Unlink the watched files whose creator let go of them; the names unlinked."""
@@ -99,7 +102,7 @@ class Leftovers:
             if state == "held":
                 continue
             del self._watched[key]
-            os.close(w.fd)
+            w.close()
             if state == "let go" and shm.unlink_name(w.name):
                 unlinked.append(w.name)
         if unlinked:
@@ -115,10 +118,10 @@ class Reaper:
     """Retires registrations whose worker is gone (``retire(rank, reason,
     now)``), and ends them once released (``release(now)``)."""
 
-    def __init__(self, registered: Callable[[], Mapping[tuple[int, int], Iterable[MappedRegion]]],
+    def __init__(self, registered: Callable[[], Mapping[tuple[int, int], Registration]],
                  retire: Callable[[tuple[int, int], str, float], None], release: Callable[[float], None],
                  leftovers: Leftovers | None = None) -> None:
-        self.registered = registered  # live rank -> its regions
+        self.registered = registered  # live rank -> its registration
         self.retire = retire
         self.release = release
         self.leftovers = leftovers
@@ -127,8 +130,8 @@ class Reaper:
     def check(self, now: float) -> list[tuple[int, int]]:
         """Retire each registration whose worker is gone (``why_gone``); the ranks retired."""
         retired = []
-        for rank, regions in list(self.registered().items()):
-            reason = why_gone(regions, self.namespace)
+        for rank, reg in list(self.registered().items()):
+            reason = why_gone(reg, self.namespace)
             if reason:
                 log.warning("retiring registration of rank tp%d/pp%d: %s; what it published is served for up to %gs",
                             rank[0], rank[1], reason, GONE_GRACE_SECONDS)

@@ -35,6 +35,14 @@ class Registration:
     # what it published is still served for a grace, nothing new is accepted.
     gone: str = ""
     gone_at: float = 0.0
+    # The page its process holds locked while it lives (``RegisterRequest.alive_shm``), or None.
+    alive: shm.CreatorWatch | None = None
+
+    def watches(self) -> list[shm.CreatorWatch]:
+        """New watches (their own descriptors) on every file its worker holds
+        locked: its regions seen locked when mapped, and its alive token."""
+        found = [w for r in self.regions.values() if isinstance(r, shm.ShmRegion) and (w := r.watch_creator()) is not None]
+        return found + ([self.alive.dup()] if self.alive is not None else [])
 
     @property
     def nbytes(self) -> int:
@@ -48,10 +56,13 @@ class Registration:
         self.tensors.clear()
         for r in self.regions.values():
             r.close()
+        if self.alive is not None:
+            self.alive.close()
 
 
 def shm_names(reg: Registration) -> list[str]:
-    return [r.name for r in reg.regions.values() if isinstance(r, shm.ShmRegion)]
+    """Its files in /dev/shm: its shared-memory regions, and its alive token."""
+    return [r.name for r in reg.regions.values() if isinstance(r, shm.ShmRegion)] + ([reg.alive.name] if reg.alive is not None else [])
 
 
 def host_id() -> str:

@@ -94,15 +94,22 @@ class Registry:
         # it, and commits only after its mapping, which runs off the loop.
         async with self._registering:
             worker, model, groups = self._check(req)
-            mapped, handles = await self._mapped(req.regions, caller_uid or None)
+            # The page its process holds locked while it lives: opened, not mapped (a few syscalls).
+            alive = shm.CreatorWatch.open(req.alive_shm, "alive_shm", caller_uid or None) if req.alive_shm else None
             try:
-                tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
-                # Which groups overlay one another's blocks: exact, so up to a few ms a layer, off the loop.
-                sharing = await asyncio.to_thread(sharing_groups, tensors)
+                mapped, handles = await self._mapped(req.regions, caller_uid or None)
+                try:
+                    tensors = [GroupTensors.build(g, {rid: r.tensor for rid, r in mapped.items()}) for g in groups]
+                    # Which groups overlay one another's blocks: exact, so up to a few ms a layer, off the loop.
+                    sharing = await asyncio.to_thread(sharing_groups, tensors)
+                except BaseException:
+                    self._unmap(mapped, handles)
+                    raise
             except BaseException:
-                self._unmap(mapped, handles)
+                if alive is not None:
+                    alive.close()
                 raise
-            return self._commit(req, worker, model, groups, mapped, handles, tensors, sharing)
+            return self._commit(req, worker, model, groups, mapped, handles, tensors, sharing, alive)
 
     async def _mapped(self, regions: Sequence[Region], owner_uid: int | None) -> tuple[dict[str, MappedRegion], list[object]]:
         """``_map`` in a thread. A call cancelled meanwhile (its client's deadline passed, or it
@@ -185,7 +192,7 @@ class Registry:
 
     def _commit(self, req: Registering, worker: WorkerId, model: ModelInfo, groups: list[GroupSpec],
                 mapped: dict[str, MappedRegion], handles: list[object], tensors: list[GroupTensors],
-                sharing: tuple[tuple[int, int], ...]) -> Registered:
+                sharing: tuple[tuple[int, int], ...], alive: shm.CreatorWatch | None = None) -> Registered:
         key = (worker.tp_rank, worker.pp_rank)
         old = self.by_rank.pop(key, None)
         token = token_for(req.worker_token, old)
@@ -196,7 +203,7 @@ class Registry:
             self._release(old, unlink=bool(old.gone))  # a gone worker's regions: nobody else unlinks them
         self._generation += 1
         self.version += 1
-        reg = Registration(worker, model, mapped, groups, tensors, self._generation, req.regions, token, handles, sharing=sharing)
+        reg = Registration(worker, model, mapped, groups, tensors, self._generation, req.regions, token, handles, sharing=sharing, alive=alive)
         self.by_rank[key] = reg
         for hook in self.rank_joined:
             hook(reg)
@@ -228,11 +235,13 @@ class Registry:
         if not unlink:
             # Its creator may still be alive (it unregistered, or registered the rank
             # again in new memory) or may be dying: its files are watched until it lets go.
-            self.leftovers.watch(r for r in reg.regions.values() if isinstance(r, shm.ShmRegion))
+            self.leftovers.watch(reg.watches())
 
         def unmap() -> None:
             reg.tensors.clear()  # views: a region unmaps when its last one goes (regions/shm.py, close)
             self._unmap(reg.regions, reg.nixl_handles)
+            if reg.alive is not None:
+                reg.alive.close()
             if unlink:
                 for name in shm_names(reg):
                     shm.unlink_name(name)
@@ -243,9 +252,9 @@ class Registry:
         """The ranks whose worker is still there (a retired one lingers until its reads end)."""
         return {k for k, reg in self.by_rank.items() if not reg.gone}
 
-    def regions_by_rank(self) -> dict[RankKey, list[MappedRegion]]:
-        """Each live rank's regions: the reaper watches for their creators."""
-        return {k: list(reg.regions.values()) for k, reg in self.by_rank.items() if not reg.gone}
+    def live_registrations(self) -> dict[RankKey, Registration]:
+        """Each live rank's registration: the reaper watches for its worker's end."""
+        return {k: reg for k, reg in self.by_rank.items() if not reg.gone}
 
     def retire(self, rank: RankKey, reason: str, now: float) -> None:
         """The rank's worker exited without unregistering: it accepts nothing

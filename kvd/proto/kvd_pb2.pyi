@@ -131,18 +131,20 @@ class ModelInfo(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker", "model", "regions", "groups", "worker_token")
+    __slots__ = ("worker", "model", "regions", "groups", "worker_token", "alive_shm")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     WORKER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_SHM_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerId
     model: ModelInfo
     regions: _containers.RepeatedCompositeFieldContainer[Region]
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     worker_token: bytes
-    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., worker_token: _Optional[bytes] = ...) -> None: ...
+    alive_shm: str
+    def __init__(self, worker: _Optional[_Union[WorkerId, _Mapping]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., worker_token: _Optional[bytes] = ..., alive_shm: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("registration_generation", "registered_bytes", "daemon_epoch", "worker_token")

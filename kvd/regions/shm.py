@@ -163,6 +163,29 @@ def _lock_free(fd: int) -> bool:
     return True
 
 
+def _open_checked(name: str, field: str, owner_uid: int | None) -> tuple[int, os.stat_result]:
+    """A worker's file, opened read-write: a bare name, a regular file, and
+    with ``owner_uid`` that user's (a worker names only its own memory)."""
+    check_name(name, field)
+    try:
+        fd = _open(name, os.O_RDWR)
+    except FileNotFoundError:
+        raise InvalidArgument(field, name, f"does not exist in {SHM_DIR}") from None
+    except OSError as e:
+        raise InvalidArgument(field, name, f"cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(field, name, "is not a regular shared-memory file")
+        if owner_uid is not None and st.st_uid != owner_uid:  # checked on the descriptor opened: no race with a rename
+            raise PermissionDenied(f"{field}={name!r} belongs to uid {st.st_uid}, not to the registering worker's uid {owner_uid}: "
+                                   "a worker registers only its own memory")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def _file_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
@@ -226,20 +249,8 @@ class ShmRegion:
     @classmethod
     def open(cls, region_id: str, name: str, size: int, owner_uid: int | None = None) -> ShmRegion:
         field = f"regions[{region_id}].shm.name"
-        check_name(name, field)
+        fd, st = _open_checked(name, field, owner_uid)
         try:
-            fd = _open(name, os.O_RDWR)
-        except FileNotFoundError:
-            raise InvalidArgument(field, name, f"does not exist in {SHM_DIR}") from None
-        except OSError as e:
-            raise InvalidArgument(field, name, f"cannot be opened: {e.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidArgument(field, name, "is not a regular shared-memory file")
-            if owner_uid is not None and st.st_uid != owner_uid:  # checked on the descriptor opened: no race with a rename
-                raise PermissionDenied(f"{field}={name!r} belongs to uid {st.st_uid}, not to the registering worker's uid {owner_uid}: "
-                                       "a worker registers only its own memory")
             if st.st_size < size:
                 raise InvalidArgument(f"regions[{region_id}].size_bytes", size, f"exceeds the shm file's {st.st_size} bytes")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -299,12 +310,32 @@ class ShmRegion:
 
 @dataclass(frozen=True)
 class CreatorWatch:
-    """A region's file, watched for its creator letting go of it (its lock
-    free) through a descriptor of the file's own, which the caller closes."""
+    """A file its creator holds locked, watched for the creator letting go
+    of it (its lock free) through a descriptor of the file's own, which the
+    holder closes (``close``)."""
 
     name: str
     file_id: tuple[int, int]
     fd: int
+
+    @classmethod
+    def open(cls, name: str, field: str, owner_uid: int | None = None) -> CreatorWatch:
+        """A worker's file that its process holds locked (an alive token), not mapped."""
+        fd, st = _open_checked(name, field, owner_uid)
+        if _lock_free(fd):
+            os.close(fd)
+            raise InvalidArgument(field, name, "is not held locked by the worker's process (kvd.caches.alive_token makes one)")
+        return cls(name, _file_id(st), fd)
+
+    def let_go(self) -> bool:
+        """Its creator's lock is free (whatever its name names now)."""
+        return _lock_free(self.fd)
+
+    def dup(self) -> CreatorWatch:
+        return CreatorWatch(self.name, self.file_id, os.dup(self.fd))
+
+    def close(self) -> None:
+        os.close(self.fd)
 
     def state(self) -> str:
         """"removed": its name no longer names the file (unlinked, or another's);
