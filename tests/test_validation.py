@@ -97,6 +97,27 @@ def test_an_abort_that_comes_before_the_publish_releases_it_at_once(daemons):
     assert "p-req" not in pw.client.get_finished().finished_sending
 
 
+def test_a_pull_that_needs_none_of_a_publication_is_done_and_lets_it_go(daemons):
+    """Decode already has every token (its first token is the request's end):
+    nothing is planned, nothing read. It was failed as internal (asyncio.wait
+    of no reads); now it is done, and P, which no read will acknowledge, is
+    told to let the blocks go (not held to the lease's end, 60 s)."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(3, [1, 2, 3])
+    params = pw.client.publish("none-needed", [[1, 2, 3]], 48, lease_seconds=60)
+    dw.client.pull("none-needed", params, [[]], first_tokens=[48])
+    done = dw.client.wait_finished(recving={"none-needed"}, timeout=30).details[("recving", "none-needed")]
+    assert (done.outcome, done.bytes) == ("done", 0), done
+    sent = pw.client.wait_finished(sending={"none-needed"}, timeout=10).details[("sending", "none-needed")]
+    assert "needed none of it" in sent.reason, sent
+    # The daemons serve on: the next pull of the same blocks lands them.
+    params = pw.client.publish("then", [[1, 2, 3]], 48)
+    dw.client.pull("then", params, [[4, 5, 6]])
+    assert dw.client.wait_finished(recving={"then"}, timeout=30).details[("recving", "then")].outcome == "done"
+    assert dw.mismatch(3, [4, 5, 6], 48) is None
+
+
 def test_a_rank_nobody_reads_that_publishes_after_the_read_ends_at_once(daemons):
     """Replicated KV: P TP2 over 1 KV head; D TP1 reads only rank 0."""
     p, d = daemons.start("prefill"), daemons.start("decode")
@@ -209,3 +230,67 @@ def test_a_lease_that_is_not_a_duration_is_refused_by_name(daemons):
     dw.client.pull("r", params, [[4]])  # the same pull with P's own lease
     f = dw.client.wait_finished(recving={"r"}, timeout=15)
     assert f.details[("recving", "r")].outcome == "done" and dw.mismatch(5, [4], 16) is None
+
+
+def test_a_worker_token_that_is_not_hex_is_refused_by_name_on_every_call(daemons):
+    """The ``kvd-worker-token`` header carries the token Register answered,
+    hex-encoded. Anything else was a ValueError: INTERNAL on unary calls,
+    UNKNOWN on the finished-set streams, with a traceback in the log."""
+    p = daemons.start("prefill")
+    pw = make_worker(p.grpc, "prefill")
+    worker = pb.WorkerId(engine_id="prefill", tp_size=1, pp_size=1)
+    with grpc.insecure_channel(p.grpc) as ch:
+        stub = pbg.WorkerStub(ch)
+        calls = {
+            "Publish": lambda md: stub.Publish(pb.PublishRequest(worker=worker, request_id="x", block_ids=[pb.BlockIds(ids=[1])], num_tokens=16),
+                                               metadata=md, timeout=10),
+            "GetEngineFinished": lambda md: stub.GetEngineFinished(pb.EngineFinishedRequest(engine_id="prefill"), metadata=md, timeout=10),
+            "WatchFinished": lambda md: next(stub.WatchFinished(pb.GetFinishedRequest(worker=worker), metadata=md, timeout=10)),
+            "WatchEngineFinished": lambda md: next(stub.WatchEngineFinished(pb.EngineFinishedRequest(engine_id="prefill"), metadata=md, timeout=10)),
+        }
+        for name, call in calls.items():
+            for bad in ("zz", "0", "ab" * 31 + "g"):
+                with pytest.raises(grpc.RpcError) as e:
+                    call((("kvd-worker-token", bad),))
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, bad, e.value.code(), e.value.details())
+                assert "kvd-worker-token" in e.value.details() and f"<{len(bad)} characters>" in e.value.details(), e.value.details()
+                assert bad not in e.value.details().split("=", 1)[1], "the token sent is echoed"
+    assert "Traceback" not in p.log()
+    # The daemon serves on, and the worker's own token is accepted.
+    assert pw.client.publish("after", [[1]], 16).generation > 0
+
+
+def test_a_finished_report_is_checked_by_name_and_a_bad_one_changes_nothing(daemons):
+    """Another rank's daemon reports its outcomes to the engine's aggregator
+    (Peer.ReportFinished), which merges them into the engine's finished set,
+    the one vLLM's scheduler frees blocks by. A rank outside the engine, a
+    request id outside the rule, or a direction or outcome nobody sends was
+    merged as it came (the fuzzer saw 'bogus' land in finished_recving)."""
+    p = daemons.start("prefill")
+    w = make_worker(p.grpc, "prefill", tp_rank=0, tp_size=2)
+    assert w.client.set_expected_finished_count(1) == 1  # one rank's report finishes a request: whatever is merged shows
+    stub = pbg.PeerStub(grpc.insecure_channel(p.grpc))
+
+    def report(tp_rank: int = 1, **detail: str) -> pb.ReportFinishedResponse:
+        fields = {"request_id": "ok", "direction": "sending", "outcome": "done", **detail}
+        return stub.ReportFinished(pb.ReportFinishedRequest(engine_id="prefill", worker=pb.WorkerId(engine_id="prefill", tp_rank=tp_rank),
+                                                            details=[pb.FinishedDetail(**fields)]), timeout=10)
+
+    bad = [({"tp_rank": 2}, "worker", "tp2/pp0"), ({"tp_rank": 2**32 - 1}, "worker", f"tp{2**32 - 1}/pp0"),
+           ({"request_id": ""}, "details[0].request_id", "''"), ({"request_id": "x" * 100_000}, "details[0].request_id", "xxxx"),
+           ({"direction": "bogus"}, "details[0].direction", "'bogus'"), ({"outcome": "bogus"}, "details[0].outcome", "'bogus'")]
+    for fields, field, value in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            report(**fields)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (fields, e.value.details())
+        assert field in e.value.details() and value in e.value.details(), e.value.details()
+    time.sleep(0.2)
+    merged = w.client.engine_finished()
+    assert not (merged.finished_sending or merged.finished_recving), merged
+    # Negative control: a good report of rank 1 is merged.
+    report()
+    deadline = time.monotonic() + 5
+    while "ok" not in (merged := w.client.engine_finished()).finished_sending and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert merged.finished_sending == {"ok"} and not merged.finished_recving, merged
+    assert "Traceback" not in p.log()

@@ -13,6 +13,9 @@ import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvd.core.errors import InvalidArgument
+from kvd.core.spec import check_request_id
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -21,6 +24,22 @@ class Outcome:
     outcome: str  # done | failed | expired | aborted
     reason: str = ""
     bytes: int = 0
+
+
+DIRECTIONS = ("sending", "recving")
+OUTCOMES = ("done", "failed", "expired", "aborted")
+
+
+def check_outcomes(field: str, outcomes: Iterable[Outcome]) -> None:
+    """Outcomes another daemon reports, by name: a request id by the one
+    rule, a known direction and outcome (a made-up one would land in a
+    finished set vLLM frees blocks by)."""
+    for i, o in enumerate(outcomes):
+        check_request_id(f"{field}[{i}].request_id", o.request_id)
+        if o.direction not in DIRECTIONS:
+            raise InvalidArgument(f"{field}[{i}].direction", o.direction, f"must be one of {', '.join(DIRECTIONS)}")
+        if o.outcome not in OUTCOMES:
+            raise InvalidArgument(f"{field}[{i}].outcome", o.outcome, f"must be one of {', '.join(OUTCOMES)}")
 
 
 # A box nobody reads must not grow forever: an engine takes its sets per

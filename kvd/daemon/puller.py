@@ -301,6 +301,10 @@ class Puller:
         progress.phase = "data"
         t = time.perf_counter()
         todo = progress.begin(reads, self.striping.for_owner(peer.meta.features), frozenset(peer.local_sources))
+        if not progress.reads:
+            # Decode needs none of it (its first token is past every block): no read will acknowledge
+            # it, so P is told, or it would hold the blocks for nobody until the lease ends.
+            active.gave_up = active.gave_up or f"reader {self.config.engine_id} needed none of it"
         self._replica_future(params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
         self.metrics.bytes_in_flight.inc(planned)
@@ -314,7 +318,8 @@ class Puller:
                                                                  progress.landed[i], sources[i], active.qos))
                      for i in todo}
             try:
-                await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+                if tasks:  # none where the plan leaves nothing to read (asyncio.wait refuses an empty set)
+                    await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
             finally:
                 # One read failed (or we were cancelled): stop the others and wait
                 # until they have, so nothing lands after the failure is reported.

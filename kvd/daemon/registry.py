@@ -79,6 +79,11 @@ class Registry:
     def get(self, rank: RankKey) -> Registration | None:
         return self.by_rank.get(rank)
 
+    def sizes(self) -> tuple[int, int] | None:
+        """(tp_size, pp_size) of the registered engine (None before any worker)."""
+        w = next((r.worker for r in self.by_rank.values()), None)
+        return (w.tp_size, w.pp_size) if w is not None else None
+
     @property
     def world(self) -> int:
         """tp_size x pp_size of the registered engine (1 before any worker)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvd.core.aggregate import Outcome, ReportLedger, WorkerFinished
+from kvd.core.aggregate import Outcome, ReportLedger, WorkerFinished, check_outcomes
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import RankKey
 from kvd.core.requests import FinishedReport
@@ -123,6 +123,12 @@ class AggregatorReports:
             raise InvalidArgument("engine_id", req.engine_id, f"is not this aggregator's engine {engine_id!r}")
         if len(req.sender_epoch) > MAX_SENDER_EPOCH:
             raise InvalidArgument("sender_epoch", req.sender_epoch, f"is longer than {MAX_SENDER_EPOCH} characters")
+        sizes = self._registry.sizes()
+        if sizes is not None and not (req.rank[0] < sizes[0] and req.rank[1] < sizes[1]):
+            raise InvalidArgument("worker", f"tp{req.rank[0]}/pp{req.rank[1]}", f"is not a rank of engine {engine_id!r} (tp_size {sizes[0]}, pp_size {sizes[1]})")
+        if len(req.finished.sending) + len(req.finished.recving) > REPORT_BATCH:
+            raise InvalidArgument("details", f"<{len(req.finished.sending) + len(req.finished.recving)} outcomes>", f"are more than a report holds ({REPORT_BATCH})")
+        check_outcomes("details", req.finished.outcomes())
         if self.ledger.applied(req.sender_epoch, req.seq):
             self._metrics.repeated_reports.inc()
             log.info("report %d from daemon epoch %s applied before: not counted again", req.seq, req.sender_epoch[:8])

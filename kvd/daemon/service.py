@@ -38,7 +38,7 @@ from kvd.convert import (
     worker_to_pb,
 )
 from kvd.core.aggregate import WorkerFinished
-from kvd.core.errors import KvdError, PermissionDenied, ResourceExhausted
+from kvd.core.errors import InvalidArgument, KvdError, PermissionDenied, ResourceExhausted
 from kvd.core.requests import PublishOrder, ShmSource, TransferParams
 from kvd.daemon.caller_uid import tcp_caller_uid
 from kvd.daemon.daemon import Daemon
@@ -117,7 +117,13 @@ def rpc(fn: Callable[..., T]) -> Callable[..., Awaitable[T]]:
 def worker_token(context: grpc.aio.ServicerContext) -> bytes:
     for key, value in context.invocation_metadata() or ():
         if key == WORKER_TOKEN_HEADER:
-            return bytes.fromhex(value) if isinstance(value, str) else bytes(value)
+            if not isinstance(value, str):
+                return bytes(value)
+            try:
+                return bytes.fromhex(value)
+            except ValueError:  # its length only: a token sent wrong may still be a secret
+                raise InvalidArgument(WORKER_TOKEN_HEADER, f"<{len(value)} characters>",
+                                      "is not hex: send the worker_token that Register answered, hex-encoded") from None
     return b""
 
 
