@@ -294,3 +294,34 @@ def test_a_finished_report_is_checked_by_name_and_a_bad_one_changes_nothing(daem
         time.sleep(0.1)
     assert merged.finished_sending == {"ok"} and not merged.finished_recving, merged
     assert "Traceback" not in p.log()
+
+
+def test_ids_a_peer_or_a_worker_names_are_checked_by_the_one_rule(daemons):
+    """Engine ids are 1-128 of [A-Za-z0-9-_.:] wherever they come in (the
+    rule's check let any unicode letter through), a handshake names its
+    daemon's epoch, and an engine expects no more finished reports than it
+    has workers (more, and no request would ever finish)."""
+    from tests.rawpeer import fake_engine, handshake
+
+    p = daemons.start("prefill")
+    w = make_worker(p.grpc, "prefill")
+    cases = {
+        "handshake engine_id": (lambda: handshake(p.grpc, fake_engine("é")), "caller.engine_id", "'é'"),
+        "handshake spaces": (lambda: handshake(p.grpc, fake_engine("a b")), "caller.engine_id", "'a b'"),
+        "handshake epoch": (lambda: handshake(p.grpc, fake_engine("d1", epoch="")), "caller.epoch", "''"),
+        "handshake long epoch": (lambda: handshake(p.grpc, fake_engine("d1", epoch="e" * 65)), "caller.epoch", "eeee"),
+    }
+    for name, (call, field, value) in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.details())
+        assert field in e.value.details() and value in e.value.details(), (name, e.value.details())
+    for reader in ("a b/c", "x" * 129, "é"):
+        with pytest.raises(InvalidArgument, match="reader_engine_id"):
+            w.client.publish("r", [[1]], 16, reader_engine_id=reader)
+    with pytest.raises(InvalidArgument, match=r"expected_finished_count=2 exceeds engine 'prefill''s 1 workers"):
+        w.client.set_expected_finished_count(2)
+    # Negative controls: the same calls within the rules are taken.
+    assert handshake(p.grpc, fake_engine("d1", epoch="e1")).data_token
+    assert w.client.publish("r", [[1]], 16, reader_engine_id="decode-0.pod:1").generation > 0
+    assert w.client.set_expected_finished_count(1) == 1

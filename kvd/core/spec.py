@@ -272,6 +272,7 @@ class ModelInfo:
 
 MAX_REQUEST_ID = 256  # vLLM's ids are tens of characters; this bounds what a daemon holds per request
 MAX_ENGINE_ID = 128
+MAX_EPOCH = 64  # characters of a daemon epoch a peer names (kvd makes 32 hex digits)
 # The widest engines served span tens of GPUs a stage (an NVL72 domain: 72)
 # and a few stages. Pairing and the owner's count of expected readers walk an
 # engine's ranks: unbounded, one worker's or peer's tp_size of 2^31 (valid
@@ -297,7 +298,7 @@ def check_request_id(field: str, value: str) -> str:
 
 def check_engine_id(field: str, value: str) -> str:
     """The one rule for engine ids, on every call that carries one."""
-    if not value or len(value) > MAX_ENGINE_ID or not all(c.isalnum() or c in "-_.:" for c in value):
+    if not value or len(value) > MAX_ENGINE_ID or not all(c.isascii() and (c.isalnum() or c in "-_.:") for c in value):
         raise InvalidArgument(field, value, f"must be 1-{MAX_ENGINE_ID} chars of [A-Za-z0-9-_.:]")
     return value
 

@@ -25,6 +25,7 @@ from kvd.core.leases import RankKey
 from kvd.core.pairing import check_compatible
 from kvd.core.relayout import GroupTensors
 from kvd.core.requests import Introduction, RankMemory, TransferParams
+from kvd.core.spec import MAX_EPOCH, check_engine_id
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.outbound import PeerChannels
@@ -81,8 +82,11 @@ class Handshakes:
     def handshake(self, caller: Introduction) -> Introduction:
         """A peer introduces itself (it wants to read from us)."""
         theirs = caller.meta
-        if not theirs.engine_id or theirs.engine_id == self.config.engine_id:
+        check_engine_id("caller.engine_id", theirs.engine_id)
+        if theirs.engine_id == self.config.engine_id:
             raise InvalidArgument("caller.engine_id", theirs.engine_id, "must name another engine")
+        if not 1 <= len(theirs.epoch) <= MAX_EPOCH:
+            raise InvalidArgument("caller.epoch", theirs.epoch, f"must be 1-{MAX_EPOCH} characters (a daemon's epoch is 32 hex digits)")
         mine = self.registry.engine_meta()
         try:
             check_compatible(mine, theirs)

@@ -41,7 +41,7 @@ from kvd.core.pieces import (
 from kvd.core.reads import DataRead
 from kvd.core.requests import Blocks, LeaseRef, PeerAbort, PublishOrder, Resolution, TransferParams
 from kvd.core.session import Hello
-from kvd.core.spec import WorkerId, check_request_id
+from kvd.core.spec import WorkerId, check_engine_id, check_request_id
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.finished_sets import FinishedSets
 from kvd.daemon.metrics import Metrics
@@ -107,6 +107,8 @@ class Publisher:
         if req.num_tokens <= 0:
             raise InvalidArgument("num_tokens", req.num_tokens, "must be positive")
         check_lease_seconds("lease_seconds", req.lease_seconds)
+        if req.reader_engine_id:  # "": any reader
+            check_engine_id("reader_engine_id", req.reader_engine_id)
 
     def _publish_ranks(self, regs: list[Registration], req: PublishOrder, *, stream: bool) -> TransferParams:
         """``req`` published on the ranks of ``regs`` (one lock hold), what

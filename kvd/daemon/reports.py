@@ -27,6 +27,7 @@ from kvd.core.aggregate import Outcome, ReportLedger, WorkerFinished, check_outc
 from kvd.core.errors import InvalidArgument
 from kvd.core.leases import RankKey
 from kvd.core.requests import FinishedReport
+from kvd.core.spec import MAX_EPOCH
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.outbound import PeerChannels
 from kvd.daemon.registry import Registry
@@ -38,7 +39,7 @@ log = logging.getLogger("kvd.daemon")
 REPORT_BATCH = 4096
 REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED})
 RETRY_SECONDS = 0.5
-MAX_SENDER_EPOCH = 64  # characters; a daemon's epoch is 32 hex digits
+MAX_SENDER_EPOCH = MAX_EPOCH
 
 
 @dataclass(frozen=True)

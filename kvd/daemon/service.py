@@ -287,8 +287,12 @@ class WorkerService(pbg.WorkerServicer):
     @rpc
     def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:
         self.d.registry.check_engine_token(request.engine_id, self._local(context))
+        world = self.d.registry.world
+        if request.expected_finished_count > world:  # more than can ever report: no request would finish
+            raise InvalidArgument("expected_finished_count", request.expected_finished_count,
+                                  f"exceeds engine {request.engine_id!r}'s {world} workers (tp_size x pp_size); 0: all of them")
         return pb.SetExpectedFinishedCountResponse(expected_finished_count=self.d.finished.set_expected(
-            request.expected_finished_count, self.d.registry.world))
+            request.expected_finished_count, world))
 
 
 class PeerService(pbg.PeerServicer):
