@@ -325,3 +325,21 @@ def test_ids_a_peer_or_a_worker_names_are_checked_by_the_one_rule(daemons):
     assert handshake(p.grpc, fake_engine("d1", epoch="e1")).data_token
     assert w.client.publish("r", [[1]], 16, reader_engine_id="decode-0.pod:1").generation > 0
     assert w.client.set_expected_finished_count(1) == 1
+
+
+def test_a_pull_names_its_owner_by_host_and_port_or_is_refused(daemons):
+    """``::1`` dialled port 443, and the rest failed only after the dial's
+    retries, with gRPC's own text; now refused at Pull, by name."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    params = pw.client.publish("r", [[1]], 16)
+    for address in ["127.0.0.1:notaport", ":", "127.0.0.1:99999", "é:1", "::1", "unix:/tmp/nope", "a b:1"]:
+        bad = pb.TransferParams()
+        bad.CopyFrom(params)
+        bad.remote_address = address
+        with pytest.raises(InvalidArgument, match=r"params\.remote_address=") as e:
+            dw.client.pull("r", bad, [[2]])
+        assert address in str(e.value), str(e.value)
+    # Negative control: the owner's own address is taken, and the pull lands.
+    dw.client.pull("r", params, [[2]])
+    assert dw.client.wait_finished(recving={"r"}, timeout=30).details[("recving", "r")].outcome == "done"

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
+from kvd.core.addresses import check_address
 from kvd.core.aggregate import Outcome
 from kvd.core.digest import VerifyMismatch
 from kvd.core.engine_meta import LAYER_STREAM, EngineMeta
@@ -99,8 +100,7 @@ class Puller:
         check_lease_seconds("params.lease_seconds", p.lease_seconds)  # paces the renewals: inf would make none
         if p.remote_engine_id == self.config.engine_id:
             raise InvalidArgument("params.remote_engine_id", p.remote_engine_id, "is this daemon's own engine")
-        if not p.remote_address or ":" not in p.remote_address:
-            raise InvalidArgument("params.remote_address", p.remote_address, "must be host:port")
+        check_address("params.remote_address", p.remote_address)
         if p.num_tokens <= 0:
             raise InvalidArgument("params.num_tokens", p.num_tokens, "must be positive")
         if len(req.local) != len(reg.groups):
