@@ -18,6 +18,7 @@ import atexit
 import math
 import os
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -102,6 +103,7 @@ def _region_of(ptr: int) -> ShmRegion | None:
 
 
 _ALIVE: tuple[int, ShmRegion] | None = None  # this process's alive_token, and the pid that made it
+_ALIVE_LOCK = threading.Lock()  # two first calls at once would make two, and drop (unlock) one handed out
 
 
 def alive_token() -> str:
@@ -112,11 +114,14 @@ def alive_token() -> str:
     (a CUDA IPC region names no file). Removed at a clean exit; after a kill,
     by the daemon. ``release_all`` leaves it: registrations may outlive it."""
     global _ALIVE
-    pid = os.getpid()
-    if _ALIVE is None or _ALIVE[0] != pid:  # a forked child makes its own: the lock it inherited is its parent's too
-        _ALIVE = (pid, ShmRegion.create(PAGE))
-        atexit.register(_remove_alive, pid, _ALIVE[1].name)
-    return _ALIVE[1].name
+    with _ALIVE_LOCK:
+        pid = os.getpid()
+        # A forked child makes its own (the lock it inherited is its parent's too), and so
+        # does a process whose page was removed (its daemon could not open it any more).
+        if _ALIVE is None or _ALIVE[0] != pid or _ALIVE[1].removed():
+            _ALIVE = (pid, ShmRegion.create(PAGE))
+            atexit.register(_remove_alive, pid, _ALIVE[1].name)
+        return _ALIVE[1].name
 
 
 def _remove_alive(pid: int, name: str) -> None:

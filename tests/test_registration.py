@@ -233,11 +233,15 @@ def test_an_ended_workers_memory_is_unmapped_once_its_pull_is_done(daemons, d_la
     wait_for(lambda: not shm_mapped(d.pid), 10, f"D still maps {mine} 10 s after its worker unregistered")
 
 
-def test_an_alive_token_that_is_missing_or_not_held_is_refused_by_name(daemons, tmp_path):
-    """``RegisterRequest.alive_shm`` must name a file its worker's process holds
-    locked (``kvd.caches.alive_token``): a name of nothing, or of a file nobody
-    holds, would make a live worker look dead (or a dead one live)."""
+def test_an_alive_token_is_checked_by_name_and_one_out_of_sight_is_let_be(daemons):
+    """``RegisterRequest.alive_shm`` must name a page kvd made, of the
+    registering worker's user (the uid check regions have, test_security),
+    that its process holds locked (``kvd.caches.alive_token``): one nobody
+    holds would make a live worker look dead (and be removed with it). A token the
+    daemon cannot open at all (it does not share the worker's /dev/shm)
+    leaves the worker registered as before tokens, with a warning."""
     import os
+    import uuid
 
     import grpc
 
@@ -250,7 +254,11 @@ def test_an_alive_token_that_is_missing_or_not_held_is_refused_by_name(daemons, 
     spec = KVCacheSpec(16, 4, 16, "bfloat16", parse_layout("NHD"), 64)
     caches = allocate_kv_caches(spec, [f"model.layers.{i}.self_attn.attn" for i in range(4)])
     desc = describe([(spec, caches)])
-    loose = f"kvd-test-loose-{os.getpid()}"
+
+    def owned() -> str:
+        return f"kvd-{os.getpid()}-n{shm.pid_namespace()}-{uuid.uuid4().hex[:12]}"
+
+    loose, missing = owned(), owned()
     with open(os.path.join(shm.SHM_DIR, loose), "wb") as f:
         f.write(b"\0" * 4096)
     try:
@@ -262,11 +270,15 @@ def test_an_alive_token_that_is_missing_or_not_held_is_refused_by_name(daemons, 
                                                         model=pb.ModelInfo(num_layers=4, total_num_kv_heads=4), regions=desc.regions,
                                                         groups=desc.groups, alive_shm=alive), timeout=30)
 
-            for alive, why in [("kvd-no-such-file", "does not exist"), (loose, "is not held locked"), ("../etc/passwd", "must be a bare name")]:
+            for alive, code, why in [(loose, "INVALID_ARGUMENT", "is not held locked"), ("../etc/passwd", "INVALID_ARGUMENT", "must be a bare name"),
+                                     ("notkvd", "INVALID_ARGUMENT", "must name a page kvd.caches.alive_token made")]:
                 with pytest.raises(grpc.RpcError) as e:
                     register(alive)
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                assert e.value.code().name == code, (alive, e.value.code(), e.value.details())
                 assert "alive_shm" in e.value.details() and alive in e.value.details() and why in e.value.details(), e.value.details()
+            # Out of sight: registered, and said so.
+            assert register(missing).registration_generation > 0
+            assert f"registers without its alive token alive_shm={missing!r}: No such file or directory here" in p.log()
             # The daemon serves on, and the worker's own token registers.
             assert register(alive_token()).registration_generation > 0
     finally:

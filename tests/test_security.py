@@ -216,6 +216,14 @@ except Exception as e:
     print("REFUSED", type(e).__name__, e)
 for r, name in own:
     r.name = name
+mine = caches.alive_token
+caches.alive_token = lambda: sys.argv[2]  # its alive token names the other user's file (the daemon would watch, then remove it)
+try:
+    w.register()
+    print("TOKEN REGISTERED the other user's file")
+except Exception as e:
+    print("TOKEN REFUSED", type(e).__name__, e)
+caches.alive_token = mine
 w.register()
 print("OWN MEMORY REGISTERED")
 # Counted here, while this worker lives: once it exits, the daemon's reaper retires its registration.
@@ -481,6 +489,8 @@ def test_a_worker_registers_only_its_own_shared_memory(daemons, tmp_path):
         refused = next(line for line in r.stdout.splitlines() if line.startswith(("REFUSED", "REGISTERED")))
         assert refused.startswith("REFUSED PermissionDenied"), r.stdout
         assert f"={victim.name!r} belongs to uid 0, not to the registering worker's uid {NOBODY}" in refused, refused
+        token = next(line for line in r.stdout.splitlines() if line.startswith("TOKEN"))
+        assert token.startswith("TOKEN REFUSED PermissionDenied") and f"alive_shm={victim.name!r} belongs to uid 0" in token, token
         assert "OWN MEMORY REGISTERED" in r.stdout, r.stdout  # the same user's own memory: served
         assert "WORKERS 1" in r.stdout, r.stdout  # the refused registration left nothing behind
         assert bool((victim.tensor == 0x5A).all())

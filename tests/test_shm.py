@@ -117,3 +117,56 @@ def test_closes_queued_as_a_process_ends_are_run_before_it_goes(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert out.exists() and out.read_text() == "closed"
+
+
+def test_only_a_creators_shared_lock_makes_a_region_watched():
+    """The registering daemon watches a region for its creator's end only
+    where the creator holds its shared lock. Another prober's exclusive try
+    (a same-host reader, a second daemon: microseconds) on a file nobody
+    holds, as an earlier release's worker made it, must not be taken for a
+    creator's lock: the next check would find it free and retire the live
+    worker. Negative control, any lock taken for the creator's: watched."""
+    import fcntl
+    import uuid
+
+    from kvd.regions import shm
+    from kvd.regions.shm import ShmRegion
+
+    made = ShmRegion.create(1 << 16)  # this release's: held shared while mapped
+    old = f"kvd-test-unlocked-{uuid.uuid4().hex[:8]}"  # an earlier release's: no lock
+    fd = os.open(os.path.join(shm.SHM_DIR, old), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 1 << 16)
+    try:
+        held = ShmRegion.open("a", made.name, 1 << 16, watch=True)
+        assert held.lock_probe >= 0 and not held.creator_gone()
+        held.close()
+        assert ShmRegion.open("a", made.name, 1 << 16).lock_probe == -1  # a reader keeps no probe
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another prober, caught mid-try
+        unheld = ShmRegion.open("b", old, 1 << 16, watch=True)
+        assert unheld.lock_probe == -1, "another prober's exclusive lock was taken for the creator's"
+        unheld.close()
+    finally:
+        os.close(fd)
+        shm.unlink_name(old)
+        made.close()
+
+
+def test_threads_asking_for_the_alive_token_at_once_get_one_held_page():
+    script = """
+import threading
+from kvd import caches
+from kvd.regions import shm
+go = threading.Barrier(8)
+names = []
+def ask():
+    go.wait()
+    names.append(caches.alive_token())
+threads = [threading.Thread(target=ask) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+watch = shm.CreatorWatch.open(names[0], "alive_shm")  # refused unless held
+print(len(set(names)), watch.let_go())
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["1", "False"], r.stdout

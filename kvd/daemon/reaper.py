@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Set
 
 from kvd.daemon.registration import Registration
 from kvd.regions import shm
@@ -56,18 +56,27 @@ def creators(names: list[str], namespace: str) -> set[int]:
 
 
 def why_gone(reg: Registration, namespace: str) -> str:
-    """Why the worker of ``reg`` is gone: its regions' creators' pids (in
-    ``namespace``) have all exited, or every lock it held (its regions' seen
-    held when mapped, its alive token's) is free; "" while it may still
-    live, or nothing can tell."""
+    """Why the worker of ``reg`` is gone; "" while it may still live, or
+    nothing can tell. Its alive token, held by the registering process, is
+    the word on it where it sent one; else its regions tell: their
+    creators' pids (in ``namespace``) have all exited, or every lock seen
+    held when they were mapped is free."""
+    if reg.alive is not None:
+        if not reg.alive.let_go():
+            return ""
+        pid = shm.creator_pid(reg.alive.name, namespace)  # where this namespace can name it
+        return f"worker gone: pid {pid} exited without unregistering" if pid is not None else GONE_BY_LOCK
     files = [r for r in reg.regions.values() if isinstance(r, shm.ShmRegion)]
     pids = creators([r.name for r in files], namespace)
     if pids and not any(shm.pid_alive(p) for p in pids):
         return f"worker gone: pid {', '.join(map(str, sorted(pids)))} exited without unregistering"
-    locked = [r.creator_gone for r in files if r.lock_probe >= 0] + ([reg.alive.let_go] if reg.alive is not None else [])
-    if locked and all(let_go() for let_go in locked):
-        return "worker gone: the process that made its memory let go of it (it exited) without unregistering"
+    locked = [r for r in files if r.lock_probe >= 0]
+    if locked and all(r.creator_gone() for r in locked):
+        return GONE_BY_LOCK
     return ""
+
+
+GONE_BY_LOCK = "worker gone: the process that made its memory let go of it (it exited) without unregistering"
 
 
 MAX_WATCHED = 4096  # files watched at most (a descriptor each); past it the oldest are let go of, never unlinked
@@ -85,8 +94,15 @@ class Leftovers:
         self._watched: dict[tuple[int, int], shm.CreatorWatch] = {}
 
     def watch(self, watches: Iterable[shm.CreatorWatch]) -> None:
-        """Watch these files (the watches are this one's to close)."""
-        for w in watches:
+        """Watch these files (the watches are this one's to close). A watch
+        that cannot be made (no descriptor left) is logged, never raised:
+        the registration's end goes on."""
+        try:
+            made = list(watches)
+        except OSError as e:
+            log.warning("files of an ended registration not watched for their creator's end: %s", e)
+            return
+        for w in made:
             if w.file_id in self._watched:
                 w.close()
                 continue
@@ -94,11 +110,12 @@ class Leftovers:
             while len(self._watched) > MAX_WATCHED:
                 self._watched.pop(next(iter(self._watched))).close()
 
-    def sweep(self) -> list[str]:
-        """Unlink the watched files whose creator let go of them; the names unlinked."""
+    def sweep(self, in_use: Set[tuple[int, int]] = frozenset()) -> list[str]:
+        """Unlink the watched files whose creator let go of them, but those a
+        live registration maps (``in_use``: file ids); the names unlinked."""
         unlinked = []
         for key, w in list(self._watched.items()):
-            state = w.state()
+            state = "held" if key in in_use else w.state()
             if state == "held":
                 continue
             del self._watched[key]
@@ -146,4 +163,5 @@ class Reaper:
             self.check(now)
             self.release(now)
             if self.leftovers is not None:
-                self.leftovers.sweep()
+                self.leftovers.sweep({r.file_id for reg in self.registered().values() for r in reg.regions.values()
+                                      if isinstance(r, shm.ShmRegion)})

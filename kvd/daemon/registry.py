@@ -99,8 +99,7 @@ class Registry:
         # it, and commits only after its mapping, which runs off the loop.
         async with self._registering:
             worker, model, groups = self._check(req)
-            # The page its process holds locked while it lives: opened, not mapped (a few syscalls).
-            alive = shm.CreatorWatch.open(req.alive_shm, "alive_shm", caller_uid or None) if req.alive_shm else None
+            alive = self._watch_alive(req, worker, caller_uid)
             try:
                 mapped, handles = await self._mapped(req.regions, caller_uid or None)
                 try:
@@ -115,6 +114,21 @@ class Registry:
                     alive.close()
                 raise
             return self._commit(req, worker, model, groups, mapped, handles, tensors, sharing, alive)
+
+    @staticmethod
+    def _watch_alive(req: Registering, worker: WorkerId, caller_uid: int | None) -> shm.CreatorWatch | None:
+        """The page the worker's process holds locked while it lives (opened, not
+        mapped: a few syscalls). One this daemon cannot open at all (it does not
+        share the worker's /dev/shm, or may not read it) leaves the worker
+        registered as before the token, watched by its memory alone."""
+        if not req.alive_shm:
+            return None
+        try:
+            return shm.CreatorWatch.open(req.alive_shm, "alive_shm", caller_uid or None)
+        except OSError as e:
+            log.warning("worker=%s registers without its alive token alive_shm=%r: %s here; a kill is seen only where its memory "
+                        "tells (does this daemon share the worker's /dev/shm?)", worker, req.alive_shm, e.strerror)
+            return None
 
     async def _mapped(self, regions: Sequence[Region], owner_uid: int | None) -> tuple[dict[str, MappedRegion], list[object]]:
         """``_map`` in a thread. A call cancelled meanwhile (its client's deadline passed, or it
@@ -137,7 +151,7 @@ class Registry:
         """In a thread: map a worker's regions and register their host memory
         with NIXL, which reads and writes only registered memory (pinning it
         for RDMA takes long too); on any failure, nothing stays either."""
-        mapped = map_regions(regions, owner_uid)
+        mapped = map_regions(regions, owner_uid, watch=True)
         handles: list[object] = []
         try:
             if self._nixl is not None:

@@ -142,8 +142,8 @@ class WorkerService(pbg.WorkerServicer):
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         self._local(context)
         registering = registering_from_pb(request)
-        caller = None  # CUDA IPC handles name no file of another user's
-        if any(isinstance(r.source, ShmSource) for r in registering.regions):
+        caller = None  # CUDA IPC handles name no file of another user's; an alive token does
+        if registering.alive_shm or any(isinstance(r.source, ShmSource) for r in registering.regions):
             # The kernel walks every socket in the namespace for the dump: off the loop.
             caller = await asyncio.to_thread(tcp_caller_uid, context.peer(), self.d.config.grpc_port)
         return registered_to_pb(await self.d.registry.register(registering, caller))

@@ -38,9 +38,10 @@ class MappedRegion(Protocol):
 REGION_ID_MAX = 128
 
 
-def map_region(region: Region, owner_uid: int | None = None) -> MappedRegion:
+def map_region(region: Region, owner_uid: int | None = None, *, watch: bool = False) -> MappedRegion:
     """Map a worker's region descriptor, checking it is reachable and big enough
-    (and, with ``owner_uid``, that a shared-memory file belongs to that user)."""
+    (and, with ``owner_uid``, that a shared-memory file belongs to that user);
+    ``watch``: its registration's daemon, which watches for its creator's end."""
     rid = region.region_id
     if not rid or len(rid) > REGION_ID_MAX or not all(c.isalnum() or c in "-_." for c in rid):
         raise InvalidArgument("region.region_id", rid, f"must be 1-{REGION_ID_MAX} chars of [A-Za-z0-9-_.]")
@@ -50,7 +51,7 @@ def map_region(region: Region, owner_uid: int | None = None) -> MappedRegion:
     if isinstance(source, ShmSource):
         from kvd.regions import shm
 
-        return shm.ShmRegion.open(rid, source.name, region.size_bytes, owner_uid)
+        return shm.ShmRegion.open(rid, source.name, region.size_bytes, owner_uid, watch=watch)
     if isinstance(source, CudaIpcSource):
         from kvd.regions import cuda_ipc
 
@@ -58,7 +59,7 @@ def map_region(region: Region, owner_uid: int | None = None) -> MappedRegion:
     raise InvalidArgument(f"regions[{rid}].source", None, "must be shm or cuda_ipc")
 
 
-def map_regions(regions: Iterable[Region], owner_uid: int | None = None) -> dict[str, MappedRegion]:
+def map_regions(regions: Iterable[Region], owner_uid: int | None = None, *, watch: bool = False) -> dict[str, MappedRegion]:
     """Map every region, by id; on any failure none stays mapped. With
     ``owner_uid`` (the registering worker's), each shared-memory file must
     belong to that user: a worker registers only its own memory.
@@ -71,7 +72,7 @@ def map_regions(regions: Iterable[Region], owner_uid: int | None = None) -> dict
         for region in regions:
             if region.region_id in mapped:
                 raise InvalidArgument("regions.region_id", region.region_id, "is listed twice")
-            mapped[region.region_id] = map_region(region, owner_uid)
+            mapped[region.region_id] = map_region(region, owner_uid, watch=watch)
     except BaseException:
         for r in mapped.values():
             r.close()

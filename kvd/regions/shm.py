@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import stat
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -163,16 +164,39 @@ def _lock_free(fd: int) -> bool:
     return True
 
 
-def _open_checked(name: str, field: str, owner_uid: int | None) -> tuple[int, os.stat_result]:
-    """A worker's file, opened read-write: a bare name, a regular file, and
-    with ``owner_uid`` that user's (a worker names only its own memory)."""
+def _held_shared(fd: int, tries: int = 5) -> bool:
+    """Whether ``fd``'s file is held by a shared lock (its creator's): an
+    exclusive try fails and a shared one is granted (given straight back).
+    Both failing is another prober's exclusive try, for microseconds: asked
+    again a few times, then False (nothing is watched on a guess)."""
+    for i in range(tries):
+        if _lock_free(fd):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            time.sleep(0.001 * (i + 1))
+            continue
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    return False
+
+
+def _open_checked(name: str, field: str, owner_uid: int | None, flags: int = os.O_RDWR) -> tuple[int, os.stat_result]:
+    """A worker's file, opened (read-write by default): a bare name, a regular
+    file, and with ``owner_uid`` that user's (a worker names only its own memory)."""
     check_name(name, field)
     try:
-        fd = _open(name, os.O_RDWR)
+        fd = _open(name, flags)
     except FileNotFoundError:
         raise InvalidArgument(field, name, f"does not exist in {SHM_DIR}") from None
     except OSError as e:
         raise InvalidArgument(field, name, f"cannot be opened: {e.strerror}") from None
+    return fd, _checked(fd, name, field, owner_uid)
+
+
+def _checked(fd: int, name: str, field: str, owner_uid: int | None) -> os.stat_result:
+    """``fd``'s file as ``_open_checked`` wants it (``fd`` closed if not)."""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -183,7 +207,7 @@ def _open_checked(name: str, field: str, owner_uid: int | None) -> tuple[int, os
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return st
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int]:
@@ -247,21 +271,28 @@ class ShmRegion:
         return cls(region_id or name, name, size, mm, _tensor_of(mm), owner=True, file_id=file_id)
 
     @classmethod
-    def open(cls, region_id: str, name: str, size: int, owner_uid: int | None = None) -> ShmRegion:
+    def open(cls, region_id: str, name: str, size: int, owner_uid: int | None = None, *, watch: bool = False) -> ShmRegion:
+        """Map a worker's region; with ``watch`` (its registration's daemon),
+        keep a descriptor to tell when its creator lets go of it, where its
+        creator holds it locked (``creator_gone``)."""
         field = f"regions[{region_id}].shm.name"
         fd, st = _open_checked(name, field, owner_uid)
+        probe = -1
         try:
             if st.st_size < size:
                 raise InvalidArgument(f"regions[{region_id}].size_bytes", size, f"exceeds the shm file's {st.st_size} bytes")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            held = not _lock_free(fd)
+            if watch and _held_shared(fd):
+                probe, fd = fd, -1
+            prefault(mm, write=False)
+            return cls(region_id, name, size, mm, _tensor_of(mm), owner=False, file_id=_file_id(st), lock_probe=probe)
         except BaseException:
-            os.close(fd)
+            if probe >= 0:
+                os.close(probe)
             raise
-        if not held:
-            os.close(fd)
-        prefault(mm, write=False)
-        return cls(region_id, name, size, mm, _tensor_of(mm), owner=False, file_id=_file_id(st), lock_probe=fd if held else -1)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def backing_bytes(self) -> int:
         try:
@@ -320,9 +351,16 @@ class CreatorWatch:
 
     @classmethod
     def open(cls, name: str, field: str, owner_uid: int | None = None) -> CreatorWatch:
-        """A worker's file that its process holds locked (an alive token), not mapped."""
-        fd, st = _open_checked(name, field, owner_uid)
-        if _lock_free(fd):
+        """A worker's file that its process holds locked (an alive token),
+        opened read-only, not mapped: one kvd made (``OWNED_NAME``), of the
+        caller's user, held by a shared lock. OSError where it cannot be
+        opened here at all."""
+        check_name(name, field)
+        if not OWNED_NAME.match(name):
+            raise InvalidArgument(field, name, "must name a page kvd.caches.alive_token made (kvd-<pid>-n<pid namespace>-<12 hex digits>)")
+        fd = _open(name, os.O_RDONLY)  # OSError: not to be seen from here (another /dev/shm, another user's 0600 file)
+        st = _checked(fd, name, field, owner_uid)
+        if not _held_shared(fd):
             os.close(fd)
             raise InvalidArgument(field, name, "is not held locked by the worker's process (kvd.caches.alive_token makes one)")
         return cls(name, _file_id(st), fd)
