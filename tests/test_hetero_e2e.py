@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +85,29 @@ def test_impossible_pairings_are_refused_before_any_transfer(daemons, p_kwargs, 
              f"P did not say it released the request within {LEASE_SECONDS / 12:.0f} s of D's failed load")
     assert pw.client.wait_finished(sending={"r"}, timeout=5).finished_sending == {"r"}
     assert scrape(p.metrics_url, "kvd_reader_releases_total") == 1
+
+
+def test_replicas_that_pull_first_do_not_keep_their_source_from_a_slot(daemons):
+    """D at TP2 over one KV head: rank 1 holds rank 0's head and copies it
+    from rank 0 once rank 0's pull lands. A replica took a pull slot and
+    then waited in it for its source: with every slot so taken (one here,
+    64 by default, by a burst of replicas whose Pulls came first) the
+    sources queued behind them, nothing moved until the replicas timed out
+    (failed, vLLM recomputes), and only then did the sources run. Negative
+    control, the slot taken first: the replica failed at the timeout."""
+    p = daemons.start("prefill")
+    d = daemons.start("decode", "--max-concurrent-pulls", "1", "--pull-timeout-seconds", "10")
+    pw = make_worker(p.grpc, "prefill", heads=1)
+    d0 = make_worker(d.grpc, "decode", tp_rank=0, tp_size=2, heads=1)
+    d1 = make_worker(d.grpc, "decode", tp_rank=1, tp_size=2, heads=1)
+    pw.fill(4, [1, 2])
+    params = pw.client.publish("r", [[1, 2]], 32)
+    t0 = time.monotonic()
+    d1.client.pull("r", params, [[5, 6]])  # the replica's Pull first
+    time.sleep(0.5)
+    d0.client.pull("r", params, [[7, 8]])
+    for w, ids in ((d0, [7, 8]), (d1, [5, 6])):
+        f = w.client.wait_finished(recving={"r"}, timeout=30)
+        assert f.details[("recving", "r")].outcome == "done", f.details[("recving", "r")]
+        assert w.mismatch(4, ids, 32) is None
+    assert time.monotonic() - t0 < 8, "the pulls waited for a timeout"

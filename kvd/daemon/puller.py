@@ -158,7 +158,15 @@ class Puller:
         self.metrics.pulls_in_flight.inc()
         phase = self.metrics.pull_phase_seconds
         try:
-            if self._slots.locked() and not active.params.generation and self._replica_source(rank) is None:
+            source = self._replica_source(rank)
+            if source is not None:
+                # A replica waits for its source rank's pull before it takes a slot: holding one, a burst
+                # of replicas could fill them all while their sources queue behind them, and nothing moves
+                # until they time out. Its wait counts against its timeout; the copy follows at once.
+                progress.phase = "copy"
+                async with asyncio.timeout(self.config.pull_timeout_seconds):
+                    await asyncio.wait({self._replica_future(active.params, (source, rank[1]))})
+            elif self._slots.locked() and not active.params.generation:
                 active.resolving = asyncio.create_task(self.resolver.while_queued(active))
             async with self._slots:
                 t0 = time.perf_counter()
