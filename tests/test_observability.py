@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from kvd.daemon.metrics import PULL_PHASES as PHASES
 from kvd.daemon.watchdog import LoopWatchdog
 from kvd.testing.daemons import DaemonDidNotStart, parent_death_term, run_delay
+from kvd.testing.metrics import samples
 from tests.conftest import make_worker, scheduler_params, scrape, transfer
 
 
@@ -193,3 +194,17 @@ def test_a_daemon_starved_of_cpu_is_waited_for(daemons):
         for h in hogs:
             h.kill()
             h.wait()
+
+
+def test_a_daemon_runs_each_background_loop_under_a_counted_restart(daemons):
+    """Every background loop is started by ``keep_running`` (its failures
+    counted by name from 0, ``test_background``), and a daemon that moved a
+    request has none."""
+    p, d = daemons.start("prefill"), daemons.start("decode")
+    pw, dw = make_worker(p.grpc, "prefill"), make_worker(d.grpc, "decode")
+    pw.fill(2, [1])
+    dw.client.pull("r", pw.client.publish("r", [[1]], 16), [[1]])
+    dw.client.wait_finished(recving={"r"})
+    for side in (p, d):
+        counts = {s.labels["loop"]: s.value for s in samples(side.metrics_url) if s.name == "kvd_background_errors_total"}
+        assert counts == dict.fromkeys(("lease_expiry", "heartbeat", "reports", "reaper", "idle_peers"), 0.0), counts

@@ -63,7 +63,7 @@ def test_planning_64_layers_2000_blocks_is_fast():
     assert elapsed < 0.5  # generous: it is numpy over 2000 ids (a few ms)
 
 
-def _one_rank_read():
+def _one_rank_read(segment_bytes: int = 1 << 20):
     """A read of one remote rank: 200 scattered blocks, about 52 MiB in 1 MiB segments."""
     import random
 
@@ -80,8 +80,41 @@ def _one_rank_read():
     params = Offer(request_id="r", generation=1, capability=b"", block_ids=(tuple(p_ids),), num_tokens=200 * 16)
     rank = d.ranks[(0, 0)]
     (rr,) = plan_pull(local_meta=d.meta, local_tp_rank=0, local_pp_rank=0, local_groups=[rank.tensors], local_group_specs=[rank.group],
-                      remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=1 << 20)
+                      remote=p.meta, params=params, local_block_ids=[d_ids], segment_bytes=segment_bytes)
     return rr
+
+
+def test_a_retry_whose_plan_cuts_a_rank_otherwise_reads_it_again():
+    """A retry reads only what did not land, by each read's key (rank, heads,
+    stripe). A retry's plan may cut the rank otherwise (its segment size
+    depends on whether the peer is mapped here): the same key then covers
+    other blocks, so it is done only where its segments are the same. The
+    control (helper-39's finding): by the key alone, stripe 0 of the new cut
+    was taken as landed, and blocks attempt 1 never landed were reported as
+    landed. A rank that landed whole stays whole however it is cut."""
+    from kvd.core.pull import PullProgress, Striping
+
+    first, other_cut = _one_rank_read(1 << 20), _one_rank_read(768 << 10)
+    striping = Striping(2, 1)
+    progress = PullProgress()
+    assert progress.begin([first], striping) == [0, 1]
+    progress.landed[0] = [True] * len(progress.reads[0].sinks)  # attempt 1: stripe 0 landed, stripe 1 failed
+    assert progress.settle([0, 1]) == [0]
+    assert progress.begin([first], striping) == [1]  # the same plan: only stripe 1 again
+    assert progress.moved == progress.reads[0].nbytes
+    todo = progress.begin([other_cut], striping)
+    every = sorted(int(b) for s in other_cut.sinks for b in s.local_block_ids)
+    assert todo == [0, 1] and progress.moved == 0
+    assert progress.invalid_blocks(every) == sorted(set(every))  # were it to fail now: every block, none taken as landed
+    # A rank whose every read landed is whole under any cut (the owner ended
+    # it on the last ACK and would refuse it again): one stripe, then both.
+    for stripes in (1, 2):
+        progress = PullProgress()
+        todo = progress.begin([first], Striping(stripes, 1))
+        for i in todo:
+            progress.landed[i] = [True] * len(progress.reads[i].sinks)
+        assert progress.settle(todo) == todo
+        assert progress.begin([other_cut], Striping(stripes, 1)) == [] and progress.invalid_blocks(every) == []
 
 
 def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():

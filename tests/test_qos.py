@@ -83,6 +83,55 @@ def test_an_interactive_pull_does_not_wait_behind_bulk_pulls(daemons):
     assert share["on"] < 0.3 <= share["off"], (share, on, off)
 
 
+def test_streaming_reads_that_wait_for_prefill_hold_no_place_on_the_wire(daemons):
+    """--qos on, layer-wise streaming: two reads (as many as the wire's
+    places, qos_slots) have sent their first layer and wait for prefill to
+    save the next. They hold no place on the wire meanwhile, so a bulk pull
+    takes about as long as with nothing else on it. The control, before the
+    fix: each asked for the wire again as its layer ended, was granted, and
+    held the place while it waited, so every chunk of the bulk pull waited
+    out the 0.25 s bound (64 MiB in 8.5 s against 0.48 s alone). No chunk of
+    it waits out the bound either (with only the bound's own remedy, places
+    held past it stop counting, one chunk would)."""
+    p = daemons.start("prefill", "--qos", "on")
+    d = daemons.start("decode", "--qos", "on")
+    pw = make_worker(p.grpc, "prefill", num_blocks=24, **BIG)
+    dw = make_worker(d.grpc, "decode", num_blocks=40, **BIG)
+    bulk, streams = list(range(1, 17)), {"s1": ([17, 18], [33, 34]), "s2": ([19, 20], [35, 36])}  # rid: (P's ids, D's)
+    pw.fill(5, bulk)
+    for p_ids, _ in streams.values():
+        pw.fill(6, p_ids)  # each its own request: tokens from 0
+
+    def bulk_pull(rid: str, d_ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        dw.client.pull(rid, pw.client.publish(rid, [bulk], len(bulk) * 256), [d_ids])
+        assert dw.client.wait_finished(recving={rid}).details[("recving", rid)].outcome == "done"
+        assert dw.mismatch(5, d_ids, len(bulk) * 256) is None
+        return time.perf_counter() - t0
+
+    alone = bulk_pull("alone", list(range(1, 17)))
+    sent = scrape(p.metrics_url, "kvd_sent_bytes_total")
+    for rid, (p_ids, d_ids) in streams.items():
+        dw.client.pull(rid, pw.client.publish(rid, [p_ids], 512, stream=True), [d_ids])
+    pw.client.layers_saved(list(streams), 1, wait=True)
+    t0 = time.monotonic()
+    while scrape(p.metrics_url, "kvd_sent_bytes_total") < sent + 4 * (1 << 20):  # layer 0 of both: 2 blocks x 1 MiB each
+        assert time.monotonic() - t0 < 30, "the streams' first layer did not leave"
+        time.sleep(0.01)
+    waits = {le: scrape(p.metrics_url, "kvd_qos_wait_seconds_bucket", le=le) for le in ("0.25", "+Inf")}
+    loaded = bulk_pull("loaded", list(range(17, 33)))
+    past_bound = scrape(p.metrics_url, "kvd_qos_wait_seconds_bucket", le="+Inf") - waits["+Inf"] - (
+        scrape(p.metrics_url, "kvd_qos_wait_seconds_bucket", le="0.25") - waits["0.25"])
+    print(f"\n64 MiB bulk pull alone: {alone:.2f}s; beside two streaming reads waiting for prefill: {loaded:.2f}s")
+    assert dw.client.get_finished().finished_recving == set()  # the streams still wait
+    pw.client.layers_saved(list(streams), 4, wait=True)
+    dw.client.wait_finished(recving=set(streams))
+    for _, d_ids in streams.values():
+        assert dw.mismatch(6, d_ids, 512) is None
+    assert loaded < 3 * alone + 1.0, (alone, loaded)
+    assert past_bound == 0, f"{past_bound:.0f} of the bulk pull's chunks waited out the 0.25 s bound"
+
+
 def test_tenants_shares_and_queues_are_counted_and_shown(daemons):
     """Both daemons know the tenants; P grants its sends by them, and
     ``kvd status`` shows the wire's queues per class and tenant."""

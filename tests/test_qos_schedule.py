@@ -120,3 +120,74 @@ def test_a_chunk_whose_place_is_held_by_a_stuck_move_goes_after_the_bound():
             pass
     stuck.close()
     assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]
+
+
+def test_a_place_held_past_the_bound_stops_counting():
+    """A grant that holds its place past the bound (a send stuck on a
+    reader that stopped reading) gives it up: the chunk that waited it out
+    moves, and those after it move at once, not one per bound (the control:
+    without ``overdue``, ten chunks took ten bounds). Its ``done`` still
+    counts once."""
+    s = WireSchedule({"": 1.0}, slots=1)
+    assert s.ask("stuck", QosTag(), MIB) == ["stuck"]
+    assert s.ask("next", QosTag(), MIB) == []
+    assert s.overdue(["stuck"]) == ["next"]
+    assert [(q.waiting, q.moving) for q in s.queues()] == [(0, 2)]  # both on the wire: the stuck one still counts as its tenant's
+    assert s.done("stuck") == [] and s.done("next") == []
+    assert [(q.waiting, q.moving) for q in s.queues()] == [(0, 0)]
+    # A tenant whose only chunk is overdue is not taken for back from idle:
+    # its credit stands (helper-41's finding: it jumped to the busy tenant's).
+    s = WireSchedule(parse_shares("gold=3,bronze=1"), slots=1)
+    gold, bronze = QosTag(tenant="gold"), QosTag(tenant="bronze")
+    assert s.ask("g1", gold, MIB) == ["g1"]
+    for i in range(7):
+        s.ask(f"b{i}", bronze, MIB)
+    assert s.overdue(["g1"]) == ["b0"]
+    for i in range(5):
+        s.done(f"b{i}")
+    assert s.ask("g2", gold, MIB) == []  # b5 holds the place, b6 waits
+    assert s.done("b5") == ["g2"]  # gold, owed its share, goes before bronze's next (reset, it tied and lost by name)
+
+    import time
+
+    from kvd.transport.wire_gate import WireGate
+
+    gate = WireGate(WireSchedule({"": 1.0}, slots=1), 1 << 20, max_wait_s=0.2)
+    stuck = gate.for_read(QosTag())
+    with stuck(MIB):  # holds the only place and never moves on, until the end of this block
+        other = gate.for_read(QosTag())
+        t0 = time.perf_counter()
+        for _ in range(10):
+            with other(MIB):
+                pass
+        took = time.perf_counter() - t0
+        other.close()
+        assert 0.2 <= took < 0.5, took
+    stuck.close()
+    assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]
+
+
+def test_a_read_that_will_wait_for_prefill_leaves_its_place():
+    """``then`` false as the chunk ends (its next chunk does not follow at
+    once): the read keeps no place while it waits, so another read of the
+    same class moves at once. The control: asking again at once (``then``
+    true) holds the place through the wait, and the other read waits out the
+    bound."""
+    import time
+
+    from kvd.transport.framing import always, never
+    from kvd.transport.wire_gate import WireGate
+
+    for then, bound in ((never, False), (always, True)):
+        gate = WireGate(WireSchedule({"": 1.0}, slots=1), 1 << 20, max_wait_s=0.2)
+        streaming, other = gate.for_read(QosTag()), gate.for_read(QosTag())
+        with streaming(MIB, then=then):
+            pass
+        t0 = time.perf_counter()  # the streaming read now waits for prefill
+        with other(MIB, then=never):
+            pass
+        waited = time.perf_counter() - t0
+        assert (waited >= 0.2) == bound, (then, waited)
+        streaming.close()
+        other.close()
+        assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kvd.core.engine_meta import PER_READER_ACKS
-from kvd.core.reads import MAX_STRIPES
+from kvd.core.reads import MAX_STRIPES, DataSegment
 from kvd.core.transfer import RankRead, stripe
 
 ReadKey = tuple[int, int, int, int, int]
@@ -59,7 +59,13 @@ class PullProgress:
 
     reads: list[RankRead] = field(default_factory=list)  # the current attempt's plan
     landed: list[list[bool]] = field(default_factory=list)  # per read, per segment
-    done: dict[ReadKey, int] = field(default_factory=dict)  # reads that landed whole, with their bytes
+    # Reads that landed whole: their bytes, and the segments they were (a retry's
+    # plan can cut a rank otherwise, when the peer became mapped here or stopped
+    # being: the same key then covers other blocks, and is read again).
+    done: dict[ReadKey, tuple[int, tuple[DataSegment, ...]]] = field(default_factory=dict)
+    # (remote rank, head slice) whose every read landed: whole under any cut
+    # (the owner may have ended it, and would refuse a read of it again).
+    whole: set[tuple[int, int, int]] = field(default_factory=set)
     # Where the pull is (queued, resolve, handshake, plan, data, copy, verify): a pull
     # that fails says where it stopped, and how much had landed.
     phase: str = "queued"
@@ -69,8 +75,16 @@ class PullProgress:
         Until an attempt plans, what the last one landed stands (a retry that
         fails before planning still reports exactly what did not land)."""
         self.reads = [part for rr in reads for part in (stripe(rr, striping.of(rr)) if rr.read.rank not in local_ranks else [rr])]
-        self.landed = [[rr.read.key in self.done] * len(rr.sinks) for rr in self.reads]
-        return [i for i, rr in enumerate(self.reads) if rr.read.key not in self.done]
+        done = [self._done(rr) for rr in self.reads]
+        self.landed = [[d] * len(rr.sinks) for d, rr in zip(done, self.reads, strict=True)]
+        return [i for i, d in enumerate(done) if not d]
+
+    def _done(self, rr: RankRead) -> bool:
+        key = rr.read.key
+        if key[:3] in self.whole:
+            return True
+        landed = self.done.get(key)
+        return landed is not None and landed[1] == rr.read.segments
 
     def bytes_planned(self, todo: Sequence[int]) -> int:
         return sum(self.reads[i].nbytes for i in todo)
@@ -80,15 +94,20 @@ class PullProgress:
         remembered. A read counts once every segment landed, even if its task
         was cancelled after its ACK (were the ACK lost, the owner's lease ends
         the rank instead)."""
-        newly = [i for i in ran if all(self.landed[i]) and self.reads[i].read.key not in self.done]
+        newly = [i for i in ran if all(self.landed[i]) and not self._done(self.reads[i])]
         for i in newly:
-            self.done[self.reads[i].read.key] = self.reads[i].nbytes
+            self.done[self.reads[i].read.key] = (self.reads[i].nbytes, self.reads[i].read.segments)
+        if newly:
+            parts: dict[tuple[int, int, int], bool] = {}
+            for rr in self.reads:
+                parts[rr.read.key[:3]] = parts.get(rr.read.key[:3], True) and self._done(rr)
+            self.whole |= {part for part, done in parts.items() if done}
         return newly
 
     @property
     def moved(self) -> int:
         """Bytes of the current plan that landed, in any attempt."""
-        return sum(self.done.get(rr.read.key, 0) for rr in self.reads)
+        return sum(rr.nbytes for rr in self.reads if self._done(rr))
 
     def landed_bytes(self) -> tuple[int, int]:
         """(Bytes landed, bytes planned) of the current plan, segment by segment."""

@@ -92,7 +92,7 @@ class _Tenant:
     share: float
     start: float = 0.0  # virtual time of its next grant: bytes had / share
     waiting: list[tuple[float, int, Hashable]] = field(default_factory=list)  # (deadline, order asked, key), a heap
-    moving: int = 0  # its chunks granted and not yet done
+    moving: int = 0  # its chunks granted and not yet done (overdue ones too)
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,12 @@ class WireSchedule:
         self._lanes: dict[str, dict[str, _Tenant]] = {c: {} for c in CLASSES}
         self._moving: dict[Hashable, tuple[QosTag, int]] = {}
         self._asked: dict[Hashable, tuple[QosTag, int]] = {}
+        self._overdue: dict[Hashable, tuple[QosTag, int]] = {}  # moving, but no longer holding a place (``overdue``)
         self._passed = dict.fromkeys(CLASSES, 0)  # grants made while this class waited
         self._order = itertools.count()
 
     def ask(self, key: Hashable, tag: QosTag, nbytes: int) -> list[Hashable]:
-        if key in self._asked or key in self._moving:
+        if key in self._asked or key in self._moving or key in self._overdue:
             raise InvalidArgument("chunk", repr(key), "already asked for the wire")
         lane = self._lanes[tag.priority]
         tenant = lane.get(tag.tenant)
@@ -137,6 +138,8 @@ class WireSchedule:
         read that asked only after would find the place given away, and
         shares would not hold)."""
         moved = self._moving.pop(key, None)
+        if moved is None:
+            moved = self._overdue.pop(key, None)  # its place was given up already; it was still moving
         if moved is not None:
             self._lanes[moved[0].priority][moved[0].tenant].moving -= 1
         if moved is None:
@@ -160,6 +163,20 @@ class WireSchedule:
         tenant.start += nbytes / tenant.share
         tenant.moving += 1
         self._moving[key] = (tag, nbytes)
+
+    def overdue(self, keys: list[Hashable]) -> list[Hashable]:
+        """``keys``, granted, have moved for longer than the shell's bound (a
+        send blocked on a reader that stopped reading, until it times out):
+        they stop holding places, which go to the next. Their ``done`` still
+        comes. Without this every other chunk would wait out the bound, one
+        at a time, for as long as those sends stay stuck."""
+        for key in keys:
+            moved = self._moving.pop(key, None)
+            if moved is not None:
+                # Still on the wire: its tenant keeps counting it as moving, so
+                # that it is not taken for back from idle (and its credit kept).
+                self._overdue[key] = moved
+        return self._grant()
 
     def queued(self, key: Hashable) -> bool:
         """Whether ``key`` waits for the wire."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from kvd.auth import AuthConfig
 from kvd.core.addresses import host_port
@@ -23,6 +24,7 @@ from kvd.core.qos import QosTag, WireSchedule
 from kvd.core.requests import TransferParams
 from kvd.core.session import Hello
 from kvd.core.spec import WorkerId, check_request_id
+from kvd.daemon.background import keep_running
 from kvd.daemon.config import DaemonConfig
 from kvd.daemon.finished_sets import FinishedSets
 from kvd.daemon.metrics import Metrics
@@ -116,9 +118,14 @@ class Daemon:
         remove_orphans()
         reaper = Reaper(self.registry.live_registrations, self.registry.retire,
                         lambda now: self.registry.end_retired(now, self.publications.holds, GONE_GRACE_SECONDS), self.registry.leftovers)
-        self._background = [asyncio.create_task(self.publisher.sweep()), asyncio.create_task(self.puller.heartbeat.run()),
-                            asyncio.create_task(self.finished.reports.run()), asyncio.create_task(reaper.run()),
-                            asyncio.create_task(self._forget_idle_peers())]
+        loops: dict[str, Callable[[], Awaitable[None]]] = {
+            "lease_expiry": self.publisher.sweep, "heartbeat": self.puller.heartbeat.run, "reports": self.finished.reports.run,
+            "reaper": reaper.run, "idle_peers": self._forget_idle_peers}
+        failed = self.metrics.background_errors.labels
+        for name in loops:
+            failed(name)  # each loop's count shows from 0, so an alert on its increase sees the first
+        self._background = [asyncio.create_task(keep_running(name, run, lambda name: failed(name).inc()), name=f"kvd-{name}")
+                            for name, run in loops.items()]
         self._watchdog = LoopWatchdog(asyncio.get_running_loop(), self.metrics.event_loop_lag)
         self._watchdog.start()
 

@@ -71,6 +71,8 @@ class Metrics:
                                             buckets=DURATION_BUCKETS, registry=r)
         self.event_loop_lag = Histogram("kvd_event_loop_lag_seconds", "How long the daemon's event loop took to run a ping sent every "
                                         "half second: every control call waits behind a blocked loop", buckets=DURATION_BUCKETS, registry=r)
+        self.background_errors = Counter("kvd_background_errors", "Background loops (lease expiry, heartbeat, reports, reaper, idle peers) "
+                                         "that raised and were started again: each is logged with its traceback", ["loop"], registry=r)
         self.publish_delay_seconds = Histogram(
             "kvd_publish_delay_seconds", "From the end of the forward that computed a prompt (the engine's stamp) to its publication here, "
             "by who published it: the engine's scheduler for every rank (engine), or a worker for its rank (worker)", ["by"],

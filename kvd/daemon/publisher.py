@@ -9,6 +9,7 @@ plane sees an authorised read as an ``OpenRead``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -72,6 +73,7 @@ class Publisher:
         # every save and every end wakes them.
         self.saved = threading.Condition(self.lock)
         self._published: dict[str, asyncio.Event] = {}  # request ids a Resolve waits for
+        self._waiters: collections.Counter[str] = collections.Counter()  # resolves under way, by request id
         self._resolves = 0
 
     # ------------------------------------------------------------ gRPC
@@ -166,6 +168,7 @@ class Publisher:
         wait = max(0.0, min(wait_seconds, self.config.publish_wait_seconds))
         deadline = loop.time() + wait
         self._resolves += 1
+        self._waiters[request_id] += 1
         try:
             while True:
                 with self.lock:
@@ -187,8 +190,12 @@ class Publisher:
                     await asyncio.wait_for(event.wait(), remaining)
         finally:
             self._resolves -= 1
-            if not self._resolves:
-                self._published.clear()
+            # The last resolve of this request id forgets its event: one that was
+            # never published must not stay for as long as any other resolve waits.
+            self._waiters[request_id] -= 1
+            if not self._waiters[request_id]:
+                del self._waiters[request_id]
+                self._published.pop(request_id, None)
         with self.lock:
             # Every rank of an engine publishes the same block ids (one block table).
             ids = pub.block_ids[min(pub.block_ids)] if pub.block_ids else []

@@ -78,6 +78,8 @@ class AggregatorReports:
         """Send what is queued, in order, one report at a time. Woken by each
         queued outcome: polling would add its period to every finished set of
         a multi-rank engine, and wake an idle daemon for nothing."""
+        if self.pending:  # started again (``keep_running``) with outcomes queued: no queue call will wake it for them
+            self._wake.set()
         while True:
             await self._wake.wait()
             self._wake.clear()

@@ -267,22 +267,31 @@ class WorkerService(pbg.WorkerServicer):
             self.d.registry.check_engine_token(request.engine_id, self._local(context))
         except KvdError as e:
             await context.abort(grpc_code(e), e.message)
-        queue: asyncio.Queue[WorkerFinished] = asyncio.Queue()
-        self.d.finished.engine_hub.subscribers.append(queue.put_nowait)
+        # What this stream has not sent yet, merged as it comes and bounded like
+        # every other box: a scheduler that stops reading (its send blocks on
+        # the stream's window) costs the daemon at most MAX_UNREAD outcomes.
+        box = self.d.finished.engine_hub.drain()
+        wake = asyncio.Event()
+        box.watchers.append(wake.set)
+
+        def take(sets: WorkerFinished) -> None:
+            box.extend(sets)  # wakes the stream, also for the empty set that cues its end
+            if dropped := box.bound():
+                self.d.metrics.unread_dropped.labels("engine").inc(dropped)
+
+        self.d.finished.engine_hub.subscribers.append(take)
         try:
-            backlog = self.d.finished.engine_hub.drain()
-            if not backlog.empty:
-                yield finished_to_pb(backlog)
             while True:
-                if self.d.streams_ending and queue.empty():
-                    return  # opened after the drain's cue to end, or past it: nothing more will come
-                sets = await queue.get()
-                if not sets.empty:
-                    yield finished_to_pb(sets)
+                wake.clear()  # before draining: sets merged after the drain set it again
+                out = box.drain()
+                if not out.empty:
+                    yield finished_to_pb(out)
                 elif self.d.streams_ending:
-                    return
+                    return  # opened after the drain's cue to end, or past it: nothing more will come
+                else:
+                    await wake.wait()
         finally:
-            self.d.finished.engine_hub.subscribers.remove(queue.put_nowait)
+            self.d.finished.engine_hub.subscribers.remove(take)
 
     @rpc
     def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:

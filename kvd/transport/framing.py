@@ -19,7 +19,7 @@ import contextlib
 import socket
 import ssl
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol, TypeVar
 
@@ -40,14 +40,25 @@ E = TypeVar("E")
 SOCKET_BUFFER_BYTES = 8 << 20
 
 
+def always() -> bool:
+    return True
+
+
+def never() -> bool:
+    return False
+
+
 class Gate(Protocol):
     """A read's place on the wire (``wire_gate``, ``--qos on``): it moves
-    at most ``chunk_bytes`` at a time, each chunk inside ``gate(its bytes)``."""
+    at most ``chunk_bytes`` at a time, each chunk inside ``gate(its bytes)``;
+    ``then``, asked as the chunk ends: whether the read's next chunk follows
+    at once; if not (it waits for prefill, or it was the last), the read
+    keeps no place on the wire meanwhile."""
 
     @property
     def chunk_bytes(self) -> int: ...
 
-    def __call__(self, nbytes: int) -> AbstractContextManager[None]: ...
+    def __call__(self, nbytes: int, then: Callable[[], bool] = ...) -> AbstractContextManager[None]: ...
 
 
 def tune(sock: socket.socket, buffer_bytes: int = SOCKET_BUFFER_BYTES) -> None:
@@ -105,18 +116,21 @@ class FrameSocket:
         except BlockingIOError:
             return 0
 
-    def send_data(self, tag: int, payload: np.ndarray | torch.Tensor, gate: Gate | None = None) -> int:
+    def send_data(self, tag: int, payload: np.ndarray | torch.Tensor, gate: Gate | None = None, more: Callable[[], bool] = always) -> int:
         """One DATA frame: its header, then the payload from where it lies
         (an iovec array of host memory, or a tensor). Returns payload bytes.
-        With ``gate`` (--qos on), a chunk at a time, each once the wire is ours."""
+        With ``gate`` (--qos on), a chunk at a time, each once the wire is
+        ours; ``more``, asked as the frame's last chunk ends: whether the
+        read's next frame follows at once."""
         if isinstance(payload, np.ndarray):
             n = iovec.nbytes(payload)
             head = self.session.send(Data(tag, n))
             if gate is None:
                 iovec.send_all(self.sock, payload, head)
                 return n
-            for k, part in enumerate(iovs.chunks(payload, gate.chunk_bytes)):
-                with gate(iovs.nbytes(part)):
+            parts = iovs.chunks(payload, gate.chunk_bytes)
+            for k, part in enumerate(parts):
+                with gate(iovs.nbytes(part), then=more if k + 1 == len(parts) else always):
                     iovec.send_all(self.sock, part, head if k == 0 else b"")
             return n
         n = payload.numel() * payload.element_size()
@@ -126,7 +140,7 @@ class FrameSocket:
             return n
         self._sendmsg_all([head_view])
         for at in range(0, len(body), gate.chunk_bytes):
-            with gate(min(gate.chunk_bytes, len(body) - at)):
+            with gate(min(gate.chunk_bytes, len(body) - at), then=more if at + gate.chunk_bytes >= len(body) else always):
                 self._sendmsg_all([body[at: at + gate.chunk_bytes]])
         return n
 

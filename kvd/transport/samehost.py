@@ -29,7 +29,7 @@ from kvd.core.transfer import DEFAULT_SEGMENT_BYTES
 from kvd.transport import device_pieces, iovec
 from kvd.transport.base import Gate, OpenRead, Staging
 from kvd.transport.device import device_copies, thread_stream
-from kvd.transport.framing import FrameSocket
+from kvd.transport.framing import FrameSocket, never
 
 
 class LocalSource:
@@ -150,7 +150,7 @@ class SameHostIn:
         fs.expect(End)
         t0 = time.perf_counter()
         # One chunk, the whole copy (--qos on): its order among reads, not within one.
-        with gate(sum(s.nbytes for s in sinks)) if gate is not None else contextlib.nullcontext():
+        with gate(sum(s.nbytes for s in sinks), then=never) if gate is not None else contextlib.nullcontext():
             moved = copy_local(read, sinks, landed, self.source, cancel, self.copier, self.run)
         self.on_relayout(time.perf_counter() - t0)
         return moved

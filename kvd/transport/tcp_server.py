@@ -323,17 +323,25 @@ def send_segments(fs: FrameSocket, opened: OpenRead, count: int, staging: Stagin
         for i in range(count):
             opened.wait_saved(i)
             opened.check_alive()
+            # --qos on: the read asks for the wire again as this segment ends only
+            # if its next one is saved by then; one that waits for prefill holds no place.
+            more = functools.partial(next_saved, opened, i, count)
             iov: np.ndarray | None = None if fs.tls else opened.segment_iov(i)
             if iov is not None:
-                n = fs.send_data(i, iov, gate)
+                n = fs.send_data(i, iov, gate, more)
                 opened.count_sent(n, opened.segment_blocks(i), "tcp")
             elif start_on_device(i):
-                if i + 1 < count and opened.saved(i + 1):
+                if more():
                     start_on_device(i + 1)  # its copy runs while this one is sent
-                n = fs.send_data(i, to_host.take(i), gate)
+                n = fs.send_data(i, to_host.take(i), gate, more)
             else:
-                n = fs.send_data(i, opened.segment(i, staging), gate)
+                n = fs.send_data(i, opened.segment(i, staging), gate, more)
             total += n
         return total
     finally:
         to_host.drain()
+
+
+def next_saved(opened: OpenRead, i: int, count: int) -> bool:
+    """Whether segment ``i``'s next one exists and may be sent now."""
+    return i + 1 < count and opened.saved(i + 1)

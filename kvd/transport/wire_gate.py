@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 from kvd.core.qos import QosTag, QueueStatus, WireSchedule, peer_tag
 from kvd.core.reads import DataRead
+from kvd.transport.framing import always
 from kvd.transport.thread_nice import base_nice, bulk_nice
 
 _POLL_SECONDS = 0.05  # how often a waiting thread looks whether its read was abandoned
-# The longest a chunk waits for the wire: past it, it moves anyway. A send
-# blocked on a reader that stopped reading holds its place until the send
-# times out (seconds); everyone else's wait is bounded by this instead.
+# The longest a chunk waits for the wire, and the longest a grant holds a
+# place: a send blocked on a reader that stopped reading moves on only when
+# the send times out (seconds), so past this its place stops counting
+# (``WireSchedule.overdue``), and a chunk that still finds none moves anyway.
 MAX_WAIT_SECONDS = 0.25
 
 
@@ -42,6 +44,7 @@ class WireGate:
         self.on_grant = on_grant  # (tag, bytes, seconds waited): the metrics
         self._cond = threading.Condition()
         self._granted: set[object] = set()
+        self._held_since: dict[object, float] = {}  # keys granted and not yet done: when granted
         self._bytes: dict[tuple[str, str], int] = {}  # moved, by (class, tenant)
         self.forced = 0  # chunks that waited past max_wait_s and moved anyway
 
@@ -50,15 +53,23 @@ class WireGate:
         when its last chunk was done); ``cancel`` drops it and raises."""
         t0 = time.perf_counter()
         with self._cond:
-            if key not in self._granted and not self.schedule.queued(key):
-                self._add(self.schedule.ask(key, tag, nbytes))
-            while key not in self._granted:
-                if cancel.is_set():
-                    self._add(self.schedule.done(key))
+            if key not in self._granted and not self.schedule.queued(key) and not cancel.is_set():
+                self._add(self.schedule.ask(key, tag, nbytes), t0)
+            while key not in self._granted or cancel.is_set():
+                if cancel.is_set():  # an abandoned read starts no chunk, granted or not
+                    self._granted.discard(key)
+                    self._held_since.pop(key, None)
+                    self._add(self.schedule.done(key), time.perf_counter())
                     raise ConnectionAbortedError("read abandoned while it waited for the wire")
-                if time.perf_counter() - t0 > self.max_wait_s:
-                    self.schedule.force(key)  # the places are held by moves that do not end: go anyway
+                now = time.perf_counter()
+                if now - t0 > self.max_wait_s:
+                    # The places are held by moves that do not end: those held past
+                    # the bound stop counting, and if that frees none, go anyway.
                     self.forced += 1
+                    self._add(self.schedule.overdue([k for k, t in self._held_since.items() if now - t > self.max_wait_s]), now)
+                    if key not in self._granted:
+                        self.schedule.force(key)
+                        self._held_since[key] = now
                     break
                 self._cond.wait(min(_POLL_SECONDS, self.max_wait_s))
             self._granted.discard(key)
@@ -69,11 +80,13 @@ class WireGate:
         """``key``'s chunk moved; with ``again``, it asks for its next at once."""
         with self._cond:
             self._granted.discard(key)
-            self._add(self.schedule.done(key, again))
+            self._held_since.pop(key, None)
+            self._add(self.schedule.done(key, again), time.perf_counter())
 
-    def _add(self, granted: list[object]) -> None:
+    def _add(self, granted: list[object], now: float) -> None:
         if granted:
             self._granted.update(granted)
+            self._held_since.update(dict.fromkeys(granted, now))
             self._cond.notify_all()
 
     def for_read(self, tag: QosTag, cancel: threading.Event | None = None) -> ReadGate:
@@ -90,8 +103,9 @@ class WireGate:
 
 @dataclass(frozen=True)
 class ReadGate:
-    """One read's gate (``transport.base.Gate``): one place in the queue for
-    the read's life, asked again as each chunk is done, given up by ``close``."""
+    """One read's gate (``transport.base.Gate``): one place in the queue,
+    asked again as each chunk is done while the next follows at once, given
+    up while the read waits for prefill and by ``close``."""
 
     gate: WireGate
     tag: QosTag
@@ -100,12 +114,14 @@ class ReadGate:
     key: object = field(default_factory=object)
 
     @contextlib.contextmanager
-    def __call__(self, nbytes: int) -> Iterator[None]:
+    def __call__(self, nbytes: int, then: Callable[[], bool] = always) -> Iterator[None]:
         self.gate.wait(self.key, self.tag, nbytes, self.cancel)
         try:
             yield
         finally:
-            self.gate.release(self.key, again=self.chunk_bytes)
+            # ``then``: its next chunk follows at once, so it competes for the
+            # place it leaves; a read about to wait for prefill asks again after.
+            self.gate.release(self.key, again=self.chunk_bytes if then() else 0)
 
     def close(self) -> None:
         self.gate.release(self.key)
