@@ -160,3 +160,14 @@ def test_the_ledger_applies_each_numbered_report_once_per_sender():
     assert repeats == 2
     apply("c", 1)  # past max_senders the oldest sender is forgotten
     assert apply("a", 2) and not apply("c", 1)
+
+
+def test_a_bounded_box_forgets_outcomes_never_invalid_block_ids():
+    """Past the bound the oldest outcomes go, but every invalid block id
+    stays (they are bounded by the engine's blocks): a failed load read with
+    only some of its invalid ids would have vLLM take unwritten blocks for
+    loaded. The control, before: ids past the bound were dropped at random."""
+    box = out(recving=[f"r{i}" for i in range(10)])
+    box.invalid_block_ids |= set(range(100))
+    assert box.bound(limit=4) == 6
+    assert len(box.recving) == 4 and box.invalid_block_ids == set(range(100))

@@ -117,6 +117,28 @@ def test_a_retry_whose_plan_cuts_a_rank_otherwise_reads_it_again():
         assert progress.begin([other_cut], Striping(stripes, 1)) == [] and progress.invalid_blocks(every) == []
 
 
+def test_a_retry_keeps_the_first_attempts_cut():
+    """The owner counts a reader's ACKs of a rank against the stripes it
+    first saw: a retry cut otherwise would end the rank early (a read still
+    to come refused) or never (held to its lease's end); helper-42's
+    finding. So the first attempt's segment size stands, and a rank with
+    some stripes landed is not read same-host (one unstriped read) even if
+    it is now mapped here. The control: the rank's plan as the retry's
+    peer would have it, one read."""
+    from kvd.core.pull import PullProgress, Striping
+
+    progress = PullProgress()
+    assert progress.cut(1 << 20) == 1 << 20 and progress.cut(64 << 20) == 1 << 20  # the first attempt's stands
+    rr = _one_rank_read(progress.cut(64 << 20))
+    striping = Striping(2, 1)
+    assert progress.begin([rr], striping) == [0, 1]
+    progress.landed[0] = [True] * len(progress.reads[0].sinks)  # stripe 0 landed (and was ACKed), stripe 1 failed
+    progress.settle([0, 1])
+    now_mapped = frozenset({rr.read.rank})
+    assert progress.begin([rr], striping, now_mapped) == [1] and rr.read.rank not in progress.local  # stripe 1 of 2 again, over TCP
+    assert PullProgress().begin([rr], striping, now_mapped) == [0]  # the control: a fresh pull reads it whole, same-host
+
+
 def test_stripe_cuts_a_read_into_runs_of_whole_segments_of_about_equal_bytes():
     from kvd.core.transfer import stripe
 

@@ -191,3 +191,27 @@ def test_a_read_that_will_wait_for_prefill_leaves_its_place():
         streaming.close()
         other.close()
         assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]
+
+
+def test_a_chunk_that_fails_or_whose_next_cannot_be_told_gives_its_place_back():
+    """A send that raised gives its place back at once (the read ends there),
+    and so does a chunk whose ``then`` raised (the publication ended as it was
+    asked whether the next segment is saved): neither waits for ``close``,
+    and the send's own error is the one raised. The control, before: ``then``
+    was asked in a ``finally``, its error replaced the send's, and the place
+    stayed held until ``close``."""
+    from kvd.transport.wire_gate import WireGate
+
+    gate = WireGate(WireSchedule({"": 1.0}, slots=1), 1 << 20, max_wait_s=0.2)
+    read = gate.for_read(QosTag())
+
+    def ended() -> bool:
+        raise LookupError("publication ended")
+
+    with pytest.raises(TimeoutError), read(MIB, then=ended):
+        raise TimeoutError("send stalled")
+    assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]
+    with read(MIB, then=ended):
+        pass
+    assert [(q.waiting, q.moving) for q in gate.queues()] == [(0, 0)]
+    read.close()

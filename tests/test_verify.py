@@ -297,3 +297,33 @@ def test_params_made_before_p_published_are_verified_once_resolved(daemons):
     assert all(f.details[("recving", "r12")].outcome == "done" for f in finished), finished
     assert scrape(d.metrics_url, "kvd_verify_checks_total", result="ok") == 2
     assert scrape(d.metrics_url, "kvd_verify_checks_total", result="unverified") == 0
+
+
+def test_nothing_is_digested_for_a_caller_that_may_not_publish(daemons):
+    """--verify full: a Publish for a worker with a token that is not its
+    own, and an engine-wide one with no worker's token, are refused before
+    the daemon digests the blocks they name (any local process could
+    otherwise make it read and hash a worker's cache, over and over). The
+    control: the worker's own publish is digested."""
+    import grpc
+
+    from kvd.proto import kvd_pb2 as pb
+    from kvd.proto import kvd_pb2_grpc as pbg
+
+    p = daemons.start("prefill", "--verify", "full")
+    pw = make_worker(p.grpc, "prefill", num_blocks=64)
+    pw.fill(3, list(range(1, 33)))
+    before = scrape(p.metrics_url, "kvd_verify_digest_seconds_count")
+    worker = pb.WorkerId(engine_id="prefill", tp_size=1, pp_size=1)
+    blocks = [pb.BlockIds(ids=list(range(1, 33)))]
+    with grpc.insecure_channel(p.grpc) as ch:
+        stub = pbg.WorkerStub(ch)
+        for call in (lambda md: stub.Publish(pb.PublishRequest(worker=worker, request_id="x", block_ids=blocks, num_tokens=512), metadata=md, timeout=10),
+                     lambda md: stub.PublishEngine(pb.PublishEngineRequest(engine_id="prefill", request_id="y", block_ids=blocks, num_tokens=512),
+                                                   metadata=md, timeout=10)):
+            with pytest.raises(grpc.RpcError) as e:
+                call((("kvd-worker-token", secrets.token_hex(32)),))
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+    assert scrape(p.metrics_url, "kvd_verify_digest_seconds_count") == before
+    pw.client.publish("mine", [list(range(1, 33))], 512)
+    assert scrape(p.metrics_url, "kvd_verify_digest_seconds_count") == before + 1

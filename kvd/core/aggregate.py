@@ -94,16 +94,16 @@ class WorkerFinished:
             watcher()
 
     def bound(self, limit: int = MAX_UNREAD) -> int:
-        """Forget the oldest outcomes past ``limit`` a direction (and invalid
-        ids past ``limit``): nobody is reading this box. Returns how many went."""
+        """Forget the oldest outcomes past ``limit`` a direction: nobody is
+        reading this box. Returns how many went. Invalid block ids are never
+        forgotten: a failed load whose outcome is still read without all of
+        them would leave vLLM taking unwritten blocks for loaded, and they are
+        bounded anyway, by the blocks the engine has."""
         dropped = 0
         for box in (self.sending, self.recving):
             while len(box) > limit:
                 del box[next(iter(box))]  # dicts keep insertion order: the oldest first
                 dropped += 1
-        while len(self.invalid_block_ids) > limit:
-            self.invalid_block_ids.pop()
-            dropped += 1
         return dropped
 
     def drain(self) -> WorkerFinished:

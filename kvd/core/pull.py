@@ -66,6 +66,13 @@ class PullProgress:
     # (remote rank, head slice) whose every read landed: whole under any cut
     # (the owner may have ended it, and would refuse a read of it again).
     whole: set[tuple[int, int, int]] = field(default_factory=set)
+    # The cut, kept for every attempt: the owner counts a reader's ACKs of a
+    # rank against the stripes it first saw, so a retry that cut a rank
+    # otherwise would end it early (a read still to come refused) or never
+    # (held to its lease's end). The first attempt's segment size stands, and a
+    # rank with some reads landed stays off the same-host path (unstriped).
+    segment_bytes: int = 0
+    local: frozenset[tuple[int, int]] = frozenset()  # the ranks this attempt reads same-host
     # Where the pull is (queued, resolve, handshake, plan, data, copy, verify): a pull
     # that fails says where it stopped, and how much had landed.
     phase: str = "queued"
@@ -74,10 +81,17 @@ class PullProgress:
         """Take an attempt's plan; the indices of the reads still to run.
         Until an attempt plans, what the last one landed stands (a retry that
         fails before planning still reports exactly what did not land)."""
-        self.reads = [part for rr in reads for part in (stripe(rr, striping.of(rr)) if rr.read.rank not in local_ranks else [rr])]
+        begun = {key[:2] for key in self.done}
+        self.local = frozenset(r for r in local_ranks if r not in begun or any(w[:2] == r for w in self.whole))
+        self.reads = [part for rr in reads for part in (stripe(rr, striping.of(rr)) if rr.read.rank not in self.local else [rr])]
         done = [self._done(rr) for rr in self.reads]
         self.landed = [[d] * len(rr.sinks) for d, rr in zip(done, self.reads, strict=True)]
         return [i for i, d in enumerate(done) if not d]
+
+    def cut(self, segment_bytes: int) -> int:
+        """The segment size to plan with: the first attempt's, else ``segment_bytes`` (kept)."""
+        self.segment_bytes = self.segment_bytes or segment_bytes
+        return self.segment_bytes
 
     def _done(self, rr: RankRead) -> bool:
         key = rr.read.key

@@ -78,6 +78,15 @@ class Publisher:
 
     # ------------------------------------------------------------ gRPC
 
+    def check_caller(self, req: PublishOrder, token: bytes | None) -> None:
+        """Who may publish ``req``, and whether this daemon takes it: before
+        anything is done for it (with --verify on, digesting its blocks)."""
+        if req.worker is not None:
+            self.registry.registered(req.worker, token)
+        else:
+            self.registry.check_engine_token(req.engine_id, token or b"")
+        self._check_open(req)
+
     def publish(self, req: PublishOrder, token: bytes | None = None) -> TransferParams:
         assert req.worker is not None  # a worker's publish (convert.publish_from_pb)
         reg = self.registry.registered(req.worker, token)

@@ -290,7 +290,7 @@ class Puller:
             plan = functools.partial(
                 plan_pull, local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                 local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
-                local_block_ids=local_ids, segment_bytes=segment_bytes(self.config, self.data_client, reg, peer),
+                local_block_ids=local_ids, segment_bytes=progress.cut(segment_bytes(self.config, self.data_client, reg, peer)),
                 local_first_tokens=[b.first_token for b in req.local],
             )
             try:
@@ -316,7 +316,7 @@ class Puller:
         self._replica_future(params, rank)  # replicas may wait on us
         planned = progress.bytes_planned(todo)
         self.metrics.bytes_in_flight.inc(planned)
-        sources = [peer.local_sources.get(rr.read.rank) for rr in progress.reads]
+        sources = [peer.local_sources.get(rr.read.rank) if rr.read.rank in progress.local else None for rr in progress.reads]
         self.active_clock.start()
         try:
             now = time.monotonic()

@@ -43,6 +43,7 @@ from kvd.core.requests import PublishOrder, ShmSource, TransferParams
 from kvd.daemon.caller_uid import tcp_caller_uid
 from kvd.daemon.daemon import Daemon
 from kvd.daemon.registration import Registration
+from kvd.daemon.reports import REPORT_BATCH
 from kvd.proto import kvd_pb2 as pb
 from kvd.proto import kvd_pb2_grpc as pbg
 
@@ -159,7 +160,7 @@ class WorkerService(pbg.WorkerServicer):
         order = publish_from_pb(request)
         assert order.worker is not None
         reg = self.d.registry.by_rank.get((order.worker.tp_rank, order.worker.pp_rank))
-        resp = await self._publish([reg] if reg is not None else [], order, lambda: self.d.publisher.publish(order, token))
+        resp = await self._publish([reg] if reg is not None else [], order, token, lambda: self.d.publisher.publish(order, token))
         self._observe_publish_delay("worker", request.computed_at_unix_nanos)
         return resp
 
@@ -168,7 +169,7 @@ class WorkerService(pbg.WorkerServicer):
         token = self._local(context)
         order = publish_engine_from_pb(request)
         regs = [self.d.registry.by_rank[k] for k in sorted(self.d.registry.by_rank)]
-        resp = await self._publish(regs, order, lambda: self.d.publisher.publish_engine(order, token))
+        resp = await self._publish(regs, order, token, lambda: self.d.publisher.publish_engine(order, token))
         self._observe_publish_delay("engine", request.computed_at_unix_nanos)
         return resp
 
@@ -180,10 +181,12 @@ class WorkerService(pbg.WorkerServicer):
         if computed_at_ns and 0 <= delay <= PUBLISH_DELAY_PLAUSIBLE_S:
             self.d.metrics.publish_delay_seconds.labels(by).observe(delay)
 
-    async def _publish(self, regs: list[Registration], order: PublishOrder, publish: Callable[[], TransferParams]) -> pb.PublishResponse:
+    async def _publish(self, regs: list[Registration], order: PublishOrder, token: bytes | None,
+                       publish: Callable[[], TransferParams]) -> pb.PublishResponse:
         """Publish ``order`` on ``regs``; with verification on, their blocks as
         published are digested first, before any reader can see them."""
         self.d.verifier.mode_of(order)  # a bad mode is refused by name before anything is published
+        self.d.publisher.check_caller(order, token)  # nothing is digested for a caller that may not publish
         digests = await self.d.verifier.digest(regs, order)
         params = publish()
         self.d.verifier.keep(regs, digests, params)
@@ -279,19 +282,27 @@ class WorkerService(pbg.WorkerServicer):
             if dropped := box.bound():
                 self.d.metrics.unread_dropped.labels("engine").inc(dropped)
 
-        self.d.finished.engine_hub.subscribers.append(take)
+        hub = self.d.finished.engine_hub
+        hub.subscribers.append(take)
         try:
             while True:
-                wake.clear()  # before draining: sets merged after the drain set it again
-                out = box.drain()
+                wake.clear()  # before taking: sets merged after it set it again
+                # At most REPORT_BATCH outcomes a message: a box that filled while
+                # the reader lagged would pass gRPC's message size limit whole.
+                out = box.take(REPORT_BATCH)
                 if not out.empty:
                     yield finished_to_pb(out)
+                    wake.set()  # the rest of the box, if any, without waiting for more
                 elif self.d.streams_ending:
                     return  # opened after the drain's cue to end, or past it: nothing more will come
                 else:
                     await wake.wait()
         finally:
-            self.d.finished.engine_hub.subscribers.remove(take)
+            hub.subscribers.remove(take)
+            if not hub.subscribers and not box.empty:  # unsent, and no other stream had it: for the next reader
+                hub.pending.extend(box)
+                if dropped := hub.pending.bound():
+                    self.d.metrics.unread_dropped.labels("engine").inc(dropped)
 
     @rpc
     def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:

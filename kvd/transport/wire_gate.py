@@ -118,10 +118,16 @@ class ReadGate:
         self.gate.wait(self.key, self.tag, nbytes, self.cancel)
         try:
             yield
-        finally:
-            # ``then``: its next chunk follows at once, so it competes for the
-            # place it leaves; a read about to wait for prefill asks again after.
-            self.gate.release(self.key, again=self.chunk_bytes if then() else 0)
+        except BaseException:
+            self.gate.release(self.key)  # the read ends here: its place goes now
+            raise
+        # ``then``: its next chunk follows at once, so it competes for the place
+        # it leaves; a read about to wait for prefill asks again after.
+        try:
+            follows = then()
+        except Exception:  # e.g. the publication ended: the read finds out as it goes on
+            follows = False
+        self.gate.release(self.key, again=self.chunk_bytes if follows else 0)
 
     def close(self) -> None:
         self.gate.release(self.key)
