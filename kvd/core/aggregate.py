@@ -228,6 +228,10 @@ class EngineFinishedHub:
     def drain(self) -> WorkerFinished:
         return self.pending.drain()
 
+    def take(self, limit: int) -> WorkerFinished:
+        """The oldest ``limit`` outcomes kept for ``drain`` (and every invalid id): one bounded answer."""
+        return self.pending.take(limit)
+
 
 class ReportLedger:
     """Which numbered reports from other daemons this aggregator applied.

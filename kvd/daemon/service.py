@@ -214,7 +214,9 @@ class WorkerService(pbg.WorkerServicer):
     def GetFinished(self, request: pb.GetFinishedRequest, context: Any) -> pb.GetFinishedResponse:
         worker = worker_from_pb(request.worker)
         self.d.registry.registered(worker, self._local(context))
-        return finished_to_pb(self.d.finished.box((worker.tp_rank, worker.pp_rank)).drain())
+        # At most REPORT_BATCH outcomes an answer (the rest at the next call): a
+        # box that filled while nobody read it would pass gRPC's 16 MiB limit.
+        return finished_to_pb(self.d.finished.box((worker.tp_rank, worker.pp_rank)).take(REPORT_BATCH))
 
     async def WatchFinished(self, request: pb.GetFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
         """GetFinished pushed: the worker's engine step reads what arrived
@@ -244,10 +246,14 @@ class WorkerService(pbg.WorkerServicer):
             first = True
             # Another registration of this rank (or none), or a newer stream, owns the box from then on.
             while self.d.registry.get(key) is reg and log.owner == me:
-                wake.clear()  # before draining: an outcome added after the drain sets it again
-                out = box.drain()
+                wake.clear()  # before taking: an outcome added after it sets it again
+                # At most REPORT_BATCH outcomes a push: a whole box that filled while
+                # the worker lagged could pass gRPC's 16 MiB limit, and be resent so forever.
+                out = box.take(REPORT_BATCH)
                 if first or not out.empty:
                     first = False
+                    if not box.empty:
+                        wake.set()  # the rest without waiting for more
                     # Logged before it is sent: if the send is lost, a resumed stream resends it.
                     yield finished_to_pb(out, log.push(out))
                 elif self.d.streams_ending:
@@ -260,7 +266,7 @@ class WorkerService(pbg.WorkerServicer):
     @rpc
     def GetEngineFinished(self, request: pb.EngineFinishedRequest, context: Any) -> pb.GetFinishedResponse:
         self.d.registry.check_engine_token(request.engine_id, self._local(context))
-        return finished_to_pb(self.d.finished.engine_hub.drain())
+        return finished_to_pb(self.d.finished.engine_hub.take(REPORT_BATCH))  # as GetFinished: the rest at the next call
 
     async def WatchEngineFinished(self, request: pb.EngineFinishedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetFinishedResponse]:
         """Push the engine's merged sets as requests complete; nobody polls."""
