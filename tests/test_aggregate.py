@@ -171,3 +171,21 @@ def test_a_bounded_box_forgets_outcomes_never_invalid_block_ids():
     box.invalid_block_ids |= set(range(100))
     assert box.bound(limit=4) == 6
     assert len(box.recving) == 4 and box.invalid_block_ids == set(range(100))
+
+
+def test_a_full_box_is_taken_in_batches_oldest_first_and_bounded_to_its_newest():
+    """A box of 65,536 outcomes a direction (nobody read it) taken 4096 at a
+    time: batches of the oldest, sending first, until it is empty; a box
+    past the bound keeps its newest. (Each batch now lists its keys once:
+    popping the first key again and again was quadratic, up to 350 ms a
+    batch on the event loop; the cost is measured outside the tests.)"""
+    from kvd.core.aggregate import MAX_UNREAD
+
+    box = out(recving=[f"r{i}" for i in range(MAX_UNREAD)], sending=[f"s{i}" for i in range(MAX_UNREAD)])
+    batches = []
+    while not (batch := box.take(4096)).empty:
+        batches.append(batch)
+    assert [len(b.sending) + len(b.recving) for b in batches] == [4096] * 32 and box.empty
+    assert next(iter(batches[0].sending)) == "s0" and next(iter(batches[16].recving)) == "r0" and list(batches[-1].recving)[-1] == f"r{MAX_UNREAD - 1}"
+    box = out(recving=[f"r{i}" for i in range(2 * MAX_UNREAD)])
+    assert box.bound() == MAX_UNREAD and next(iter(box.recving)) == f"r{MAX_UNREAD}" and len(box.recving) == MAX_UNREAD

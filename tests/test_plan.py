@@ -128,10 +128,11 @@ def test_a_retry_keeps_the_first_attempts_cut():
     from kvd.core.pull import PullProgress, Striping
 
     progress = PullProgress()
-    assert progress.cut(1 << 20) == 1 << 20 and progress.cut(64 << 20) == 1 << 20  # the first attempt's stands
-    rr = _one_rank_read(progress.cut(64 << 20))
+    assert progress.cut(64 << 20) == 64 << 20  # nothing begun yet (an attempt that failed planning pins nothing)
+    rr = _one_rank_read(progress.cut(1 << 20))
     striping = Striping(2, 1)
-    assert progress.begin([rr], striping) == [0, 1]
+    assert progress.begin([rr], striping, segment_bytes=1 << 20) == [0, 1]
+    assert progress.cut(64 << 20) == 1 << 20  # the first attempt that began its reads: its size stands
     progress.landed[0] = [True] * len(progress.reads[0].sinks)  # stripe 0 landed (and was ACKed), stripe 1 failed
     progress.settle([0, 1])
     now_mapped = frozenset({rr.read.rank})

@@ -10,6 +10,7 @@ it; invalid block ids are unioned.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -81,8 +82,9 @@ class WorkerFinished:
         out = WorkerFinished(invalid_block_ids=self.invalid_block_ids)
         self.invalid_block_ids = set()
         for box, into in ((self.sending, out.sending), (self.recving, out.recving)):
-            while box and len(out.sending) + len(out.recving) < limit:
-                rid = next(iter(box))
+            # The oldest, listed once: popping the first key again and again
+            # scans past every slot popped before it (quadratic in a full box).
+            for rid in list(itertools.islice(box, limit - len(out.sending) - len(out.recving))):
                 into[rid] = box.pop(rid)
         return out
 
@@ -101,8 +103,8 @@ class WorkerFinished:
         bounded anyway, by the blocks the engine has."""
         dropped = 0
         for box in (self.sending, self.recving):
-            while len(box) > limit:
-                del box[next(iter(box))]  # dicts keep insertion order: the oldest first
+            for rid in list(itertools.islice(box, max(0, len(box) - limit))):  # dicts keep insertion order: the oldest first
+                del box[rid]
                 dropped += 1
         return dropped
 

@@ -77,10 +77,13 @@ class PullProgress:
     # that fails says where it stopped, and how much had landed.
     phase: str = "queued"
 
-    def begin(self, reads: Sequence[RankRead], striping: Striping, local_ranks: frozenset[tuple[int, int]] = frozenset()) -> list[int]:
-        """Take an attempt's plan; the indices of the reads still to run.
+    def begin(self, reads: Sequence[RankRead], striping: Striping, local_ranks: frozenset[tuple[int, int]] = frozenset(),
+              segment_bytes: int = 0) -> list[int]:
+        """Take an attempt's plan (made with ``segment_bytes``, kept from the
+        first such attempt on: ``cut``); the indices of the reads still to run.
         Until an attempt plans, what the last one landed stands (a retry that
         fails before planning still reports exactly what did not land)."""
+        self.segment_bytes = self.segment_bytes or segment_bytes
         begun = {key[:2] for key in self.done}
         self.local = frozenset(r for r in local_ranks if r not in begun or any(w[:2] == r for w in self.whole))
         self.reads = [part for rr in reads for part in (stripe(rr, striping.of(rr)) if rr.read.rank not in self.local else [rr])]
@@ -89,9 +92,9 @@ class PullProgress:
         return [i for i, d in enumerate(done) if not d]
 
     def cut(self, segment_bytes: int) -> int:
-        """The segment size to plan with: the first attempt's, else ``segment_bytes`` (kept)."""
-        self.segment_bytes = self.segment_bytes or segment_bytes
-        return self.segment_bytes
+        """The segment size to plan with: that of the first attempt that began
+        its reads (``begin``), else ``segment_bytes``."""
+        return self.segment_bytes or segment_bytes
 
     def _done(self, rr: RankRead) -> bool:
         key = rr.read.key

@@ -287,10 +287,11 @@ class Puller:
         reg.check_intact()  # we write into them: checked before planning, so a shrunk region plans nothing
         blocks = sum(len(ids) for ids in local_ids)
         for fresh in (False, True):
+            cut = progress.cut(segment_bytes(self.config, self.data_client, reg, peer))  # a retry's: its first attempt's
             plan = functools.partial(
                 plan_pull, local_meta=local_meta, local_tp_rank=rank[0], local_pp_rank=rank[1],
                 local_groups=reg.tensors, local_group_specs=reg.groups, remote=peer.meta, params=offer,
-                local_block_ids=local_ids, segment_bytes=progress.cut(segment_bytes(self.config, self.data_client, reg, peer)),
+                local_block_ids=local_ids, segment_bytes=cut,
                 local_first_tokens=[b.first_token for b in req.local],
             )
             try:
@@ -308,7 +309,7 @@ class Puller:
         phase.labels("plan").observe(time.perf_counter() - t)
         progress.phase = "data"
         t = time.perf_counter()
-        todo = progress.begin(reads, self.striping.for_owner(peer.meta.features), frozenset(peer.local_sources))
+        todo = progress.begin(reads, self.striping.for_owner(peer.meta.features), frozenset(peer.local_sources), cut)
         if not progress.reads:
             # Decode needs none of it (its first token is past every block): no read will acknowledge
             # it, so P is told, or it would hold the blocks for nobody until the lease ends.
