@@ -221,11 +221,15 @@ class EngineFinishedHub:
                 for notify in list(self.subscribers):
                     notify(merged)
             else:
-                for o in merged.outcomes():
-                    self.pending.add(o)
-                self.pending.invalid_block_ids |= merged.invalid_block_ids
-                self.dropped += self.pending.bound()
+                self.keep(merged)
         return merged
+
+    def keep(self, sets: WorkerFinished) -> int:
+        """Hold ``sets`` for ``drain`` (bounded); how many outcomes that dropped (also in ``dropped``)."""
+        self.pending.extend(sets)
+        dropped = self.pending.bound()
+        self.dropped += dropped
+        return dropped
 
     def drain(self) -> WorkerFinished:
         return self.pending.drain()

@@ -283,13 +283,13 @@ class WorkerService(pbg.WorkerServicer):
         wake = asyncio.Event()
         box.watchers.append(wake.set)
 
-        def take(sets: WorkerFinished) -> None:
+        def merge(sets: WorkerFinished) -> None:
             box.extend(sets)  # wakes the stream, also for the empty set that cues its end
             if dropped := box.bound():
                 self.d.metrics.unread_dropped.labels("engine").inc(dropped)
 
         hub = self.d.finished.engine_hub
-        hub.subscribers.append(take)
+        hub.subscribers.append(merge)
         try:
             while True:
                 wake.clear()  # before taking: sets merged after it set it again
@@ -304,11 +304,9 @@ class WorkerService(pbg.WorkerServicer):
                 else:
                     await wake.wait()
         finally:
-            hub.subscribers.remove(take)
-            if not hub.subscribers and not box.empty:  # unsent, and no other stream had it: for the next reader
-                hub.pending.extend(box)
-                if dropped := hub.pending.bound():
-                    self.d.metrics.unread_dropped.labels("engine").inc(dropped)
+            hub.subscribers.remove(merge)
+            if not hub.subscribers and not box.empty and (dropped := hub.keep(box)):  # unsent, no other stream had it: for the next reader
+                self.d.metrics.unread_dropped.labels("engine").inc(dropped)
 
     @rpc
     def SetExpectedFinishedCount(self, request: pb.SetExpectedFinishedCountRequest, context: Any) -> pb.SetExpectedFinishedCountResponse:

@@ -57,9 +57,7 @@ class WireGate:
                 self._add(self.schedule.ask(key, tag, nbytes), t0)
             while key not in self._granted or cancel.is_set():
                 if cancel.is_set():  # an abandoned read starts no chunk, granted or not
-                    self._granted.discard(key)
-                    self._held_since.pop(key, None)
-                    self._add(self.schedule.done(key), time.perf_counter())
+                    self._drop(key)
                     raise ConnectionAbortedError("read abandoned while it waited for the wire")
                 now = time.perf_counter()
                 if now - t0 > self.max_wait_s:
@@ -79,9 +77,13 @@ class WireGate:
     def release(self, key: object, again: int = 0) -> None:
         """``key``'s chunk moved; with ``again``, it asks for its next at once."""
         with self._cond:
-            self._granted.discard(key)
-            self._held_since.pop(key, None)
-            self._add(self.schedule.done(key, again), time.perf_counter())
+            self._drop(key, again)
+
+    def _drop(self, key: object, again: int = 0) -> None:
+        """``release``, with the lock held."""
+        self._granted.discard(key)
+        self._held_since.pop(key, None)
+        self._add(self.schedule.done(key, again), time.perf_counter())
 
     def _add(self, granted: list[object], now: float) -> None:
         if granted:
